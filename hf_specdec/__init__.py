@@ -1,0 +1,26 @@
+"""hf_specdec: batched, lossless speculative decoding for Hugging Face Transformers.
+
+`import hf_specdec` registers the generation strategy, so `model.generate(**inputs, speculator=...)` runs
+speculative decoding. Importing does no network access and writes no files.
+"""
+
+from .block_manager import BlockManager, OutOfBlocksError
+from .compat import UnsupportedModelError
+from .engine import SpeculativeEngine
+from .generation import SpeculativeGenerateOutput, register_generation_strategy, resolve_speculator
+from .metrics import SpeculativeMetrics
+from .paged_cache import PagedKVCache
+from .speculators import DraftModelSpeculator, NgramSpeculator, Speculator
+from .tokenizers import TokenizerMismatchError, check_tokenizers_match
+from .types import DraftProposal, VerifyResult
+from .verify import verify
+
+__version__ = "0.1.0"
+
+register_generation_strategy()
+
+__all__ = [
+    "BlockManager", "DraftModelSpeculator", "DraftProposal", "NgramSpeculator", "OutOfBlocksError", "PagedKVCache",
+    "SpeculativeEngine", "SpeculativeGenerateOutput", "SpeculativeMetrics", "Speculator", "TokenizerMismatchError",
+    "UnsupportedModelError", "VerifyResult", "check_tokenizers_match", "resolve_speculator", "verify",
+]

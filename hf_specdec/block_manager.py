@@ -1,0 +1,107 @@
+"""Fixed-size KV blocks: a free list and per-sequence block tables. Pure Python, no torch.
+
+A sequence's tokens live in `ceil(length / block_size)` blocks listed in its block table. Appending allocates tail
+blocks; rolling back (rejected drafts) moves the length pointer and frees the blocks past it, without copying.
+Block 0..num_reserved-1 are never handed out: the cache uses them as a scratch slot for padded tokens.
+"""
+
+from __future__ import annotations
+
+
+class OutOfBlocksError(RuntimeError):
+    """Raised when the pool cannot hold the tokens asked for and may not grow."""
+
+
+class BlockManager:
+    """Hands out KV blocks to sequences and takes them back.
+
+    Args:
+        num_blocks (`int`): blocks in the pool, reserved ones included.
+        block_size (`int`): tokens per block.
+        max_num_blocks (`int`, *optional*): the most blocks the pool may grow to; `None` for no limit.
+        num_reserved (`int`): leading blocks kept out of circulation (scratch space for padding).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, max_num_blocks: int | None = None, num_reserved: int = 1):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if num_blocks <= num_reserved:
+            raise ValueError(f"num_blocks ({num_blocks}) must exceed num_reserved ({num_reserved})")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.num_reserved = num_reserved
+        self.max_num_blocks = max_num_blocks
+        # Popping from the end hands out low ids first, which keeps a small pool's live blocks dense.
+        self._free: list[int] = list(range(num_blocks - 1, num_reserved - 1, -1))
+        self._tables: dict[int, list[int]] = {}
+        self._lengths: dict[int, int] = {}
+
+    # --- queries -------------------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return sum(len(t) for t in self._tables.values())
+
+    def sequences(self) -> list[int]:
+        return list(self._tables)
+
+    def length(self, seq_id: int) -> int:
+        return self._lengths[seq_id]
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return self._tables[seq_id]
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- mutations -----------------------------------------------------------------------------------------------
+    def add_sequence(self, seq_id: int) -> None:
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id} already exists")
+        self._tables[seq_id] = []
+        self._lengths[seq_id] = 0
+
+    def grow(self, num_new_blocks: int) -> None:
+        """Adds `num_new_blocks` fresh blocks to the pool (the cache grows its tensors to match)."""
+        if self.max_num_blocks is not None and self.num_blocks + num_new_blocks > self.max_num_blocks:
+            raise OutOfBlocksError(
+                f"the KV pool would need {self.num_blocks + num_new_blocks} blocks but is capped at "
+                f"{self.max_num_blocks}; raise max_num_blocks or lower the batch size / max_new_tokens"
+            )
+        new_ids = range(self.num_blocks + num_new_blocks - 1, self.num_blocks - 1, -1)
+        self._free[:0] = new_ids  # behind the current free blocks, so those are used first
+        self.num_blocks += num_new_blocks
+
+    def blocks_missing(self, seq_id: int, num_tokens: int) -> int:
+        """How many more blocks `append(seq_id, num_tokens)` would take from the free list."""
+        return max(0, self.blocks_for(self._lengths[seq_id] + num_tokens) - len(self._tables[seq_id]))
+
+    def append(self, seq_id: int, num_tokens: int) -> int:
+        """Reserves room for `num_tokens` more tokens; returns the position of the first one."""
+        start = self._lengths[seq_id]
+        need = self.blocks_missing(seq_id, num_tokens)
+        if need > len(self._free):
+            raise OutOfBlocksError(f"sequence {seq_id} needs {need} blocks, {len(self._free)} free")
+        table = self._tables[seq_id]
+        for _ in range(need):
+            table.append(self._free.pop())
+        self._lengths[seq_id] = start + num_tokens
+        return start
+
+    def rollback(self, seq_id: int, length: int) -> None:
+        """Shrinks a sequence to its first `length` tokens and frees the blocks past them. O(freed blocks)."""
+        if not 0 <= length <= self._lengths[seq_id]:
+            raise ValueError(f"cannot roll sequence {seq_id} of length {self._lengths[seq_id]} back to {length}")
+        table = self._tables[seq_id]
+        keep = self.blocks_for(length)
+        while len(table) > keep:
+            self._free.append(table.pop())
+        self._lengths[seq_id] = length
+
+    def free(self, seq_id: int) -> None:
+        """Returns all of a sequence's blocks to the pool and forgets it."""
+        self._free.extend(reversed(self._tables.pop(seq_id)))
+        del self._lengths[seq_id]

@@ -1,0 +1,172 @@
+"""The decode loop: propose -> verify -> commit, until every row has stopped.
+
+There is no separate prefill: in the first step each row feeds its whole prompt (plus any drafts a speculator can
+already propose from it), later steps feed the last committed token plus the drafts. So the target's cache always
+holds every committed token but the last, and one code path serves both.
+
+One step, for the active rows:
+1. propose: the speculator returns up to k drafts per row (a padded `[rows, k]` tensor and per-row counts).
+2. verify: one target forward over `[pending tokens, drafts]`, logits processors applied at every draft position
+   with the history it would have had, then the verifier keeps the accepted drafts and adds a recovered or bonus token.
+3. commit: cut each row's output at EOS, its length budget and the stopping criteria; write it into the batch; roll
+   the target's cache back past rejected drafts (per row, O(1)); let the speculator roll back its own state.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack
+
+import torch
+
+from .logits import LogitsProcessing
+from .metrics import SpeculativeMetrics, logger
+from .model_runner import ModelRunner, paged_attention
+from .speculators.base import Speculator
+from .stopping import StopRules
+from .types import PAD_ID, DraftProposal, SequenceBatch, gather_right_aligned
+from .verify import verify
+
+
+class SpeculativeEngine:
+    """Runs one batched speculative `generate` call.
+
+    Args:
+        model (`PreTrainedModel`): the target.
+        speculator (`Speculator`): proposes drafts.
+        num_speculative_tokens (`int`): k, the most drafts per row and step.
+        block_size (`int`): KV block size in tokens.
+        max_num_blocks (`int`, *optional*): cap on the target's KV pool; a batch that cannot fit is refused.
+    """
+
+    def __init__(self, model, speculator: Speculator, num_speculative_tokens: int, block_size: int = 16,
+                 max_num_blocks: int | None = None):
+        self.model = model
+        self.speculator = speculator
+        self.k = num_speculative_tokens
+        self.block_size = block_size
+        self.max_num_blocks = max_num_blocks
+
+    def generate(self, input_ids, attention_mask, max_new_tokens: int, do_sample: bool, logits_processor=None,
+                 stopping_criteria=None, eos_token_ids=None, pad_token_id: int = 0, streamer=None):
+        """Generates up to `max_new_tokens` per row.
+
+        Args:
+            input_ids: `[batch, prompt_width]` prompts, padded on either side as `attention_mask` says.
+            attention_mask: `[batch, prompt_width]` or `None` (no padding).
+        Returns:
+            `(sequences, metrics)`: `[batch, prompt_width + generated]` sequences as transformers returns them (the
+            input, then generated tokens padded with `pad_token_id`), and the call's `SpeculativeMetrics`.
+        """
+        metrics = SpeculativeMetrics()
+        start = time.perf_counter()
+        batch = self._make_batch(input_ids, attention_mask, max_new_tokens, do_sample, logits_processor, pad_token_id)
+        num_generated = [0] * len(batch.lengths)
+        stop = StopRules(stopping_criteria, eos_token_ids)
+        target = ModelRunner(self.model, block_size=self.block_size, max_num_blocks=self.max_num_blocks)
+        with ExitStack() as stack:
+            stack.enter_context(paged_attention(self.model))
+            for row in batch.active:
+                target.add_sequence(row)
+            self.speculator.begin(self.model, batch)
+            stack.callback(self.speculator.end)
+            while batch.active and max_new_tokens > 0:
+                budget = [max_new_tokens - num_generated[r] for r in batch.active]
+                emitted, finished = self._step(batch, target, stop, budget, metrics, pad_token_id)
+                for row, n in zip(list(batch.active), emitted):
+                    num_generated[row] += n
+                if streamer is not None:
+                    streamer.put(batch.token_ids[0, batch.prompt_width + num_generated[0] - emitted[0]:
+                                                 batch.prompt_width + num_generated[0]].cpu())
+                self._retire(batch, target, finished)
+        if streamer is not None:
+            streamer.end()
+        metrics.num_emitted_tokens = sum(num_generated)
+        metrics.total_time_s = time.perf_counter() - start
+        logger.info(metrics.summary())
+        return self._sequences(input_ids, batch, num_generated, pad_token_id), metrics
+
+    def _step(self, batch, target, stop, budget, metrics, pad_token_id) -> tuple[list[int], list[int]]:
+        """One propose -> verify -> commit; returns tokens emitted per active row and the rows that finished."""
+        rows, rows_t = list(batch.active), batch.active_tensor()
+        t0 = time.perf_counter()
+        draft = self._propose(batch, budget)
+        t1 = time.perf_counter()
+        k = draft.k
+        end = batch.end_cols(rows)  # [rows] first column after each row's committed tokens
+        batch.token_ids[rows_t[:, None], end[:, None] + torch.arange(k, device=end.device)] = torch.where(
+            draft.token_ids == PAD_ID, pad_token_id, draft.token_ids)
+
+        cached = [target.length(r) for r in rows]
+        num_fed = [batch.lengths[r] - c + k for r, c in zip(rows, cached)]
+        input_ids = gather_right_aligned(batch.token_ids, rows_t, batch.first_col[rows_t] + torch.tensor(cached, device=batch.device),
+                                         torch.tensor(num_fed, device=batch.device), max(num_fed))
+        logits = target.forward(rows, input_ids, num_fed, num_logits=k + 1).logits  # [rows, k + 1, vocab]
+        history = end[:, None] + torch.arange(k + 1, device=end.device)  # [rows, k + 1] history length per position
+        scores = batch.processing(batch.token_ids, rows_t.repeat_interleave(k + 1), history.reshape(-1),
+                                  logits.reshape(-1, logits.shape[-1])).view(logits.shape)
+        result = verify(scores, draft, batch.do_sample)
+
+        output = result.output_token_ids
+        batch.token_ids[rows_t[:, None], end[:, None] + torch.arange(k + 1, device=end.device)] = torch.where(
+            output == PAD_ID, pad_token_id, output)
+        num_emit, finished = stop.apply(batch.token_ids, rows_t, end, output, result.num_accepted + 1,
+                                        torch.tensor(budget, device=end.device), scores)
+        num_emit, num_accepted = num_emit.tolist(), result.num_accepted.tolist()  # the step's one host sync
+        for row, n, done in zip(rows, num_emit, finished.tolist()):
+            batch.lengths[row] += n
+            if not done:  # the target's cache keeps every committed token but the last
+                target.rollback(row, batch.lengths[row] - 1)
+        self.speculator.commit(batch, num_accepted)
+        metrics.record_step(draft.num_tokens.tolist(), num_accepted)
+        metrics.draft_time_s += t1 - t0
+        metrics.verify_time_s += time.perf_counter() - t1
+        return num_emit, [r for r, done in zip(rows, finished.tolist()) if done]
+
+    def _propose(self, batch, budget) -> DraftProposal:
+        # Never draft past a row's length budget: the last token a row may emit is always the target's own.
+        k_rows = torch.tensor([max(0, min(self.k, b - 1)) for b in budget], device=batch.device)
+        draft = self.speculator.propose(batch, int(k_rows.max()))  # called even for k = 0: speculators track rows
+        num_tokens = torch.minimum(draft.num_tokens, k_rows)
+        k = int(num_tokens.max())  # drop draft columns no row uses, so the verify forward is no wider than needed
+        token_ids = torch.where(torch.arange(k, device=batch.device) < num_tokens[:, None],
+                                draft.token_ids[:, :k], PAD_ID)
+        probs = draft.probs[:, :k] if draft.probs is not None else None
+        return DraftProposal(token_ids, num_tokens, probs)
+
+    def _retire(self, batch, target, finished: list[int]) -> None:
+        # Finished rows leave the batch at once: their blocks return to the pool and they cost no more compute.
+        if finished:
+            for row in finished:
+                target.free(row)
+            self.speculator.release(finished)
+            done = set(finished)
+            batch.active = [r for r in batch.active if r not in done]
+
+    def _make_batch(self, input_ids, attention_mask, max_new_tokens, do_sample, logits_processor, pad_token_id):
+        rows, width = input_ids.shape
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device)
+        lengths = mask.sum(-1)
+        if (lengths == 0).any():
+            empty = (lengths == 0).nonzero().flatten().tolist()
+            raise ValueError(f"rows {empty} of the batch have empty prompts (attention_mask all 0); give every row "
+                             "at least one token")
+        # Left-pack each row's real tokens against column `width`, as transformers' left padding would.
+        buffer = torch.full((rows, width + max_new_tokens + self.k + 2), pad_token_id, dtype=torch.long,
+                            device=input_ids.device)
+        first_col = width - lengths
+        cols = first_col[:, None] + mask.long().cumsum(-1) - 1
+        cols = torch.where(mask.bool(), cols, buffer.shape[1] - 1)  # padding goes to a scratch column
+        buffer.scatter_(1, cols, input_ids)
+        buffer[:, -1] = pad_token_id
+        vocab = self.model.config.get_text_config().vocab_size
+        return SequenceBatch(buffer, first_col, lengths.tolist(), list(range(rows)), width, do_sample,
+                             LogitsProcessing(logits_processor), vocab)
+
+    @staticmethod
+    def _sequences(input_ids, batch, num_generated, pad_token_id):
+        longest = max(num_generated, default=0)
+        generated = batch.token_ids[:, batch.prompt_width: batch.prompt_width + longest]
+        generated_count = torch.tensor(num_generated, device=generated.device)
+        keep = torch.arange(longest, device=generated.device)[None, :] < generated_count[:, None]
+        return torch.cat([input_ids, torch.where(keep, generated, pad_token_id)], dim=1)

@@ -1,0 +1,80 @@
+"""Acceptance and timing metrics of one speculative `generate` call."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("hf_specdec")
+
+
+@dataclass
+class SpeculativeMetrics:
+    """Counts over one call.
+
+    Attributes:
+        num_drafts: (row, step) pairs in which the speculator proposed at least one token.
+        num_draft_tokens: draft tokens proposed.
+        num_accepted_tokens: draft tokens the verifier accepted.
+        accepted_per_position: `[i]` = drafts with at least `i + 1` accepted tokens.
+        num_steps: verify steps (target forwards) of the decode loop.
+        num_emitted_tokens: tokens added to the outputs.
+        draft_time_s / verify_time_s / total_time_s: wall time in proposing, verifying (target forward, logits
+            processing, acceptance) and the whole loop.
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    num_steps: int = 0
+    num_emitted_tokens: int = 0
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    total_time_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (0 when nothing was drafted)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + accepted / drafts: tokens per verify of a row that drafted, counting the recovered or bonus token."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        return [n / self.num_drafts for n in self.accepted_per_position] if self.num_drafts else []
+
+    def record_step(self, num_draft_tokens: list[int], num_accepted: list[int]) -> None:
+        self.num_steps += 1
+        self.num_drafts += sum(1 for n in num_draft_tokens if n > 0)
+        self.num_draft_tokens += sum(num_draft_tokens)
+        self.num_accepted_tokens += sum(num_accepted)
+        longest = max(num_accepted, default=0)
+        if longest > len(self.accepted_per_position):
+            self.accepted_per_position += [0] * (longest - len(self.accepted_per_position))
+        for n in num_accepted:
+            for i in range(n):
+                self.accepted_per_position[i] += 1
+
+    def summary(self) -> str:
+        per_pos = ", ".join(f"{r:.3f}" for r in self.acceptance_rate_per_position)
+        return (
+            f"Speculative decoding: acceptance rate {self.acceptance_rate:.3f}, mean acceptance length "
+            f"{self.mean_acceptance_length:.2f}, drafts {self.num_drafts}, draft tokens {self.num_draft_tokens}, "
+            f"accepted {self.num_accepted_tokens}, per-position acceptance [{per_pos}], target forwards "
+            f"{self.num_steps}, emitted tokens {self.num_emitted_tokens}, draft {self.draft_time_s:.3f}s, "
+            f"verify {self.verify_time_s:.3f}s, total {self.total_time_s:.3f}s"
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "accepted_per_position": list(self.accepted_per_position), "num_steps": self.num_steps,
+            "num_emitted_tokens": self.num_emitted_tokens, "draft_time_s": self.draft_time_s,
+            "verify_time_s": self.verify_time_s, "total_time_s": self.total_time_s,
+        }

@@ -1,0 +1,73 @@
+"""Runs a transformers causal LM over ragged rows whose KV lives in a `PagedKVCache`."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from .paged_cache import ATTENTION_NAME, PLAN_KWARG, PagedKVCache
+
+
+@contextmanager
+def paged_attention(*models):
+    """Switches the models to hf_specdec's paged attention for the duration, then restores what they had."""
+    saved = [m.config._attn_implementation for m in models]
+    try:
+        for m in models:
+            m.set_attn_implementation(ATTENTION_NAME)
+        yield
+    finally:
+        for m, name in zip(models, saved):
+            m.set_attn_implementation(name)
+
+
+class ModelRunner:
+    """One model and its paged cache. Rows are identified by the caller's integer ids.
+
+    Args:
+        model (`PreTrainedModel`): a decoder-only model using transformers' attention interface.
+        block_size (`int`): KV block size in tokens.
+        max_num_blocks (`int`, *optional*): cap on the KV pool.
+    """
+
+    def __init__(self, model, block_size: int = 16, num_blocks: int = 64, max_num_blocks: int | None = None):
+        self.model = model
+        self.cache = PagedKVCache(block_size=block_size, num_blocks=num_blocks, max_num_blocks=max_num_blocks)
+        self.device = model.device
+        self.num_forwards = 0
+
+    def forward(self, seq_ids: list[int], input_ids: torch.Tensor, num_tokens: list[int], num_logits: int,
+                output_hidden_states: bool = False):
+        """Appends `num_tokens[i]` tokens to row `seq_ids[i]` and returns the model output.
+
+        Args:
+            input_ids: `[rows, q]` right-aligned tokens (row i's are its last `num_tokens[i]` columns).
+            num_logits: how many trailing positions need logits.
+        Returns:
+            The model output; `logits` is `[rows, num_logits, vocab]`.
+        """
+        starts = self.cache.reserve(seq_ids, num_tokens)
+        plan = self.cache.plan_step(seq_ids, starts, num_tokens, self.device)
+        self.num_forwards += 1
+        return self.model(
+            input_ids=input_ids,
+            position_ids=plan.query_positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=num_logits,
+            output_hidden_states=output_hidden_states,
+            **{PLAN_KWARG: plan},
+        )
+
+    def add_sequence(self, seq_id: int) -> None:
+        self.cache.add_sequence(seq_id)
+
+    def length(self, seq_id: int) -> int:
+        return self.cache.length(seq_id)
+
+    def rollback(self, seq_id: int, length: int) -> None:
+        self.cache.rollback(seq_id, length)
+
+    def free(self, seq_id: int) -> None:
+        self.cache.free(seq_id)

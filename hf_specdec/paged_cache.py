@@ -1,0 +1,195 @@
+"""A paged KV cache that plugs into transformers models through `Cache.update` and `AttentionInterface`.
+
+Each layer's keys and values live in one pool tensor of `num_blocks * block_size` slots; a row's tokens are found
+through its block table (see `block_manager.py`). Before every forward the runner asks the cache for a `StepPlan`:
+where each new token is written, which slots make up each row's context, and each query's position. The model's
+attention modules call `update(...)`, which writes the new keys/values and gathers each row's context; our
+registered attention function then masks by the plan (causal per row, sliding windows when the layer has one).
+
+Rows are right-aligned inside a step: row i's `n_i` new tokens occupy the last `n_i` of the `q` query columns, so the
+last column always holds every row's newest token. Padding columns write to a scratch slot no row ever reads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
+
+from .block_manager import BlockManager
+
+ATTENTION_NAME = "hf_specdec_paged"
+PLAN_KWARG = "hf_specdec_plan"
+SCRATCH_SLOT = 0  # slot 0 of reserved block 0
+
+
+@dataclass
+class StepPlan:
+    """Where one forward's tokens go and what each query may see.
+
+    Attributes:
+        write_slots: `[rows * q]` flat pool slot of every query token; padding goes to the scratch slot.
+        context_slots: `[rows, num_context]` flat pool slots of each row's context, padded with the scratch slot.
+        query_positions: `[rows, q]` position of each query token in its row (padding repeats the first real one).
+        context_lens: `[rows]` tokens each row holds once this step's tokens are written.
+    """
+
+    write_slots: torch.Tensor
+    context_slots: torch.Tensor
+    query_positions: torch.Tensor
+    context_lens: torch.Tensor
+    _masks: dict = field(default_factory=dict)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """`[rows, 1, q, num_context]` boolean mask: True where a query may attend."""
+        key = sliding_window or 0
+        if key not in self._masks:
+            context_pos = torch.arange(self.context_slots.shape[1], device=self.context_slots.device)
+            query_pos = self.query_positions[:, :, None]  # [rows, q, 1]
+            allowed = context_pos[None, None, :] <= query_pos  # causal; also excludes the padding past each row
+            if sliding_window:
+                allowed &= context_pos[None, None, :] > query_pos - sliding_window
+            self._masks[key] = allowed[:, None]
+        return self._masks[key]
+
+
+class PagedKVCache(Cache):
+    """Paged keys and values for one model, with O(1) per-row rollback.
+
+    Rollback is this cache's declared capability: `rollback(seq_id, length)` forgets everything past `length` for
+    that row alone, by moving its length pointer and freeing its tail blocks; nothing is copied.
+
+    Args:
+        block_size (`int`): tokens per block.
+        num_blocks (`int`): initial pool size in blocks; the pool doubles as needed up to `max_num_blocks`.
+        max_num_blocks (`int`, *optional*): hard cap on the pool, `None` for no cap.
+    """
+
+    is_compileable = False
+
+    def __init__(self, block_size: int = 16, num_blocks: int = 64, max_num_blocks: int | None = None):
+        # transformers' mask helpers iterate `layers`; an empty list tells them nothing (we build our own masks).
+        self.layers = []
+        self.manager = BlockManager(num_blocks, block_size, max_num_blocks=max_num_blocks)
+        self.block_size = block_size
+        self.key_pools: dict[int, torch.Tensor] = {}  # layer -> [num_blocks * block_size, kv_heads, head_dim]
+        self.value_pools: dict[int, torch.Tensor] = {}
+        self.plan: StepPlan | None = None
+
+    # --- sequences -----------------------------------------------------------------------------------------------
+    def add_sequence(self, seq_id: int) -> None:
+        self.manager.add_sequence(seq_id)
+
+    def length(self, seq_id: int) -> int:
+        return self.manager.length(seq_id)
+
+    def rollback(self, seq_id: int, length: int) -> None:
+        self.manager.rollback(seq_id, length)
+
+    def free(self, seq_id: int) -> None:
+        self.manager.free(seq_id)
+
+    def reserve(self, seq_ids: list[int], num_tokens: list[int]) -> list[int]:
+        """Makes room for `num_tokens[i]` more tokens in each row, growing the pool if needed; returns start positions."""
+        missing = sum(self.manager.blocks_missing(s, n) for s, n in zip(seq_ids, num_tokens))
+        if missing > self.manager.num_free_blocks:
+            self._grow(missing - self.manager.num_free_blocks)
+        return [self.manager.append(s, n) for s, n in zip(seq_ids, num_tokens)]
+
+    def _grow(self, needed: int) -> None:
+        # Double the pool (amortised O(1) growth), but never past the cap; the manager raises if `needed` is over it.
+        num_new_blocks = max(needed, self.manager.num_blocks)
+        if self.manager.max_num_blocks is not None:
+            num_new_blocks = max(needed, min(num_new_blocks, self.manager.max_num_blocks - self.manager.num_blocks))
+        self.manager.grow(num_new_blocks)
+        extra = num_new_blocks * self.block_size
+        for pools in (self.key_pools, self.value_pools):
+            for layer, pool in pools.items():
+                pools[layer] = torch.cat([pool, pool.new_zeros((extra, *pool.shape[1:]))])
+
+    # --- one forward step ----------------------------------------------------------------------------------------
+    def plan_step(self, seq_ids: list[int], starts: list[int], num_tokens: list[int], device) -> StepPlan:
+        """Builds the plan for a step in which row i writes `num_tokens[i]` tokens from position `starts[i]`."""
+        bs = self.block_size
+        q = max(num_tokens)
+        tables = [self.manager.block_table(s) for s in seq_ids]
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
+        starts_t = torch.tensor(starts, dtype=torch.long, device=device)
+        counts_t = torch.tensor(num_tokens, dtype=torch.long, device=device)
+        context_lens = starts_t + counts_t
+
+        offset = torch.arange(q, device=device)[None, :] - (q - counts_t)[:, None]  # [rows, q]; < 0 is padding
+        is_token = offset >= 0
+        query_positions = starts_t[:, None] + offset.clamp(min=0)
+
+        num_context = int(max(s + n for s, n in zip(starts, num_tokens)))
+        context_pos = torch.arange(num_context, device=device).expand(len(seq_ids), -1)
+        in_row = context_pos < context_lens[:, None]
+        context_slots = torch.where(in_row, self._slots(block_tables, context_pos.clamp(max=width * bs - 1)), 0)
+        write_slots = torch.where(is_token, self._slots(block_tables, query_positions), SCRATCH_SLOT)
+        self.plan = StepPlan(write_slots.reshape(-1), context_slots, query_positions, context_lens)
+        return self.plan
+
+    def _slots(self, block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        blocks = block_tables.gather(1, positions // self.block_size)
+        return blocks * self.block_size + positions % self.block_size
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """Writes this step's keys/values `[rows, kv_heads, q, head_dim]`; returns each row's gathered context
+        `[rows, kv_heads, num_context, head_dim]`, ordered by position and padded (the plan's mask hides padding)."""
+        plan = self.plan
+        if plan is None:
+            raise RuntimeError("PagedKVCache.update called outside a planned step; use hf_specdec's model runner")
+        rows, heads, q, dim = key_states.shape
+        if layer_idx not in self.key_pools:
+            size = self.manager.num_blocks * self.block_size
+            self.key_pools[layer_idx] = key_states.new_zeros((size, heads, dim))
+            self.value_pools[layer_idx] = value_states.new_zeros((size, heads, value_states.shape[-1]))
+        key_pool, value_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
+        key_pool.index_copy_(0, plan.write_slots, key_states.transpose(1, 2).reshape(rows * q, heads, dim))
+        value_pool.index_copy_(0, plan.write_slots, value_states.transpose(1, 2).reshape(rows * q, heads, -1))
+        keys = key_pool[plan.context_slots].transpose(1, 2)
+        values = value_pool[plan.context_slots].transpose(1, 2)
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        raise NotImplementedError(
+            "PagedKVCache holds rows of different lengths; pass explicit position_ids (hf_specdec's runner does)"
+        )
+
+    def memory_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for pools in (self.key_pools, self.value_pools) for p in pools.values())
+
+
+def paged_attention_forward(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, softcap=None, **kwargs
+):
+    """Attention over a `PagedKVCache` step: `query` `[rows, heads, q, dim]`, `key`/`value` the gathered contexts."""
+    plan: StepPlan | None = kwargs.get(PLAN_KWARG)
+    if plan is None:
+        raise RuntimeError(
+            f"attention implementation {ATTENTION_NAME!r} only runs inside hf_specdec's engine, which passes the "
+            "step plan; this model may not forward its keyword arguments to its attention modules"
+        )
+    for unsupported in ("s_aux", "sinks"):
+        if kwargs.get(unsupported) is not None:
+            raise NotImplementedError(f"attention sinks ({unsupported}) are not supported by hf_specdec's paged cache")
+    mask = plan.mask(sliding_window)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+    else:  # logit soft-capping needs the scores, so compute them explicitly
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        scale = scaling if scaling is not None else 1 / math.sqrt(query.shape[-1])
+        scores = torch.tanh(query @ key.transpose(-1, -2) * scale / softcap) * softcap
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype) @ value
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

@@ -1,0 +1,47 @@
+"""The one interface every speculator implements; the engine knows nothing else about them."""
+
+from __future__ import annotations
+
+import torch
+
+from ..types import DraftProposal, SequenceBatch
+
+
+class Speculator:
+    """Proposes draft tokens for the rows of a `SequenceBatch`.
+
+    The engine calls, per `generate` call: `begin(target, batch)`, then per step `propose(batch, k)` followed by
+    `commit(batch, num_accepted)`, `release(rows)` for rows that finished, and `end()`. A speculator owns only its
+    own state (a draft model's KV cache, say) and rolls it back in `commit`.
+    """
+
+    #: The engine passes the target's hidden states from the verify pass only to speculators that ask.
+    needs_hidden_states: bool = False
+
+    def begin(self, target, batch: SequenceBatch) -> None:
+        """Prepares per-call state. `target` is the model being decoded."""
+
+    def propose(self, batch: SequenceBatch, k: int) -> DraftProposal:
+        """Returns up to `k` drafts for each row of `batch.active` (in that order)."""
+        raise NotImplementedError
+
+    def commit(self, batch: SequenceBatch, num_accepted: list[int]) -> None:
+        """Called after verification with the accepted drafts per active row; `batch.lengths` is already updated."""
+
+    def release(self, rows: list[int]) -> None:
+        """Rows that finished: free anything held for them."""
+
+    def end(self) -> None:
+        """Frees per-call state."""
+
+    def validate(self, target) -> None:
+        """Raises a clear error if this speculator cannot serve `target`."""
+
+
+def sample_or_argmax(scores: torch.Tensor, do_sample: bool, generator=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft tokens `[n]` from processed scores `[n, vocab]`, and the draft_probs they were sampled from (or None)."""
+    if not do_sample:
+        return scores.argmax(-1), None
+    probs = torch.softmax(scores, dim=-1)
+    exponential = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / exponential).argmax(-1), probs

@@ -1,0 +1,103 @@
+"""A smaller causal LM proposes drafts autoregressively, with its own paged KV cache."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import torch
+
+from ..model_runner import ModelRunner, paged_attention
+from ..types import DraftProposal, SequenceBatch, gather_right_aligned
+from .base import Speculator, sample_or_argmax
+
+
+class DraftModelSpeculator(Speculator):
+    """Drafts with any decoder-only transformers model that shares the target's tokenizer.
+
+    Each step feeds the draft the tokens it has not seen yet (the whole prompt at first, then the one or two tokens
+    committed since), then `k - 1` of its own drafts. The call's logits processors are applied to the draft too, at
+    each position with the history that position will have, so it proposes what the target is likely to keep. When
+    sampling, drafts are sampled and their draft_probs go to the verifier; greedy drafts are argmax.
+    After verification the draft's cache rolls back, per row, to the longest prefix it saw that was committed.
+
+    Args:
+        model (`PreTrainedModel`): the draft model.
+        block_size (`int`): KV block size in tokens.
+    """
+
+    def __init__(self, model, block_size: int = 16):
+        self.model = model
+        self.block_size = block_size
+        self._runner: ModelRunner | None = None
+        self._stack: ExitStack | None = None
+        self._rows: list[int] = []
+        self._committed_at_propose: list[int] = []
+
+    def __repr__(self) -> str:
+        return f"DraftModelSpeculator({type(self.model).__name__})"
+
+    @property
+    def num_forwards(self) -> int:
+        return self._runner.num_forwards if self._runner is not None else 0
+
+    def validate(self, target) -> None:
+        from ..compat import check_model_supported, check_vocab_compatible
+
+        check_model_supported(self.model, role="draft model (speculator)")
+        if self.model.device != target.device:
+            raise ValueError(
+                f"the draft model is on {self.model.device} but the target is on {target.device}; move it first, "
+                f"e.g. draft.to({str(target.device)!r})"
+            )
+        check_vocab_compatible(target, self.model)
+
+    def begin(self, target, batch: SequenceBatch) -> None:
+        self._stack = ExitStack()
+        self._stack.enter_context(paged_attention(self.model))
+        self._runner = ModelRunner(self.model, block_size=self.block_size)
+        for row in batch.active:
+            self._runner.add_sequence(row)
+
+    def propose(self, batch: SequenceBatch, k: int) -> DraftProposal:
+        rows = list(batch.active)
+        rows_t = batch.active_tensor()
+        self._rows = rows
+        self._committed_at_propose = [batch.lengths[r] for r in rows]
+        if k == 0:
+            return DraftProposal.empty(len(rows), batch.device)
+        runner = self._runner
+        cached = [runner.length(r) for r in rows]
+        num_fed = [batch.lengths[r] - c for r, c in zip(rows, cached)]
+        first = batch.first_col[rows_t]
+        input_ids = gather_right_aligned(
+            batch.token_ids, rows_t, first + torch.tensor(cached, device=batch.device),
+            torch.tensor(num_fed, device=batch.device), max(num_fed),
+        )
+        end = batch.end_cols(rows)  # column of the first draft
+        vocab = min(batch.target_vocab_size, self.model.config.get_text_config().vocab_size)
+        tokens, probs = [], []
+        for j in range(k):
+            logits = runner.forward(rows, input_ids, num_fed, num_logits=1).logits[:, -1]
+            scores = batch.processing(batch.token_ids, rows_t, end + j, logits)[:, :vocab]
+            token, token_probs = sample_or_argmax(scores, batch.do_sample)
+            batch.token_ids[rows_t, end + j] = token  # scratch column: later positions' processors read it
+            tokens.append(token)
+            probs.append(token_probs)
+            input_ids, num_fed = token[:, None], [1] * len(rows)
+        token_ids = torch.stack(tokens, dim=1)
+        draft_probs = torch.stack(probs, dim=1) if batch.do_sample else None
+        return DraftProposal(token_ids, torch.full((len(rows),), k, device=batch.device), draft_probs)
+
+    def commit(self, batch: SequenceBatch, num_accepted: list[int]) -> None:
+        # The draft saw the committed tokens plus its own drafts; keep what verification confirmed.
+        for row, committed, accepted in zip(self._rows, self._committed_at_propose, num_accepted):
+            self._runner.rollback(row, min(self._runner.length(row), committed + accepted))
+
+    def release(self, rows: list[int]) -> None:
+        for row in rows:
+            self._runner.free(row)
+
+    def end(self) -> None:
+        if self._stack is not None:
+            self._stack.close()
+        self._runner, self._stack = None, None

@@ -1,0 +1,109 @@
+"""The data that flows through one speculative step, named with the project's glossary.
+
+draft: tokens a speculator proposes. target: the model whose output we must reproduce. accepted: draft tokens the
+verifier keeps. recovered: the token sampled in place of the first rejected draft. bonus: the extra target token when
+every draft is accepted. output = accepted + (recovered or bonus).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PAD_ID = -1  # padding in draft and output token tensors
+
+
+@dataclass
+class DraftProposal:
+    """A ragged batch of drafts: padded token ids plus a per-row count. A count of 0 is the one way to say
+    "no proposal" for a row.
+
+    Attributes:
+        token_ids: `[rows, k]` int64, padded with `PAD_ID`.
+        num_tokens: `[rows]` int64 in `[0, k]`.
+        probs: `[rows, k, vocab]` draft_probs the tokens were sampled from, or `None` for a deterministic speculator
+            (each draft is a point mass).
+    """
+
+    token_ids: torch.Tensor
+    num_tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+
+    @property
+    def k(self) -> int:
+        return self.token_ids.shape[1]
+
+    @classmethod
+    def empty(cls, rows: int, device) -> DraftProposal:
+        return cls(torch.full((rows, 0), PAD_ID, dtype=torch.long, device=device),
+                   torch.zeros(rows, dtype=torch.long, device=device))
+
+
+@dataclass
+class VerifyResult:
+    """What the verifier keeps of a step.
+
+    Attributes:
+        output_token_ids: `[rows, k + 1]` accepted drafts followed by one recovered or bonus token, padded with `PAD_ID`.
+        num_accepted: `[rows]` accepted drafts per row, in `[0, num_draft_tokens]`.
+    """
+
+    output_token_ids: torch.Tensor
+    num_accepted: torch.Tensor
+
+
+@dataclass
+class SequenceBatch:
+    """The engine's running batch, as speculators see it (read-only, except scratch columns past each row's end).
+
+    `token_ids` is laid out as transformers lays out a batch: prompts left-padded to `prompt_width` columns, generated
+    tokens from column `prompt_width` on. Row i's real tokens are columns `[first_col[i], first_col[i] + lengths[i])`;
+    columns past that are scratch a speculator may write its drafts into.
+
+    Attributes:
+        token_ids: `[batch, width]` int64.
+        first_col: `[batch]` int64 column of each row's first real token.
+        lengths: real tokens (prompt + generated) per row, on the host.
+        active: rows still generating, ascending, on the host.
+        prompt_width: columns of the (padded) prompt.
+        do_sample: whether this call samples.
+        processing: applies the call's logits processors with per-position history (`logits.LogitsProcessing`).
+        target_vocab_size: size of the target's logits.
+    """
+
+    token_ids: torch.Tensor
+    first_col: torch.Tensor
+    lengths: list[int]
+    active: list[int]
+    prompt_width: int
+    do_sample: bool
+    processing: object
+    target_vocab_size: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.token_ids.device
+
+    def active_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.active, dtype=torch.long, device=self.device)
+
+    def lengths_tensor(self, rows: list[int]) -> torch.Tensor:
+        return torch.tensor([self.lengths[r] for r in rows], dtype=torch.long, device=self.device)
+
+    def end_cols(self, rows: list[int]) -> torch.Tensor:
+        """`[rows]` column just past each row's last real token."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self.first_col[idx] + self.lengths_tensor(rows)
+
+
+def gather_right_aligned(token_ids: torch.Tensor, rows: torch.Tensor, start_cols: torch.Tensor,
+                         counts: torch.Tensor, width: int) -> torch.Tensor:
+    """Takes `counts[i]` tokens from column `start_cols[i]` of row `rows[i]`, right-aligned in `width` columns.
+
+    Padding on the left repeats the row's first token; the model runner sends those columns to a scratch slot.
+    Returns `[len(rows), width]`.
+    """
+    offset = torch.arange(width, device=token_ids.device)[None, :] - (width - counts)[:, None]
+    cols = start_cols[:, None] + offset.clamp(min=0)
+    return token_ids[rows[:, None], cols]
