@@ -1,0 +1,63 @@
+"""Tiny random-init models built from configs: the fixtures for correctness tests (float64 to rule out near-ties)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+    Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+)
+
+import hf_specdec  # noqa: F401  (registers speculator=)
+
+VOCAB = 96
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+
+ARCHITECTURES = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**COMMON)),
+    # Sliding windows shorter than the test sequences, so the window really cuts the context.
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**COMMON, sliding_window=8)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=8)),
+    "phi3": lambda: Phi3ForCausalLM(Phi3Config(**COMMON)),
+    "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(
+        **{**COMMON, "num_hidden_layers": 3}, head_dim=8, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+}
+
+
+def make_model(arch: str = "llama", seed: int = 0, dtype=torch.float64):
+    torch.manual_seed(seed)
+    model = ARCHITECTURES[arch]().to(dtype).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def ragged_batch(rows: int = 3, width: int = 14, seed: int = 0, side: str = "left"):
+    """A padded batch of random prompts of different lengths (at least 2 tokens each)."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(2, VOCAB, (rows, width), generator=g)
+    lengths = [width - (i * 5) % (width - 2) for i in range(rows)]
+    mask = torch.zeros_like(input_ids)
+    for i, n in enumerate(lengths):
+        if side == "left":
+            mask[i, width - n:] = 1
+        else:
+            mask[i, :n] = 1
+    input_ids[mask == 0] = 0
+    return input_ids, mask
+
+
+def repetitive_prompt(rows: int = 1, width: int = 16, seed: int = 0):
+    """Prompts that repeat a short random phrase, so n-gram lookup finds matches."""
+    g = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(2, VOCAB, (rows, 5), generator=g)
+    return phrase.repeat(1, width // 5 + 1)[:, :width]
+
+
+@pytest.fixture
+def llama():
+    return make_model("llama")

@@ -1,0 +1,74 @@
+"""Block manager invariants under random allocate / append / rollback / free sequences."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_specdec import BlockManager, OutOfBlocksError
+
+operations = st.lists(
+    st.tuples(st.sampled_from(["add", "append", "rollback", "free", "grow"]), st.integers(0, 5), st.integers(0, 40)),
+    max_size=80,
+)
+
+
+def check_invariants(manager: BlockManager) -> None:
+    used = [b for s in manager.sequences() for b in manager.block_table(s)]
+    free = list(manager._free)
+    assert len(used) == len(set(used)), "a block is held by two sequences"
+    assert not set(used) & set(free), "a block is both used and free"
+    assert sorted(used + free) == list(range(manager.num_reserved, manager.num_blocks)), "a block was lost"
+    for s in manager.sequences():
+        assert len(manager.block_table(s)) == manager.blocks_for(manager.length(s))
+
+
+@settings(max_examples=300, deadline=None)
+@given(operations, st.integers(1, 8))
+def test_blocks_are_conserved(ops, block_size):
+    manager = BlockManager(num_blocks=12, block_size=block_size, max_num_blocks=40)
+    for op, seq, n in ops:
+        try:
+            if op == "add":
+                manager.add_sequence(seq)
+            elif op == "append" and seq in manager.sequences():
+                manager.append(seq, n)
+            elif op == "rollback" and seq in manager.sequences():
+                manager.rollback(seq, min(n, manager.length(seq)))
+            elif op == "free" and seq in manager.sequences():
+                manager.free(seq)
+            elif op == "grow":
+                manager.grow(n % 6)
+        except (OutOfBlocksError, ValueError):
+            pass  # refused operations must leave the state intact, which the invariants then check
+        check_invariants(manager)
+    for seq in manager.sequences():
+        manager.free(seq)
+    assert manager.num_free_blocks == manager.num_blocks - manager.num_reserved
+
+
+def test_rollback_frees_tail_blocks_only():
+    manager = BlockManager(num_blocks=10, block_size=4)
+    manager.add_sequence(0)
+    manager.append(0, 10)  # 3 blocks
+    head = manager.block_table(0)[:1]
+    manager.rollback(0, 3)
+    assert manager.block_table(0) == head and manager.length(0) == 3
+    assert manager.num_free_blocks == 8
+
+
+def test_out_of_blocks_is_refused_without_side_effects():
+    manager = BlockManager(num_blocks=3, block_size=2, max_num_blocks=3)
+    manager.add_sequence(0)
+    with pytest.raises(OutOfBlocksError):
+        manager.append(0, 5)
+    assert manager.length(0) == 0 and manager.num_free_blocks == 2
+    with pytest.raises(OutOfBlocksError, match="capped"):
+        manager.grow(1)
+
+
+def test_rollback_beyond_length_is_an_error():
+    manager = BlockManager(num_blocks=4, block_size=2)
+    manager.add_sequence(0)
+    manager.append(0, 2)
+    with pytest.raises(ValueError):
+        manager.rollback(0, 3)

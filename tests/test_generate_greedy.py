@@ -1,0 +1,177 @@
+"""Greedy speculative generate is token-for-token identical to plain greedy generate, whatever the draft."""
+
+import pytest
+import torch
+
+import hf_specdec
+from conftest import ARCHITECTURES, make_model, ragged_batch, repetitive_prompt
+
+MAX_NEW = 24
+
+
+def speculators(arch):
+    """The speculators each test runs: n-gram, a random (unrelated) draft, and an identical draft."""
+    return {
+        "ngram": lambda target: "ngram",
+        "random_draft": lambda target: make_model(arch, seed=1),
+        "same_draft": lambda target: make_model(arch, seed=0),
+    }
+
+
+def run(target, speculator, input_ids, attention_mask=None, **kwargs):
+    out = target.generate(input_ids, attention_mask=attention_mask, max_new_tokens=MAX_NEW, do_sample=False,
+                          speculator=speculator, return_dict_in_generate=True, **kwargs)
+    return out.sequences, out.speculative_metrics
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+@pytest.mark.parametrize("kind", ["ngram", "random_draft", "same_draft"])
+def test_batch_one_equals_generate(arch, kind):
+    target = make_model(arch)
+    input_ids = repetitive_prompt(width=16)
+    expected = target.generate(input_ids, max_new_tokens=MAX_NEW, do_sample=False)
+    sequences, metrics = run(target, speculators(arch)[kind](target), input_ids)
+    assert torch.equal(sequences, expected)
+    assert metrics.num_draft_tokens > 0, "no drafts were proposed: the test would not exercise verification"
+    if kind == "same_draft":
+        assert metrics.acceptance_rate == 1.0
+        assert metrics.num_steps <= MAX_NEW // 4  # far fewer target forwards than tokens
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+@pytest.mark.parametrize("kind", ["ngram", "random_draft", "same_draft"])
+def test_ragged_batch_equals_generate(arch, kind):
+    target = make_model(arch)
+    input_ids, mask = ragged_batch(rows=4, width=14)
+    expected = target.generate(input_ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False)
+    sequences, metrics = run(target, speculators(arch)[kind](target), input_ids, mask)
+    assert torch.equal(sequences, expected)
+    assert metrics.num_draft_tokens > 0
+
+
+def test_rows_equal_their_solo_runs_with_early_eos():
+    """Each row of a batch gives what that prompt gives alone, even when other rows stop early."""
+    target = make_model("llama")
+    input_ids, mask = ragged_batch(rows=3, width=12, seed=3)
+    free_run = target.generate(input_ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False)
+    eos = int(free_run[1, 12 + 3])  # row 1 emits this token 4th, so it stops early
+    batched, _ = run(target, "ngram", input_ids, mask, eos_token_id=eos)
+    for row in range(3):
+        real = input_ids[row, mask[row].bool()][None]
+        solo, _ = run(target, "ngram", real, eos_token_id=eos)
+        generated = batched[row, 12:]
+        assert torch.equal(generated[: solo.shape[1] - real.shape[1]], solo[0, real.shape[1]:])
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"repetition_penalty": 1.5},
+    {"no_repeat_ngram_size": 2},
+    {"min_new_tokens": 10, "eos_token_id": 5},
+    {"eos_token_id": [5, 7, 9]},
+], ids=["repetition_penalty", "no_repeat_ngram", "min_new_tokens", "eos_list"])
+@pytest.mark.parametrize("kind", ["ngram", "random_draft"])
+def test_logits_processors_and_eos_match_generate(kwargs, kind):
+    target = make_model("llama")
+    input_ids, mask = ragged_batch(rows=3, width=12, seed=5)
+    expected = target.generate(input_ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, **kwargs)
+    speculator = "ngram" if kind == "ngram" else make_model("llama", seed=1)
+    sequences, metrics = run(target, speculator, input_ids, mask, **kwargs)
+    assert torch.equal(sequences, expected)
+
+
+def test_eos_found_inside_accepted_drafts_stops_there():
+    target = make_model("llama")
+    input_ids = repetitive_prompt(width=16, seed=2)
+    free_run = target.generate(input_ids, max_new_tokens=MAX_NEW, do_sample=False)
+    eos = int(free_run[0, 16 + 6])
+    expected = target.generate(input_ids, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos)
+    sequences, _ = run(target, make_model("llama", seed=0), input_ids, eos_token_id=eos)  # identical draft
+    assert torch.equal(sequences, expected)
+    assert sequences.shape[1] <= 16 + 7
+
+
+class StopOnToken:
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+def test_custom_stopping_criteria_match_generate():
+    from transformers import StoppingCriteriaList
+
+    target = make_model("llama")
+    input_ids, mask = ragged_batch(rows=3, width=12, seed=7)
+    free_run = target.generate(input_ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False)
+    token = int(free_run[0, 12 + 5])
+    criteria = StoppingCriteriaList([StopOnToken(token)])
+    # With an EOS id configured transformers pads rows a criterion ended (without one it keeps extending them; we
+    # pad them either way, see docs/design.md). Token 1 is never generated here, so it only switches padding on.
+    expected = target.generate(input_ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False,
+                               stopping_criteria=criteria, eos_token_id=1)
+    sequences, _ = run(target, "ngram", input_ids, mask, stopping_criteria=criteria, eos_token_id=1)
+    assert (sequences[0, 12 + 6:] == 0).all()  # row 0 really stopped
+    assert torch.equal(sequences, expected)
+
+
+def test_streamer_receives_accepted_tokens():
+    from transformers.generation.streamers import BaseStreamer
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.chunks, self.ended = [], False
+
+        def put(self, value):
+            self.chunks.append(value.flatten().tolist())
+
+        def end(self):
+            self.ended = True
+
+    target = make_model("llama")
+    input_ids = repetitive_prompt(width=16)
+    streamer = Collect()
+    sequences, metrics = run(target, make_model("llama", seed=0), input_ids, streamer=streamer)
+    assert streamer.ended and streamer.chunks[0] == input_ids[0].tolist()
+    assert sum(streamer.chunks[1:], []) == sequences[0, 16:].tolist()
+    assert any(len(c) > 1 for c in streamer.chunks[1:])  # several tokens per step arrive together
+
+
+def test_num_speculative_tokens_takes_effect():
+    target = make_model("llama")
+    input_ids = repetitive_prompt(width=16)
+    for k in (1, 3, 7):
+        _, metrics = run(target, make_model("llama", seed=0), input_ids, num_speculative_tokens=k)
+        assert metrics.num_draft_tokens <= k * metrics.num_drafts
+        assert max(metrics.num_draft_tokens // max(metrics.num_drafts, 1), 1) == k
+
+
+def test_right_padding_continues_each_prompt():
+    target = make_model("llama")
+    input_ids, mask = ragged_batch(rows=3, width=12, seed=9, side="right")
+    sequences, _ = run(target, "ngram", input_ids, mask)
+    for row in range(3):
+        real = input_ids[row, mask[row].bool()][None]
+        expected = target.generate(real, max_new_tokens=MAX_NEW, do_sample=False)
+        assert torch.equal(sequences[row, 12:], expected[0, real.shape[1]:])
+
+
+def test_every_kv_block_returns_to_the_pool(monkeypatch):
+    from hf_specdec import model_runner
+
+    runners = []
+    original = model_runner.ModelRunner.__init__
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        runners.append(self)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "__init__", spy)
+    target = make_model("llama")
+    input_ids, mask = ragged_batch(rows=4, width=14)
+    run(target, make_model("llama", seed=1), input_ids, mask)
+    assert len(runners) == 2  # target and draft
+    for runner in runners:
+        manager = runner.cache.manager
+        assert manager.sequences() == []
+        assert manager.num_free_blocks == manager.num_blocks - manager.num_reserved
