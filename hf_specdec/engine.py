@@ -19,6 +19,7 @@ from contextlib import ExitStack
 
 import torch
 
+from .block_manager import OutOfBlocksError
 from .logits import LogitsProcessing
 from .metrics import SpeculativeMetrics, logger
 from .model_runner import ModelRunner, paged_attention
@@ -61,6 +62,7 @@ class SpeculativeEngine:
         metrics = SpeculativeMetrics()
         start = time.perf_counter()
         batch = self._make_batch(input_ids, attention_mask, max_new_tokens, do_sample, logits_processor, pad_token_id)
+        self._check_pool_fits(batch.lengths, max_new_tokens)
         num_generated = [0] * len(batch.lengths)
         stop = StopRules(stopping_criteria, eos_token_ids)
         target = ModelRunner(self.model, block_size=self.block_size, max_num_blocks=self.max_num_blocks)
@@ -142,6 +144,17 @@ class SpeculativeEngine:
             self.speculator.release(finished)
             done = set(finished)
             batch.active = [r for r in batch.active if r not in done]
+
+    def _check_pool_fits(self, prompt_lengths: list[int], max_new_tokens: int) -> None:
+        # Refuse before starting, so a batch that cannot fit never leaves other rows half-generated.
+        if self.max_num_blocks is None:
+            return
+        worst = sum(-(-(n + max_new_tokens + self.k) // self.block_size) for n in prompt_lengths)
+        if worst > self.max_num_blocks - 1:
+            raise OutOfBlocksError(
+                f"this batch may need {worst} KV blocks of {self.block_size} tokens but the pool is capped at "
+                f"{self.max_num_blocks - 1}; lower the batch size or max_new_tokens, or raise max_num_blocks"
+            )
 
     def _make_batch(self, input_ids, attention_mask, max_new_tokens, do_sample, logits_processor, pad_token_id):
         rows, width = input_ids.shape

@@ -74,6 +74,8 @@ class PagedKVCache(Cache):
     def __init__(self, block_size: int = 16, num_blocks: int = 64, max_num_blocks: int | None = None):
         # transformers' mask helpers iterate `layers`; an empty list tells them nothing (we build our own masks).
         self.layers = []
+        if max_num_blocks is not None:
+            num_blocks = min(num_blocks, max_num_blocks)
         self.manager = BlockManager(num_blocks, block_size, max_num_blocks=max_num_blocks)
         self.block_size = block_size
         self.key_pools: dict[int, torch.Tensor] = {}  # layer -> [num_blocks * block_size, kv_heads, head_dim]

