@@ -175,3 +175,24 @@ def test_every_kv_block_returns_to_the_pool(monkeypatch):
         manager = runner.cache.manager
         assert manager.sequences() == []
         assert manager.num_free_blocks == manager.num_blocks - manager.num_reserved
+
+
+def test_generation_config_argument_is_honoured():
+    from transformers import GenerationConfig
+
+    target = make_model("llama")
+    input_ids = repetitive_prompt(width=16)
+    config = GenerationConfig(max_new_tokens=9, do_sample=False, repetition_penalty=1.3, pad_token_id=0)
+    expected = target.generate(input_ids, generation_config=config)
+    sequences = target.generate(input_ids, generation_config=config, speculator="ngram")
+    assert sequences.shape[1] == 16 + 9 and torch.equal(sequences, expected)
+
+
+def test_num_return_sequences_with_sampling_gives_independent_rows():
+    target = make_model("llama")
+    input_ids = repetitive_prompt(rows=2, width=16)
+    torch.manual_seed(0)
+    out = target.generate(input_ids, max_new_tokens=12, do_sample=True, num_return_sequences=3, speculator="ngram")
+    assert out.shape == (6, 28)
+    assert torch.equal(out[:3, :16], input_ids[:1].expand(3, -1))
+    assert len({tuple(r) for r in out[:3, 16:].tolist()}) > 1  # samples differ
