@@ -10,6 +10,7 @@ from .engine import SpeculativeEngine
 from .generation import SpeculativeGenerateOutput, register_generation_strategy, resolve_speculator
 from .metrics import SpeculativeMetrics
 from .paged_cache import PagedKVCache
+from .pipeline import SpeculativeTextGenerationPipeline, register_pipeline
 from .speculators import DraftModelSpeculator, NgramSpeculator, Speculator
 from .tokenizers import TokenizerMismatchError, check_tokenizers_match
 from .types import DraftProposal, VerifyResult
@@ -18,9 +19,12 @@ from .verify import verify
 __version__ = "0.1.0"
 
 register_generation_strategy()
+register_pipeline()
 
 __all__ = [
     "BlockManager", "DraftModelSpeculator", "DraftProposal", "NgramSpeculator", "OutOfBlocksError", "PagedKVCache",
-    "SpeculativeEngine", "SpeculativeGenerateOutput", "SpeculativeMetrics", "Speculator", "TokenizerMismatchError",
-    "UnsupportedModelError", "VerifyResult", "check_tokenizers_match", "resolve_speculator", "verify",
+    "SpeculativeEngine", "SpeculativeGenerateOutput", "SpeculativeMetrics", "SpeculativeTextGenerationPipeline",
+    "Speculator", "TokenizerMismatchError",
+    "UnsupportedModelError", "VerifyResult", "check_tokenizers_match", "register_pipeline", "resolve_speculator",
+    "verify",
 ]

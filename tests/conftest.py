@@ -61,3 +61,30 @@ def repetitive_prompt(rows: int = 1, width: int = 16, seed: int = 0):
 @pytest.fixture
 def llama():
     return make_model("llama")
+
+
+def make_tokenizer(shuffle_seed: int | None = None):
+    """A word-level tokenizer over the tiny models' vocabulary: specials, then words w4 .. w95.
+
+    With `shuffle_seed`, word ids are permuted: same size and specials, different strings per id.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [f"w{i}" for i in range(4, VOCAB)]
+    if shuffle_seed is not None:
+        g = torch.Generator().manual_seed(shuffle_seed)
+        words = [words[i] for i in torch.randperm(len(words), generator=g).tolist()]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{w: i + 4 for i, w in enumerate(words)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
+                                        eos_token="</s>", unk_token="<unk>", padding_side="left")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return tokenizer
+
+
+def word_prompt(seed: int, length: int) -> str:
+    g = torch.Generator().manual_seed(seed)
+    phrase = [f"w{i}" for i in torch.randint(4, VOCAB, (4,), generator=g).tolist()]
+    return " ".join((phrase * length)[:length])

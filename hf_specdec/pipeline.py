@@ -1,0 +1,66 @@
+"""The `speculative-text-generation` pipeline task: text-generation, with a speculator."""
+
+from __future__ import annotations
+
+from transformers import AutoModelForCausalLM, AutoTokenizer, TextGenerationPipeline
+from transformers.pipelines import PIPELINE_REGISTRY
+
+from .generation import resolve_speculator
+from .speculators.base import Speculator
+from .speculators.draft_model import DraftModelSpeculator
+from .tokenizers import check_tokenizers_match
+
+TASK = "speculative-text-generation"
+
+
+class SpeculativeTextGenerationPipeline(TextGenerationPipeline):
+    """Takes and returns what the `text-generation` pipeline does, and decodes speculatively.
+
+    Args:
+        assistant (`str`, `PreTrainedModel` or `Speculator`): a draft model id or path (loaded on the target's
+            device and dtype), a draft model, `"ngram"`, or a speculator object.
+        assistant_tokenizer (*optional*): the draft's tokenizer; loaded beside the draft when `assistant` is an id or
+            path. When known, it must match the target's tokenizer (`TokenizerMismatchError` otherwise).
+        num_speculative_tokens (`int`, *optional*): drafts per step (k); may also be given per call.
+    """
+
+    def __init__(self, *args, assistant=None, assistant_tokenizer=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if assistant is None:
+            raise ValueError(f"the {TASK!r} pipeline needs assistant=: a draft model id or path, a PreTrainedModel, "
+                             "'ngram', or an hf_specdec.Speculator")
+        self.speculator = self._load_assistant(assistant, assistant_tokenizer)
+
+    def _load_assistant(self, assistant, assistant_tokenizer) -> Speculator:
+        if isinstance(assistant, str) and assistant != "ngram":
+            draft = AutoModelForCausalLM.from_pretrained(assistant, dtype=self.model.dtype).to(self.model.device)
+            if assistant_tokenizer is None:
+                try:
+                    assistant_tokenizer = AutoTokenizer.from_pretrained(assistant)
+                except (OSError, ValueError) as error:
+                    raise ValueError(f"could not load a tokenizer beside the assistant {assistant!r} to check it "
+                                     "matches the target's; pass assistant_tokenizer=") from error
+            assistant = draft
+        speculator = resolve_speculator(assistant)
+        if assistant_tokenizer is not None and self.tokenizer is not None:
+            check_tokenizers_match(self.tokenizer, assistant_tokenizer)
+        if isinstance(speculator, DraftModelSpeculator):
+            speculator.validate(self.model)
+        return speculator
+
+    def _sanitize_parameters(self, num_speculative_tokens=None, **kwargs):
+        preprocess, forward, postprocess = super()._sanitize_parameters(**kwargs)
+        if num_speculative_tokens is not None:
+            forward["num_speculative_tokens"] = num_speculative_tokens
+        return preprocess, forward, postprocess
+
+    def _forward(self, model_inputs, **generate_kwargs):
+        return super()._forward(model_inputs, speculator=self.speculator, **generate_kwargs)
+
+
+def register_pipeline() -> None:
+    """Registers the task with transformers' pipeline registry (idempotent)."""
+    if TASK not in PIPELINE_REGISTRY.get_supported_tasks():
+        PIPELINE_REGISTRY.register_pipeline(TASK, pipeline_class=SpeculativeTextGenerationPipeline,
+                                            pt_model=AutoModelForCausalLM, type="text")
+

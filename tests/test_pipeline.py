@@ -1,0 +1,117 @@
+"""The speculative-text-generation pipeline, the tokenizer check, and the hf-specdec CLI."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, pipeline
+
+import hf_specdec
+from conftest import COMMON, make_model, make_tokenizer, word_prompt
+
+GREEDY = dict(max_new_tokens=12, do_sample=False)
+PROMPTS = [word_prompt(1, 9), word_prompt(2, 5), word_prompt(3, 13)]
+
+
+@pytest.fixture
+def target():
+    return make_model("llama")
+
+
+@pytest.mark.parametrize("assistant", ["ngram", "draft"])
+def test_pipeline_equals_stock_text_generation(target, assistant):
+    tokenizer = make_tokenizer()
+    stock = pipeline("text-generation", model=target, tokenizer=tokenizer)
+    ours = pipeline("speculative-text-generation", model=target, tokenizer=tokenizer,
+                    assistant="ngram" if assistant == "ngram" else make_model("llama", seed=0))
+    for prompt in PROMPTS:
+        assert ours(prompt, **GREEDY) == stock(prompt, **GREEDY)
+    assert ours(PROMPTS, batch_size=3, **GREEDY) == stock(PROMPTS, batch_size=1, **GREEDY)
+    assert ours(PROMPTS[0], return_full_text=False, **GREEDY) == stock(PROMPTS[0], return_full_text=False, **GREEDY)
+
+
+def test_pipeline_chat_input_and_options(target):
+    tokenizer = make_tokenizer()
+    stock = pipeline("text-generation", model=target, tokenizer=tokenizer)
+    ours = pipeline("speculative-text-generation", model=target, tokenizer=tokenizer, assistant="ngram",
+                    num_speculative_tokens=3)
+    chat = [{"role": "user", "content": PROMPTS[0]}]
+    assert ours(chat, **GREEDY) == stock(chat, **GREEDY)
+    assert ours(chat, num_speculative_tokens=7, **GREEDY) == stock(chat, **GREEDY)
+
+
+def test_pipeline_loads_assistant_from_a_path(target, tmp_path):
+    draft, tokenizer = make_model("llama", seed=0), make_tokenizer()
+    draft.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    ours = pipeline("speculative-text-generation", model=target, tokenizer=tokenizer, assistant=str(tmp_path))
+    stock = pipeline("text-generation", model=target, tokenizer=tokenizer)
+    assert ours(PROMPTS[1], **GREEDY) == stock(PROMPTS[1], **GREEDY)
+    assert ours.speculator.model.dtype == target.dtype
+
+
+def test_pipeline_refuses_mismatched_tokenizers(target):
+    with pytest.raises(hf_specdec.TokenizerMismatchError, match="id 4"):
+        pipeline("speculative-text-generation", model=target, tokenizer=make_tokenizer(),
+                 assistant=make_model("llama", seed=1), assistant_tokenizer=make_tokenizer(shuffle_seed=0))
+
+
+def test_pipeline_requires_an_assistant(target):
+    with pytest.raises(ValueError, match="assistant"):
+        pipeline("speculative-text-generation", model=target, tokenizer=make_tokenizer())
+
+
+def test_generate_refuses_mismatched_tokenizers(target):
+    input_ids = make_tokenizer()(PROMPTS[0], return_tensors="pt").input_ids
+    with pytest.raises(hf_specdec.TokenizerMismatchError) as error:
+        target.generate(input_ids, speculator=make_model("llama", seed=1), tokenizer=make_tokenizer(),
+                        assistant_tokenizer=make_tokenizer(shuffle_seed=0), **GREEDY)
+    assert isinstance(error.value, ValueError)
+    message = str(error.value)
+    assert "for the target but" in message and "ngram" in message  # what differs, and what to do
+
+
+def test_tokenizer_check_reports_size_and_special_token_differences():
+    small = make_tokenizer()
+    small.add_tokens(["extra"])
+    with pytest.raises(hf_specdec.TokenizerMismatchError, match="sizes differ"):
+        hf_specdec.check_tokenizers_match(make_tokenizer(), small)
+    hf_specdec.check_tokenizers_match(make_tokenizer(), make_tokenizer())  # equal tokenizers pass
+
+
+def test_padded_draft_vocabulary_is_compatible(target):
+    """Same tokenizer, embedding padded to 128 rows (as in the Qwen2.5 family): accepted, output unchanged."""
+    torch.manual_seed(1)
+    draft = LlamaForCausalLM(LlamaConfig(**{**COMMON, "vocab_size": 128})).double().eval()
+    tokenizer = make_tokenizer()
+    input_ids = tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    expected = target.generate(input_ids, **GREEDY)
+    out = target.generate(input_ids, speculator=draft, tokenizer=tokenizer, assistant_tokenizer=tokenizer,
+                          return_dict_in_generate=True, **GREEDY)
+    assert torch.equal(out.sequences, expected) and out.speculative_metrics.num_draft_tokens > 0
+    torch.manual_seed(0)
+    sampled = target.generate(input_ids, speculator=draft, do_sample=True, max_new_tokens=12)
+    assert int(sampled.max()) < COMMON["vocab_size"]  # ids past the target's vocabulary are never emitted
+
+
+def test_cli_generate_end_to_end(tmp_path, capsys):
+    from hf_specdec.cli import main
+
+    model, tokenizer = make_model("llama", dtype=torch.float32), make_tokenizer()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    assert main(["generate", "--model", str(tmp_path), "--speculator", "ngram", "-k", "3", "--max-new-tokens", "10",
+                 PROMPTS[0]]) == 0
+    captured = capsys.readouterr()
+    assert "acceptance rate" in captured.err and "tokens/s" in captured.err
+    expected = model.generate(**tokenizer(PROMPTS[0] + " ", return_tensors="pt", add_special_tokens=False),
+                              max_new_tokens=10, do_sample=False)
+    assert tokenizer.decode(expected[0, -10:], skip_special_tokens=True) in captured.out
+
+
+def test_cli_help_for_every_command(capsys):
+    from hf_specdec.cli import main
+
+    for command in ([], ["run"], ["generate"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*command, "--help"])
+        assert exit_info.value.code == 0
+    assert "usage" in capsys.readouterr().out
