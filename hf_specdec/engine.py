@@ -19,6 +19,7 @@ from contextlib import ExitStack
 
 import torch
 
+from .adaptive import DEFAULT_COST_PER_TOKEN, AdaptiveK
 from .block_manager import OutOfBlocksError
 from .logits import LogitsProcessing
 from .metrics import SpeculativeMetrics, logger
@@ -38,15 +39,23 @@ class SpeculativeEngine:
         num_speculative_tokens (`int`): k, the most drafts per row and step.
         block_size (`int`): KV block size in tokens.
         max_num_blocks (`int`, *optional*): cap on the target's KV pool; a batch that cannot fit is refused.
+        schedule (`str`): `"adaptive"` picks k in `[0, num_speculative_tokens]` each step from the acceptance seen so
+            far (see `adaptive.py`); `"constant"` always drafts `num_speculative_tokens`.
+        cost_per_token (`float`, *optional*): adaptive k's verify cost of one more token, relative to a one-token
+            step; defaults to a value measured for the model's device type.
     """
 
     def __init__(self, model, speculator: Speculator, num_speculative_tokens: int, block_size: int = 16,
-                 max_num_blocks: int | None = None):
+                 max_num_blocks: int | None = None, schedule: str = "adaptive", cost_per_token: float | None = None):
+        if schedule not in ("adaptive", "constant"):
+            raise ValueError(f"speculative_schedule must be 'adaptive' or 'constant', got {schedule!r}")
         self.model = model
         self.speculator = speculator
         self.k = num_speculative_tokens
         self.block_size = block_size
         self.max_num_blocks = max_num_blocks
+        self.schedule = schedule
+        self.cost_per_token = cost_per_token
 
     def generate(self, input_ids, attention_mask, max_new_tokens: int, do_sample: bool, logits_processor=None,
                  stopping_criteria=None, eos_token_ids=None, pad_token_id: int = 0, streamer=None):
@@ -64,6 +73,12 @@ class SpeculativeEngine:
         batch = self._make_batch(input_ids, attention_mask, max_new_tokens, do_sample, logits_processor, pad_token_id)
         self._check_pool_fits(batch.lengths, max_new_tokens)
         num_generated = [0] * len(batch.lengths)
+        self._policy = None
+        if self.schedule == "adaptive":
+            cost = self.cost_per_token
+            if cost is None:
+                cost = DEFAULT_COST_PER_TOKEN.get(self.model.device.type, DEFAULT_COST_PER_TOKEN["cuda"])
+            self._policy = AdaptiveK(len(batch.lengths), self.k, cost, self.speculator.relative_cost(self.model))
         stop = StopRules(stopping_criteria, eos_token_ids)
         target = ModelRunner(self.model, block_size=self.block_size, max_num_blocks=self.max_num_blocks)
         with ExitStack() as stack:
@@ -120,14 +135,18 @@ class SpeculativeEngine:
             if not done:  # the target's cache keeps every committed token but the last
                 target.rollback(row, batch.lengths[row] - 1)
         self.speculator.commit(batch, num_accepted)
-        metrics.record_step(draft.num_tokens.tolist(), num_accepted)
+        num_drafted = draft.num_tokens.tolist()
+        metrics.record_step(num_drafted, num_accepted)
         metrics.draft_time_s += t1 - t0
         metrics.verify_time_s += time.perf_counter() - t1
+        if self._policy is not None:
+            self._policy.update(rows, num_drafted, num_accepted)
         return num_emit, [r for r, done in zip(rows, finished.tolist()) if done]
 
     def _propose(self, batch, budget) -> DraftProposal:
         # Never draft past a row's length budget: the last token a row may emit is always the target's own.
-        k_rows = torch.tensor([max(0, min(self.k, b - 1)) for b in budget], device=batch.device)
+        k = self._policy.choose(batch.active) if self._policy is not None else self.k
+        k_rows = torch.tensor([max(0, min(k, b - 1)) for b in budget], device=batch.device)
         draft = self.speculator.propose(batch, int(k_rows.max()))  # called even for k = 0: speculators track rows
         num_tokens = torch.minimum(draft.num_tokens, k_rows)
         k = int(num_tokens.max())  # drop draft columns no row uses, so the verify forward is no wider than needed

@@ -67,13 +67,20 @@ def _check_num_speculative_tokens(k) -> int:
     return k
 
 
-def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=None, **kwargs):
+def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=None, speculative_schedule=None,
+                          **kwargs):
     if speculator is None:
-        if num_speculative_tokens is not None:
-            raise ValueError("num_speculative_tokens= only applies together with speculator=")
+        for name, value in (("num_speculative_tokens", num_speculative_tokens),
+                            ("speculative_schedule", speculative_schedule)):
+            if value is not None:
+                raise ValueError(f"{name}= only applies together with speculator=")
         return _speculative_generate.original(self, *args, **kwargs)
     spec = resolve_speculator(speculator)
     k = _check_num_speculative_tokens(num_speculative_tokens)
+    schedule = speculative_schedule or "adaptive"
+    if schedule not in ("adaptive", "constant"):
+        raise ValueError(f"speculative_schedule must be 'adaptive' (k chosen each step, at most "
+                         f"num_speculative_tokens) or 'constant', got {speculative_schedule!r}")
     for name in _OWN_OPTIONS:
         if kwargs.get(name) is not None:
             raise ValueError(f"{name}= cannot be combined with speculator=; hf_specdec replaces it (pass one or the other)")
@@ -96,13 +103,13 @@ def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=N
     streamer = kwargs.get("streamer")
 
     def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
-        return _decode(model, spec, k, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+        return _decode(model, spec, k, schedule, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                        model_kwargs)
 
     return _speculative_generate.original(self, *args, custom_generate=decode, **kwargs)
 
 
-def _decode(model, speculator, k, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+def _decode(model, speculator, k, schedule, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
             model_kwargs):
     config = generation_config
     if config.num_beams > 1:
@@ -131,7 +138,7 @@ def _decode(model, speculator, k, input_ids, logits_processor, stopping_criteria
     eos = config._eos_token_tensor
     pad = config._pad_token_tensor
     pad_token_id = int(pad) if pad is not None else (int(eos.flatten()[0]) if eos is not None else 0)
-    engine = SpeculativeEngine(model, speculator, k)
+    engine = SpeculativeEngine(model, speculator, k, schedule=schedule)
     sequences, metrics = engine.generate(
         input_ids, model_kwargs.get("attention_mask"), max_new_tokens, config.do_sample, logits_processor,
         stopping_criteria, eos.flatten() if eos is not None else None, pad_token_id, streamer,

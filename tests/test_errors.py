@@ -119,3 +119,10 @@ def test_top_level_kernels_is_not_this_repository(tmp_path):
                                check=True).stdout.splitlines()
     assert not top or not pathlib.Path(top).resolve().is_relative_to(repo)
     assert pathlib.Path(ours).resolve() == repo / "kernels" / "__init__.py"
+
+
+def test_bad_speculative_schedule_is_refused():
+    with pytest.raises(ValueError, match="speculative_schedule"):
+        make_model().generate(PROMPT, max_new_tokens=4, speculator="ngram", speculative_schedule="fast")
+    with pytest.raises(ValueError, match="speculator"):
+        make_model().generate(PROMPT, max_new_tokens=4, speculative_schedule="constant")

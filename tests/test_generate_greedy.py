@@ -30,7 +30,8 @@ def test_batch_one_equals_generate(arch, kind):
     target = make_model(arch)
     input_ids = repetitive_prompt(width=16)
     expected = target.generate(input_ids, max_new_tokens=MAX_NEW, do_sample=False)
-    sequences, metrics = run(target, speculators(arch)[kind](target), input_ids)
+    # A constant k, so every step drafts: adaptive k may rightly stop drafting with a draft as big as the target.
+    sequences, metrics = run(target, speculators(arch)[kind](target), input_ids, speculative_schedule="constant")
     assert torch.equal(sequences, expected)
     assert metrics.num_draft_tokens > 0, "no drafts were proposed: the test would not exercise verification"
     if kind == "same_draft":
@@ -39,12 +40,13 @@ def test_batch_one_equals_generate(arch, kind):
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
-@pytest.mark.parametrize("kind", ["ngram", "random_draft", "same_draft"])
-def test_ragged_batch_equals_generate(arch, kind):
+@pytest.mark.parametrize("kind,schedule", [("ngram", "constant"), ("ngram", "adaptive"), ("random_draft", "constant"),
+                                           ("same_draft", "constant")])
+def test_ragged_batch_equals_generate(arch, kind, schedule):
     target = make_model(arch)
     input_ids, mask = ragged_batch(rows=4, width=14)
     expected = target.generate(input_ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False)
-    sequences, metrics = run(target, speculators(arch)[kind](target), input_ids, mask)
+    sequences, metrics = run(target, speculators(arch)[kind](target), input_ids, mask, speculative_schedule=schedule)
     assert torch.equal(sequences, expected)
     assert metrics.num_draft_tokens > 0
 
@@ -85,7 +87,8 @@ def test_eos_found_inside_accepted_drafts_stops_there():
     free_run = target.generate(input_ids, max_new_tokens=MAX_NEW, do_sample=False)
     eos = int(free_run[0, 16 + 6])
     expected = target.generate(input_ids, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos)
-    sequences, _ = run(target, make_model("llama", seed=0), input_ids, eos_token_id=eos)  # identical draft
+    sequences, _ = run(target, make_model("llama", seed=0), input_ids, eos_token_id=eos,  # identical draft
+                       speculative_schedule="constant")
     assert torch.equal(sequences, expected)
     assert sequences.shape[1] <= 16 + 7
 
@@ -131,7 +134,8 @@ def test_streamer_receives_accepted_tokens():
     target = make_model("llama")
     input_ids = repetitive_prompt(width=16)
     streamer = Collect()
-    sequences, metrics = run(target, make_model("llama", seed=0), input_ids, streamer=streamer)
+    sequences, metrics = run(target, make_model("llama", seed=0), input_ids, streamer=streamer,
+                             speculative_schedule="constant")
     assert streamer.ended and streamer.chunks[0] == input_ids[0].tolist()
     assert sum(streamer.chunks[1:], []) == sequences[0, 16:].tolist()
     assert any(len(c) > 1 for c in streamer.chunks[1:])  # several tokens per step arrive together
@@ -141,7 +145,8 @@ def test_num_speculative_tokens_takes_effect():
     target = make_model("llama")
     input_ids = repetitive_prompt(width=16)
     for k in (1, 3, 7):
-        _, metrics = run(target, make_model("llama", seed=0), input_ids, num_speculative_tokens=k)
+        _, metrics = run(target, make_model("llama", seed=0), input_ids, num_speculative_tokens=k,
+                         speculative_schedule="constant")
         assert metrics.num_draft_tokens <= k * metrics.num_drafts
         assert max(metrics.num_draft_tokens // max(metrics.num_drafts, 1), 1) == k
 

@@ -37,6 +37,10 @@ class Speculator:
     def validate(self, target) -> None:
         """Raises a clear error if this speculator cannot serve `target`."""
 
+    def relative_cost(self, target) -> float:
+        """Cost of drafting one token relative to one target decode step (adaptive k weighs drafts with it)."""
+        return 0.0
+
 
 def sample_or_argmax(scores: torch.Tensor, do_sample: bool, generator=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Draft tokens `[n]` from processed scores `[n, vocab]`, and the draft_probs they were sampled from (or None)."""

@@ -51,6 +51,10 @@ class DraftModelSpeculator(Speculator):
             )
         check_vocab_compatible(target, self.model)
 
+    def relative_cost(self, target) -> float:
+        # A decode step of a small model is bound by reading its weights, so cost scales with parameter count.
+        return self.model.num_parameters() / target.num_parameters()
+
     def begin(self, target, batch: SequenceBatch) -> None:
         self._stack = ExitStack()
         self._stack.enter_context(paged_attention(self.model))
