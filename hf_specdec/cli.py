@@ -9,24 +9,33 @@ import time
 
 import torch
 
-from .models import DEFAULT_MODEL, load_model
+from .models import DEFAULT_MODEL, load_causal_lm, load_model, load_tokenizer
+from .tokenizers import check_tokenizers_match
 from .workloads import GROUNDED, chat_inputs
 
 
-def _speculator(spec: str, like_model=None):
+def _speculator(spec: str, target, target_tokenizer):
+    """'ngram', or a draft model loaded like the target (its tokenizer, when it has one, must match)."""
     if spec == "ngram":
         return "ngram"
-    model, _ = load_model(spec, dtype=like_model.dtype if like_model is not None else None)
-    return model
+    draft = load_causal_lm(spec, dtype=target.dtype, device=target.device)
+    try:
+        draft_tokenizer = load_tokenizer(spec)
+    except (OSError, ValueError):
+        draft_tokenizer = None  # no tokenizer beside the draft: generate still checks vocabulary sizes
+    if draft_tokenizer is not None:
+        check_tokenizers_match(target_tokenizer, draft_tokenizer)
+    return draft
 
 
 def cmd_run(args) -> int:
     """Speculative generation on the embedded default model, timed against plain generate in the same run."""
-    torch.set_num_threads(args.threads) if args.threads else None
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
     inputs = chat_inputs(tokenizer, [args.prompt or GROUNDED["repeat_summarise"]])
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
-    speculative = dict(speculator=_speculator(args.speculator, model), num_speculative_tokens=args.k)
+    speculative = dict(speculator=_speculator(args.speculator, model, tokenizer), num_speculative_tokens=args.k)
 
     def timed(**kwargs):
         start = time.perf_counter()
@@ -67,13 +76,32 @@ def cmd_generate(args) -> int:
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k) \
         if args.sample else dict(do_sample=False)
     start = time.perf_counter()
-    out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, speculator=_speculator(args.speculator, model),
+    speculator = _speculator(args.speculator, model, tokenizer)
+    out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, speculator=speculator,
                          num_speculative_tokens=args.k, return_dict_in_generate=True,
                          streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True), **sampling)
     elapsed = time.perf_counter() - start
     m = out.speculative_metrics
     print(f"\n[acceptance rate {m.acceptance_rate:.3f}, mean acceptance length {m.mean_acceptance_length:.2f}, "
           f"{m.num_emitted_tokens / elapsed:.1f} tokens/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    """Plain generate vs transformers' assisted generation vs hf_specdec, on built-in workloads."""
+    from .bench import environment, run_bench, save, table
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    speculators = {name: _speculator(name, model, tokenizer) for name in args.speculators.split(",")}
+    results = run_bench(model, tokenizer, speculators, [int(b) for b in args.batch_sizes.split(",")],
+                        args.workloads.split(","), args.max_new_tokens, args.k, args.repeats)
+    meta = {"model": args.model, "speculators": list(speculators), "k": args.k, "max_new_tokens": args.max_new_tokens,
+            "repeats": args.repeats, "command": "hf-specdec bench " + " ".join(sys.argv[2:]), **environment()}
+    save(results, args.out, args.plot, meta)
+    print(table(results))
+    print(f"\nwrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
     return 0
 
 
@@ -90,6 +118,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prompt", default=None, help="user prompt (default: a repeat-then-summarise task)")
     run.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     run.set_defaults(func=cmd_run)
+
+    bench = sub.add_parser("bench", help="benchmark plain, transformers-assisted and hf_specdec generation")
+    bench.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name, hub id or path")
+    bench.add_argument("--speculators", default="ngram", help="comma-separated: 'ngram' and/or draft models")
+    bench.add_argument("--batch-sizes", default="1,4,16")
+    bench.add_argument("--workloads", default="grounded,open_chat")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("-k", type=int, default=10, help="num_speculative_tokens (the most per step)")
+    bench.add_argument("--repeats", type=int, default=3, help="timed repeats; medians are reported")
+    bench.add_argument("--out", default="bench.json", help="JSON results file")
+    bench.add_argument("--plot", default="bench.png", help="PNG plot of speedups ('' for none)")
+    bench.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    bench.set_defaults(func=cmd_bench)
 
     gen = sub.add_parser("generate", help="stream one prompt's speculative generation")
     gen.add_argument("prompt")

@@ -64,26 +64,32 @@ def _pip(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "pip", *args, "-q"], check=True)
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None, device: str | None = None):
-    """Loads a causal LM and its tokenizer.
-
-    Args:
-        name_or_path (`str`): an embedded model name (`smollm2-135m-instruct`, `gemma-3-270m`), a hub id or a path.
-        dtype: torch dtype to load in (embedded GGUF models load as float32).
-        device (`str`, *optional*): where to put the model.
-    Returns:
-        `(model, tokenizer)`.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    kwargs = {}
+def _source(name_or_path: str) -> tuple[str, dict]:
     if name_or_path in EMBEDDED_MODELS:
         gguf = fetch_embedded(name_or_path)
-        source, kwargs["gguf_file"] = str(gguf.parent), gguf.name
-    else:
-        source = name_or_path
-    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        return str(gguf.parent), {"gguf_file": gguf.name}
+    return name_or_path, {}
+
+
+def load_causal_lm(name_or_path: str = DEFAULT_MODEL, dtype=None, device: str | None = None):
+    """Loads a causal LM from an embedded model name (`smollm2-135m-instruct`, `gemma-3-270m`), a hub id or a path.
+
+    Embedded GGUF models load dequantized to float32 unless `dtype` says otherwise.
+    """
+    from transformers import AutoModelForCausalLM
+
+    source, kwargs = _source(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs).eval()
-    if device is not None:
-        model = model.to(device)
-    return model, tokenizer
+    return model.to(device) if device is not None else model
+
+
+def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
+    from transformers import AutoTokenizer
+
+    source, kwargs = _source(name_or_path)
+    return AutoTokenizer.from_pretrained(source, **kwargs)
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None, device: str | None = None):
+    """Loads a causal LM and its tokenizer; returns `(model, tokenizer)`. See `load_causal_lm`."""
+    return load_causal_lm(name_or_path, dtype, device), load_tokenizer(name_or_path)

@@ -1,0 +1,188 @@
+"""`hf-specdec bench`: plain generate, transformers' assisted generation and hf_specdec, side by side in one process.
+
+For every workload (grounded or open chat) and batch size, each configuration runs on the same prompts; repeats are
+interleaved across configurations so machine noise hits them alike, and medians are reported. Definitions:
+- tokens/s: new tokens of the batch / end-to-end latency.
+- TTFT: latency of the same call with `max_new_tokens=1` (prefill + first token).
+- TPOT: (latency - TTFT) / (new tokens per row - 1).
+- ideal speedup: tokens emitted per target forward, discounted by drafting cost (the draft's size relative to the
+  target's, per drafted token): what speculation would give if a verify cost the same as a plain decode step.
+  The fraction achieved (speedup / ideal) shows the overhead left on the table.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .workloads import GROUNDED, OPEN_CHAT, chat_inputs
+
+WORKLOADS = {"grounded": list(GROUNDED.values()), "open_chat": list(OPEN_CHAT.values())}
+
+
+@dataclass
+class Config:
+    name: str
+    kwargs: dict = field(default_factory=dict)
+    batch_one_only: bool = False  # transformers' assisted generation refuses batch size > 1
+    draft_cost: float = 0.0  # drafting one token relative to a target step
+
+
+@dataclass
+class Result:
+    workload: str
+    batch_size: int
+    config: str
+    tokens_per_s: float
+    ttft_s: float
+    tpot_s: float
+    latency_s: float
+    new_tokens: int
+    speedup: float = 1.0
+    identical: bool | None = None
+    acceptance_rate: float | None = None
+    mean_acceptance_length: float | None = None
+    tokens_per_target_forward: float | None = None
+    ideal_speedup: float | None = None
+    fraction_of_ideal: float | None = None
+
+
+def build_configs(model, speculators: dict, k: int, draft_costs: dict) -> list[Config]:
+    configs = [Config("plain generate"), Config("transformers prompt lookup", dict(prompt_lookup_num_tokens=k),
+                                                batch_one_only=True)]
+    for name, spec in speculators.items():
+        if not isinstance(spec, str):
+            configs.append(Config(f"transformers assisted ({name})", dict(assistant_model=spec), batch_one_only=True))
+    for name, spec in speculators.items():
+        configs.append(Config(f"hf_specdec {name}", dict(speculator=spec, num_speculative_tokens=k),
+                              draft_cost=draft_costs.get(name, 0.0)))
+    return configs
+
+
+def run_bench(model, tokenizer, speculators: dict, batch_sizes=(1, 4, 16), workloads=("grounded", "open_chat"),
+              max_new_tokens: int = 128, k: int = 10, repeats: int = 3, progress: bool = True) -> list[Result]:
+    """Runs every configuration; returns one `Result` per (workload, batch size, configuration)."""
+    from tqdm.auto import tqdm
+
+    draft_costs = {n: s.num_parameters() / model.num_parameters() for n, s in speculators.items()
+                   if not isinstance(s, str)}
+    configs = build_configs(model, speculators, k, draft_costs)
+    plan = [(w, b) for w in workloads for b in batch_sizes]
+    total = sum(len([c for c in configs if b == 1 or not c.batch_one_only]) for _, b in plan) * (repeats + 1)
+    bar = tqdm(total=total, disable=not progress, desc="bench")
+    results = []
+    for workload, batch_size in plan:
+        prompts = [WORKLOADS[workload][i % len(WORKLOADS[workload])] for i in range(batch_size)]
+        inputs = chat_inputs(tokenizer, prompts)
+        active = [c for c in configs if batch_size == 1 or not c.batch_one_only]
+        results += _measure(model, inputs, active, workload, batch_size, max_new_tokens, repeats, bar)
+    bar.close()
+    return results
+
+
+def _measure(model, inputs, configs, workload, batch_size, max_new_tokens, repeats, bar) -> list[Result]:
+    def call(config, n):
+        start = time.perf_counter()
+        out = model.generate(**inputs, max_new_tokens=n, do_sample=False, return_dict_in_generate=True,
+                             **config.kwargs)
+        return time.perf_counter() - start, out
+
+    latencies = {c.name: [] for c in configs}
+    ttfts = {c.name: [] for c in configs}
+    outputs = {}
+    for config in configs:  # warm-up, and TTFT's first sample
+        call(config, 4)
+        bar.update(1)
+    for _ in range(repeats):
+        for config in configs:
+            ttfts[config.name].append(call(config, 1)[0])
+            latency, out = call(config, max_new_tokens)
+            latencies[config.name].append(latency)
+            outputs[config.name] = out
+            bar.update(1)
+    prompt_width = inputs["input_ids"].shape[1]
+    reference = outputs[configs[0].name].sequences
+    base_latency = statistics.median(latencies[configs[0].name])
+    results = []
+    for config in configs:
+        out = outputs[config.name]
+        latency, ttft = statistics.median(latencies[config.name]), statistics.median(ttfts[config.name])
+        per_row = out.sequences.shape[1] - prompt_width
+        new_tokens = int((out.sequences[:, prompt_width:] != model.generation_config.pad_token_id).sum()) \
+            if batch_size > 1 else per_row
+        result = Result(workload, batch_size, config.name, new_tokens / latency, ttft,
+                        (latency - ttft) / max(per_row - 1, 1), latency, new_tokens, base_latency / latency,
+                        torch.equal(out.sequences, reference))
+        metrics = getattr(out, "speculative_metrics", None)
+        if metrics is not None:
+            result.acceptance_rate = metrics.acceptance_rate
+            result.mean_acceptance_length = metrics.mean_acceptance_length
+            per_forward = metrics.num_emitted_tokens / max(metrics.num_steps * batch_size, 1)
+            drafted_per_forward = metrics.num_draft_tokens / max(metrics.num_steps * batch_size, 1)
+            result.tokens_per_target_forward = per_forward
+            result.ideal_speedup = per_forward / (1 + config.draft_cost * drafted_per_forward)
+            result.fraction_of_ideal = result.speedup / result.ideal_speedup
+        results.append(result)
+    return results
+
+
+def environment() -> dict:
+    import transformers
+
+    return {"machine": platform.machine(), "processor": platform.processor(), "cpus": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def save(results: list[Result], path_json: str, path_png: str | None, meta: dict) -> None:
+    with open(path_json, "w") as f:
+        json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=2)
+    if path_png:
+        plot(results, path_png)
+
+
+def plot(results: list[Result], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = sorted({r.workload for r in results})
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4), squeeze=False)
+    for ax, workload in zip(axes[0], workloads):
+        rows = [r for r in results if r.workload == workload]
+        configs = list(dict.fromkeys(r.config for r in rows))
+        sizes = sorted({r.batch_size for r in rows})
+        width = 0.8 / len(configs)
+        for i, config in enumerate(configs):
+            xs = [j + i * width for j, b in enumerate(sizes) if any(r.config == config and r.batch_size == b
+                                                                     for r in rows)]
+            ys = [r.speedup for b in sizes for r in rows if r.config == config and r.batch_size == b]
+            ax.bar(xs, ys, width, label=config)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [f"batch {b}" for b in sizes])
+        ax.set_ylabel("speedup over plain generate")
+        ax.set_title(workload)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def table(results: list[Result]) -> str:
+    """A markdown table of the results."""
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    lines = ["| workload | batch | configuration | tokens/s | speedup | TTFT s | TPOT ms | acceptance | mean acc. len "
+             "| ideal | of ideal | identical |", "|" + " --- |" * 12]
+    for r in results:
+        lines.append(f"| {r.workload} | {r.batch_size} | {r.config} | {r.tokens_per_s:.1f} | {r.speedup:.2f}x | "
+                     f"{r.ttft_s:.3f} | {r.tpot_s * 1000:.1f} | {fmt(r.acceptance_rate, '.2f')} | "
+                     f"{fmt(r.mean_acceptance_length, '.2f')} | {fmt(r.ideal_speedup, '.2f')} | "
+                     f"{fmt(r.fraction_of_ideal, '.0%')} | {'yes' if r.identical else 'no'} |")
+    return "\n".join(lines)
