@@ -75,8 +75,8 @@ def cmd_generate(args) -> int:
     inputs = chat_inputs(tokenizer, [args.prompt])
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k) \
         if args.sample else dict(do_sample=False)
-    start = time.perf_counter()
     speculator = _speculator(args.speculator, model, tokenizer)
+    start = time.perf_counter()
     out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, speculator=speculator,
                          num_speculative_tokens=args.k, return_dict_in_generate=True,
                          streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True), **sampling)
