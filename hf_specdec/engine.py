@@ -19,7 +19,7 @@ from contextlib import ExitStack
 
 import torch
 
-from .adaptive import DEFAULT_COST_PER_TOKEN, AdaptiveK
+from .adaptive import DEFAULT_TOKEN_COST_RATIO, AdaptiveK
 from .block_manager import OutOfBlocksError
 from .logits import LogitsProcessing
 from .metrics import SpeculativeMetrics, logger
@@ -41,12 +41,12 @@ class SpeculativeEngine:
         max_num_blocks (`int`, *optional*): cap on the target's KV pool; a batch that cannot fit is refused.
         schedule (`str`): `"adaptive"` picks k in `[0, num_speculative_tokens]` each step from the acceptance seen so
             far (see `adaptive.py`); `"constant"` always drafts `num_speculative_tokens`.
-        cost_per_token (`float`, *optional*): adaptive k's verify cost of one more token, relative to a one-token
-            step; defaults to a value measured for the model's device type.
+        token_cost_ratio (`float`, *optional*): adaptive k's cost model: a forward's cost per token relative to its
+            fixed cost; defaults to a value measured for the model's device type.
     """
 
     def __init__(self, model, speculator: Speculator, num_speculative_tokens: int, block_size: int = 16,
-                 max_num_blocks: int | None = None, schedule: str = "adaptive", cost_per_token: float | None = None):
+                 max_num_blocks: int | None = None, schedule: str = "adaptive", token_cost_ratio: float | None = None):
         if schedule not in ("adaptive", "constant"):
             raise ValueError(f"speculative_schedule must be 'adaptive' or 'constant', got {schedule!r}")
         self.model = model
@@ -55,7 +55,7 @@ class SpeculativeEngine:
         self.block_size = block_size
         self.max_num_blocks = max_num_blocks
         self.schedule = schedule
-        self.cost_per_token = cost_per_token
+        self.token_cost_ratio = token_cost_ratio
 
     def generate(self, input_ids, attention_mask, max_new_tokens: int, do_sample: bool, logits_processor=None,
                  stopping_criteria=None, eos_token_ids=None, pad_token_id: int = 0, streamer=None):
@@ -75,9 +75,9 @@ class SpeculativeEngine:
         num_generated = [0] * len(batch.lengths)
         self._policy = None
         if self.schedule == "adaptive":
-            cost = self.cost_per_token
+            cost = self.token_cost_ratio
             if cost is None:
-                cost = DEFAULT_COST_PER_TOKEN.get(self.model.device.type, DEFAULT_COST_PER_TOKEN["cuda"])
+                cost = DEFAULT_TOKEN_COST_RATIO.get(self.model.device.type, DEFAULT_TOKEN_COST_RATIO["cuda"])
             self._policy = AdaptiveK(len(batch.lengths), self.k, cost, self.speculator.relative_cost(self.model))
         stop = StopRules(stopping_criteria, eos_token_ids)
         target = ModelRunner(self.model, block_size=self.block_size, max_num_blocks=self.max_num_blocks)
@@ -129,7 +129,17 @@ class SpeculativeEngine:
             output == PAD_ID, pad_token_id, output)
         num_emit, finished = stop.apply(batch.token_ids, rows_t, end, output, result.num_accepted + 1,
                                         torch.tensor(budget, device=end.device), scores)
-        num_emit, num_accepted = num_emit.tolist(), result.num_accepted.tolist()  # the step's one host sync
+        # NaN/inf logits would silently turn into arbitrary tokens; check them in the step's one host transfer.
+        broken = ~torch.isfinite(logits).flatten(1).all(-1)
+        if draft.probs is not None:
+            broken |= ~torch.isfinite(draft.probs).flatten(1).all(-1)
+        num_emit, num_accepted, broken = num_emit.tolist(), result.num_accepted.tolist(), broken.tolist()
+        if any(broken):
+            raise FloatingPointError(
+                f"{'the target or draft model' if draft.probs is not None else 'the target model'} produced NaN or "
+                f"inf logits for batch rows {[r for r, b in zip(rows, broken) if b]}; float16 overflow is the usual "
+                "cause: load the model in bfloat16 or float32, or check its weights"
+            )
         for row, n, done in zip(rows, num_emit, finished.tolist()):
             batch.lengths[row] += n
             if not done:  # the target's cache keeps every committed token but the last
