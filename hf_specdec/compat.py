@@ -30,7 +30,8 @@ def check_model_supported(model, role: str = "model") -> None:
     if not layer_types <= _SUPPORTED_LAYER_TYPES or getattr(model, "_is_stateful", False):
         raise UnsupportedModelError(
             f"the {role} {name} has layers of kinds {sorted(layer_types - _SUPPORTED_LAYER_TYPES) or ['stateful']} "
-            "whose state cannot be rolled back to an earlier token; only full and sliding-window attention are supported"
+            "whose state cannot be rolled back to an earlier token; only full and sliding-window attention are "
+            "supported"
         )
 
 

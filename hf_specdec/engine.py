@@ -116,8 +116,9 @@ class SpeculativeEngine:
 
         cached = [target.length(r) for r in rows]
         num_fed = [batch.lengths[r] - c + k for r, c in zip(rows, cached)]
-        input_ids = gather_right_aligned(batch.token_ids, rows_t, batch.first_col[rows_t] + torch.tensor(cached, device=batch.device),
-                                         torch.tensor(num_fed, device=batch.device), max(num_fed))
+        start_cols = batch.first_col[rows_t] + torch.tensor(cached, device=batch.device)
+        counts_fed = torch.tensor(num_fed, device=batch.device)
+        input_ids = gather_right_aligned(batch.token_ids, rows_t, start_cols, counts_fed, max(num_fed))
         logits = target.forward(rows, input_ids, num_fed, num_logits=k + 1).logits  # [rows, k + 1, vocab]
         history = end[:, None] + torch.arange(k + 1, device=end.device)  # [rows, k + 1] history length per position
         scores = batch.processing(batch.token_ids, rows_t.repeat_interleave(k + 1), history.reshape(-1),
@@ -133,33 +134,36 @@ class SpeculativeEngine:
         broken = ~torch.isfinite(logits).flatten(1).all(-1)
         if draft.probs is not None:
             broken |= ~torch.isfinite(draft.probs).flatten(1).all(-1)
-        num_emit, num_accepted, broken = num_emit.tolist(), result.num_accepted.tolist(), broken.tolist()
+        counts = torch.stack([num_emit.long(), result.num_accepted.long(), draft.num_tokens.long(), finished.long(),
+                              broken.long()])
+        num_emit, num_accepted, num_drafted, finished, broken = counts.tolist()  # the step's one host transfer
         if any(broken):
             raise FloatingPointError(
                 f"{'the target or draft model' if draft.probs is not None else 'the target model'} produced NaN or "
                 f"inf logits for batch rows {[r for r, b in zip(rows, broken) if b]}; float16 overflow is the usual "
                 "cause: load the model in bfloat16 or float32, or check its weights"
             )
-        for row, n, done in zip(rows, num_emit, finished.tolist()):
+        for row, n, done in zip(rows, num_emit, finished):
             batch.lengths[row] += n
             if not done:  # the target's cache keeps every committed token but the last
                 target.rollback(row, batch.lengths[row] - 1)
         self.speculator.commit(batch, num_accepted)
-        num_drafted = draft.num_tokens.tolist()
         metrics.record_step(num_drafted, num_accepted)
         metrics.draft_time_s += t1 - t0
         metrics.verify_time_s += time.perf_counter() - t1
         if self._policy is not None:
             self._policy.update(rows, num_drafted, num_accepted)
-        return num_emit, [r for r, done in zip(rows, finished.tolist()) if done]
+        return num_emit, [r for r, done in zip(rows, finished) if done]
 
     def _propose(self, batch, budget) -> DraftProposal:
         # Never draft past a row's length budget: the last token a row may emit is always the target's own.
         k = self._policy.choose(batch.active) if self._policy is not None else self.k
-        k_rows = torch.tensor([max(0, min(k, b - 1)) for b in budget], device=batch.device)
-        draft = self.speculator.propose(batch, int(k_rows.max()))  # called even for k = 0: speculators track rows
-        num_tokens = torch.minimum(draft.num_tokens, k_rows)
-        k = int(num_tokens.max())  # drop draft columns no row uses, so the verify forward is no wider than needed
+        k_rows = [max(0, min(k, b - 1)) for b in budget]
+        draft = self.speculator.propose(batch, max(k_rows))  # called even for k = 0: speculators track rows
+        num_tokens = torch.minimum(draft.num_tokens, torch.tensor(k_rows, device=batch.device))
+        # Drop draft columns no row uses, so the verify forward is no wider than needed (this width must be known on
+        # the host to build the forward, hence one small transfer).
+        k = int(num_tokens.max())
         token_ids = torch.where(torch.arange(k, device=batch.device) < num_tokens[:, None],
                                 draft.token_ids[:, :k], PAD_ID)
         probs = draft.probs[:, :k] if draft.probs is not None else None

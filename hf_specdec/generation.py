@@ -83,7 +83,9 @@ def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=N
                          f"num_speculative_tokens) or 'constant', got {speculative_schedule!r}")
     for name in _OWN_OPTIONS:
         if kwargs.get(name) is not None:
-            raise ValueError(f"{name}= cannot be combined with speculator=; hf_specdec replaces it (pass one or the other)")
+            raise ValueError(
+                f"{name}= cannot be combined with speculator=; hf_specdec replaces it (pass one or the other)"
+            )
     check_model_supported(self, role="target model")
     spec.validate(self)
     tokenizer, assistant_tokenizer = kwargs.get("tokenizer"), kwargs.pop("assistant_tokenizer", None)
@@ -103,8 +105,8 @@ def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=N
     streamer = kwargs.get("streamer")
 
     def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
-        return _decode(model, spec, k, schedule, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-                       model_kwargs)
+        return _decode(model, spec, k, schedule, input_ids, logits_processor, stopping_criteria, generation_config,
+                       streamer, model_kwargs)
 
     return _speculative_generate.original(self, *args, custom_generate=decode, **kwargs)
 

@@ -27,7 +27,8 @@ _HISTORY_FREE = tuple(
 _REFUSED = tuple(
     getattr(lp, name)
     for name in ("PrefixConstrainedLogitsProcessor", "UnbatchedClassifierFreeGuidanceLogitsProcessor",
-                 "ClassifierFreeGuidanceLogitsProcessor", "WatermarkLogitsProcessor", "SynthIDTextWatermarkLogitsProcessor")
+                 "ClassifierFreeGuidanceLogitsProcessor", "WatermarkLogitsProcessor",
+                 "SynthIDTextWatermarkLogitsProcessor")
     if hasattr(lp, name)
 )
 

@@ -96,7 +96,10 @@ class PagedKVCache(Cache):
         self.manager.free(seq_id)
 
     def reserve(self, seq_ids: list[int], num_tokens: list[int]) -> list[int]:
-        """Makes room for `num_tokens[i]` more tokens in each row, growing the pool if needed; returns start positions."""
+        """Makes room for `num_tokens[i]` more tokens in each row, growing the pool if needed.
+
+        Returns the position of each row's first new token.
+        """
         missing = sum(self.manager.blocks_missing(s, n) for s, n in zip(seq_ids, num_tokens))
         if missing > self.manager.num_free_blocks:
             self._grow(missing - self.manager.num_free_blocks)

@@ -76,5 +76,11 @@ def _rejection_sample(target_logits, draft, draft_ids, in_draft, generator):
         else:
             removed = draft_probs.gather(1, at[..., None].expand(-1, 1, vocab)).squeeze(1).to(probs.dtype)
         probs = torch.where(rejected[:, None], (probs - removed).clamp(min=0), probs)
-    exponential = torch.empty_like(probs).exponential_(generator=generator)
-    return num_accepted, (probs / exponential).argmax(-1)
+    return num_accepted, sample_unnormalized(probs, generator)
+
+
+def sample_unnormalized(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Samples an index per row of `weights` `[n, vocab]` (non-negative, not necessarily normalised) as
+    argmax(weights / E), E ~ Exp(1): no normalisation pass and no host sync. Returns `[n]`."""
+    exponential = torch.empty_like(weights).exponential_(generator=generator)
+    return (weights / exponential).argmax(-1)

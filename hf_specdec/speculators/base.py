@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..types import DraftProposal, SequenceBatch
+from ..verify import sample_unnormalized
 
 
 class Speculator:
@@ -47,5 +48,4 @@ def sample_or_argmax(scores: torch.Tensor, do_sample: bool, generator=None) -> t
     if not do_sample:
         return scores.argmax(-1), None
     probs = torch.softmax(scores, dim=-1)
-    exponential = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / exponential).argmax(-1), probs
+    return sample_unnormalized(probs, generator), probs
