@@ -1,4 +1,4 @@
-"""`hf-specdec`: the command line. `run` is the main job; `generate` streams one prompt."""
+"""`hf-specdec`: the command line. `run` is the main job; `generate` streams one prompt; `demo` serves the app."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from .demo.app import add_arguments as add_demo_arguments
 from .models import DEFAULT_MODEL, load_causal_lm, load_model, load_tokenizer
 from .tokenizers import check_tokenizers_match
 from .workloads import GROUNDED, chat_inputs
@@ -105,6 +106,13 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    """Serves the Gradio demo app (plain vs speculative generation, side by side)."""
+    from .demo import launch
+
+    return launch(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-specdec", description="Speculative decoding for transformers models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -143,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo", help="serve the demo app: plain vs speculative generation, side by side")
+    add_demo_arguments(demo)
+    demo.set_defaults(func=cmd_demo)
     return parser
 
 
