@@ -6,12 +6,13 @@ speculative decoding. Importing does no network access and writes no files.
 
 from .block_manager import BlockManager, OutOfBlocksError
 from .compat import UnsupportedModelError
+from .eagle_convert import convert_eagle
 from .engine import SpeculativeEngine
 from .generation import SpeculativeGenerateOutput, register_generation_strategy, resolve_speculator
 from .metrics import SpeculativeMetrics
 from .paged_cache import PagedKVCache
 from .pipeline import SpeculativeTextGenerationPipeline, register_pipeline
-from .speculators import DraftModelSpeculator, NgramSpeculator, Speculator
+from .speculators import DraftModelSpeculator, EagleCheckpointError, EagleSpeculator, NgramSpeculator, Speculator
 from .tokenizers import TokenizerMismatchError, check_tokenizers_match
 from .types import DraftProposal, VerifyResult
 from .verify import verify
@@ -22,9 +23,11 @@ register_generation_strategy()
 register_pipeline()
 
 __all__ = [
-    "BlockManager", "DraftModelSpeculator", "DraftProposal", "NgramSpeculator", "OutOfBlocksError", "PagedKVCache",
+    "BlockManager", "DraftModelSpeculator", "DraftProposal", "EagleCheckpointError", "EagleSpeculator",
+    "NgramSpeculator", "OutOfBlocksError", "PagedKVCache",
     "SpeculativeEngine", "SpeculativeGenerateOutput", "SpeculativeMetrics", "SpeculativeTextGenerationPipeline",
     "Speculator", "TokenizerMismatchError",
-    "UnsupportedModelError", "VerifyResult", "check_tokenizers_match", "register_pipeline", "resolve_speculator",
+    "UnsupportedModelError", "VerifyResult", "check_tokenizers_match", "convert_eagle", "register_pipeline",
+    "resolve_speculator",
     "verify",
 ]

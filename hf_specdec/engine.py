@@ -23,7 +23,7 @@ from .adaptive import DEFAULT_TOKEN_COST_RATIO, AdaptiveK
 from .block_manager import OutOfBlocksError
 from .logits import LogitsProcessing
 from .metrics import SpeculativeMetrics, logger
-from .model_runner import ModelRunner, paged_attention
+from .model_runner import ModelRunner, committed_hidden_states, paged_attention
 from .speculators.base import Speculator
 from .stopping import StopRules
 from .types import PAD_ID, DraftProposal, SequenceBatch, gather_right_aligned
@@ -119,7 +119,9 @@ class SpeculativeEngine:
         start_cols = batch.first_col[rows_t] + torch.tensor(cached, device=batch.device)
         counts_fed = torch.tensor(num_fed, device=batch.device)
         input_ids = gather_right_aligned(batch.token_ids, rows_t, start_cols, counts_fed, max(num_fed))
-        logits = target.forward(rows, input_ids, num_fed, num_logits=k + 1).logits  # [rows, k + 1, vocab]
+        wants_states = self.speculator.needs_hidden_states
+        out = target.forward(rows, input_ids, num_fed, num_logits=k + 1, output_hidden_states=wants_states)
+        logits = out.logits  # [rows, k + 1, vocab]
         history = end[:, None] + torch.arange(k + 1, device=end.device)  # [rows, k + 1] history length per position
         scores = batch.processing(batch.token_ids, rows_t.repeat_interleave(k + 1), history.reshape(-1),
                                   logits.reshape(-1, logits.shape[-1])).view(logits.shape)
@@ -147,6 +149,11 @@ class SpeculativeEngine:
             batch.lengths[row] += n
             if not done:  # the target's cache keeps every committed token but the last
                 target.rollback(row, batch.lengths[row] - 1)
+        if wants_states:
+            # Only tokens now committed have valid states: every one but the newest (its state comes next step).
+            num_committed = [max(0, batch.lengths[r] - 1 - c) for r, c in zip(rows, cached)]
+            self.speculator.observe_hidden_states(committed_hidden_states(
+                out.hidden_states, self.speculator.hidden_state_layers, rows, num_fed, cached, num_committed))
         self.speculator.commit(batch, num_accepted)
         metrics.record_step(num_drafted, num_accepted)
         metrics.draft_time_s += t1 - t0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -38,12 +39,13 @@ class ModelRunner:
         self.num_forwards = 0
 
     def forward(self, seq_ids: list[int], input_ids: torch.Tensor, num_tokens: list[int], num_logits: int,
-                output_hidden_states: bool = False):
+                output_hidden_states: bool = False, **model_kwargs):
         """Appends `num_tokens[i]` tokens to row `seq_ids[i]` and returns the model output.
 
         Args:
             input_ids: `[rows, q]` right-aligned tokens (row i's are its last `num_tokens[i]` columns).
             num_logits: how many trailing positions need logits.
+            model_kwargs: passed on to the model (a draft head's input features, say).
         Returns:
             The model output; `logits` is `[rows, num_logits, vocab]`.
         """
@@ -57,6 +59,7 @@ class ModelRunner:
             use_cache=True,
             logits_to_keep=num_logits,
             output_hidden_states=output_hidden_states,
+            **model_kwargs,
             **{PLAN_KWARG: plan},
         )
 
@@ -71,3 +74,45 @@ class ModelRunner:
 
     def free(self, seq_id: int) -> None:
         self.cache.free(seq_id)
+
+
+@dataclass
+class TargetHiddenStates:
+    """The target's hidden states at committed positions a speculator has not seen yet (from the verify forward).
+
+    Attributes:
+        states: `[rows, width, features]` right-aligned: row i's states are its last `num_states[i]` columns and
+            belong to positions `start_positions[i], start_positions[i] + 1, ...` of that row. `features` is the
+            concatenation, in the order asked for, of the requested `output_hidden_states` entries.
+        num_states: states per row, on the host.
+        start_positions: position of each row's first state, on the host.
+        rows: the batch rows, in the order of `states`.
+    """
+
+    states: torch.Tensor
+    num_states: list[int]
+    start_positions: list[int]
+    rows: list[int]
+
+
+def committed_hidden_states(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...], rows: list[int],
+                            num_fed: list[int], start_positions: list[int],
+                            num_committed: list[int]) -> TargetHiddenStates:
+    """Keeps, per row, the hidden states of the first `num_committed[i]` fed tokens (the rest were rejected drafts).
+
+    Args:
+        hidden_states: a model output's `hidden_states`, each `[rows, q, hidden]`, fed right-aligned (row i's tokens
+            are its last `num_fed[i]` columns). Index i is the input to decoder layer i; the last entry is the final
+            hidden state after the model's norm (transformers' convention).
+        layers: which entries to keep, concatenated in this order along the last dimension.
+    """
+    states = torch.cat([hidden_states[i] for i in layers], dim=-1) if len(layers) > 1 else hidden_states[layers[0]]
+    q = states.shape[1]
+    width = max(max(num_committed), 1)
+    device = states.device
+    fed = torch.tensor(num_fed, device=device)
+    keep = torch.tensor(num_committed, device=device)
+    offset = torch.arange(width, device=device)[None, :] - (width - keep)[:, None]  # [rows, width]; < 0 is padding
+    cols = (q - fed)[:, None] + offset.clamp(min=0)
+    picked = states[torch.arange(len(rows), device=device)[:, None], cols]
+    return TargetHiddenStates(picked, list(num_committed), list(start_positions), list(rows))

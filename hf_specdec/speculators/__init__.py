@@ -2,6 +2,7 @@
 
 from .base import Speculator
 from .draft_model import DraftModelSpeculator
+from .eagle import EagleCheckpointError, EagleSpeculator
 from .ngram import NgramSpeculator
 
-__all__ = ["Speculator", "DraftModelSpeculator", "NgramSpeculator"]
+__all__ = ["Speculator", "DraftModelSpeculator", "EagleCheckpointError", "EagleSpeculator", "NgramSpeculator"]
