@@ -1,0 +1,86 @@
+"""Verify attention over a paged KV cache: the plain PyTorch spec (gather each row's context, then masked SDPA).
+
+Layout: each layer's keys and values live in a pool `[num_slots, kv_heads, head_dim]`; slot `b * block_size + o` is
+offset `o` of block `b`, and row i's token at position p sits in block `block_tables[i, p // block_size]`. A step's
+queries `[rows, heads, q, head_dim]` carry their positions `[rows, q]`; query (i, j) attends to row i's positions
+`<= query_positions[i, j]` (causal), and within the last `sliding_window` of them when the layer has a window.
+Grouped-query heads share kv head `head // (heads // kv_heads)`. Optional logit soft-capping: `softcap * tanh(s /
+softcap)`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def context_slots(block_tables: torch.Tensor, context_lens: torch.Tensor, num_context: int, block_size: int,
+                  pad_slot: int = 0) -> torch.Tensor:
+    """`[rows, num_context]` pool slot of each row's positions `0..num_context-1`, `pad_slot` past its length."""
+    positions = torch.arange(num_context, device=block_tables.device).expand(len(block_tables), -1)
+    in_row = positions < context_lens[:, None]
+    positions = positions.clamp(max=block_tables.shape[1] * block_size - 1)
+    slots = block_tables.gather(1, positions // block_size) * block_size + positions % block_size
+    return torch.where(in_row, slots, pad_slot)
+
+
+def attention_mask(query_positions: torch.Tensor, num_context: int, sliding_window: int | None) -> torch.Tensor:
+    """`[rows, 1, q, num_context]` bool: True where a query may attend (causal, within the window if any)."""
+    context_pos = torch.arange(num_context, device=query_positions.device)
+    query_pos = query_positions[:, :, None]  # [rows, q, 1]
+    allowed = context_pos[None, None, :] <= query_pos
+    if sliding_window:
+        allowed &= context_pos[None, None, :] > query_pos - sliding_window
+    return allowed[:, None]
+
+
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float | None,
+           softcap: float | None) -> torch.Tensor:
+    """Masked attention over gathered contexts `[rows, kv_heads, num_context, head_dim]`; returns `[rows, q, heads,
+    head_dim]` (the layout transformers' attention functions return)."""
+    if not softcap:
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    else:  # soft-capping needs the scores, so compute them explicitly
+        groups = query.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+        scale = scale if scale is not None else 1 / math.sqrt(query.shape[-1])
+        scores = torch.tanh(query @ keys.transpose(-1, -2) * scale / softcap) * softcap
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype) @ values
+    return out.transpose(1, 2)
+
+
+def paged_attention_reference(
+    query: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_positions: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """The spec.
+
+    Args:
+        query: `[rows, heads, q, head_dim]`.
+        key_pool, value_pool: `[num_slots, kv_heads, head_dim]`.
+        block_tables: `[rows, max_blocks]` int block ids per row (entries past a row's blocks are ignored).
+        query_positions: `[rows, q]` int64 position of each query in its row.
+        block_size: tokens per block.
+        sliding_window: attend only to the last `sliding_window` positions (including the query's own), or `None`.
+        scale: score scale, `1 / sqrt(head_dim)` when `None`.
+        softcap: logit soft-capping value, or `None`.
+
+    Returns:
+        `[rows, q, heads, head_dim]` in the query's dtype.
+    """
+    context_lens = query_positions.max(dim=1).values + 1
+    num_context = int(context_lens.max())
+    slots = context_slots(block_tables, context_lens, num_context, block_size)
+    keys = key_pool[slots].transpose(1, 2)  # [rows, kv_heads, num_context, head_dim]
+    values = value_pool[slots].transpose(1, 2)
+    return attend(query, keys, values, attention_mask(query_positions, num_context, sliding_window), scale, softcap)

@@ -1,0 +1,140 @@
+"""Verify attention straight from the paged KV pool, without gathering each row's context.
+
+One program per (row, kv head, tile of queries): the tile packs `BLOCK_M` (query, head) pairs of one grouped-query
+group, so the group's query heads share every key/value load. The program walks the row's context in `BLOCK_N`
+position chunks through its block table (only the chunks its queries can see: up to the last query's position, from
+the first query's window start), with an online softmax in float32 (float64 under the interpreter for float64
+tests).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .._backend import check_tensor, interpreting
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, stride_out_b, stride_out_q, stride_out_h,  # [rows, q, heads, head_dim], last stride 1
+    query_ptr, stride_query_b, stride_query_h, stride_query_q,  # [rows, heads, q, head_dim], last stride 1
+    key_pool_ptr, value_pool_ptr, stride_pool_slot, stride_pool_h,  # [num_slots, kv_heads, head_dim], last stride 1
+    block_tables_ptr, stride_tables_b,  # [rows, max_blocks]
+    positions_ptr, stride_positions_b,  # [rows, q] int64
+    num_queries, groups, head_dim, block_size, sliding_window, scale, softcap,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, IEEE_DOT: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    tile = tl.program_id(2)
+
+    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    query_idx = m // groups
+    head = kv_head * groups + m % groups
+    valid_m = query_idx < num_queries
+    d = tl.arange(0, BLOCK_D)
+    valid_d = d < head_dim
+
+    query_pos = tl.load(positions_ptr + row * stride_positions_b + query_idx, mask=valid_m, other=0)
+    q = tl.load(query_ptr + row * stride_query_b + head[:, None] * stride_query_h + query_idx[:, None] * stride_query_q
+                + d[None, :], mask=valid_m[:, None] & valid_d[None, :], other=0.0)
+
+    hi = tl.max(tl.where(valid_m, query_pos, 0), axis=0) + 1
+    lo = hi * 0
+    if sliding_window > 0:
+        first = tl.min(tl.where(valid_m, query_pos, hi), axis=0)
+        lo = tl.maximum(first - sliding_window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), ACC_DTYPE)
+    l_i = tl.zeros([BLOCK_M], ACC_DTYPE)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], ACC_DTYPE)
+    n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + n
+        valid_n = pos < hi
+        block = tl.load(block_tables_ptr + row * stride_tables_b + pos // block_size, mask=valid_n, other=0)
+        slot = block.to(tl.int64) * block_size + pos % block_size
+        kv_offsets = slot[:, None] * stride_pool_slot + kv_head * stride_pool_h + d[None, :]
+        kv_mask = valid_n[:, None] & valid_d[None, :]
+        k = tl.load(key_pool_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        if IEEE_DOT:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee", out_dtype=ACC_DTYPE)
+        else:
+            scores = tl.dot(q, tl.trans(k), out_dtype=ACC_DTYPE)
+        scores = scores * scale
+        if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh written with exp (portable to the interpreter)
+            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+        allowed = (pos[None, :] <= query_pos[:, None]) & valid_n[None, :]
+        if sliding_window > 0:
+            allowed = allowed & (pos[None, :] > query_pos[:, None] - sliding_window)
+        scores = tl.where(allowed, scores, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
+        p = tl.exp(scores - m_shift[:, None])
+        alpha = tl.exp(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(value_pool_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        if IEEE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee", out_dtype=ACC_DTYPE)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, out_dtype=ACC_DTYPE)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + row * stride_out_b + query_idx[:, None] * stride_out_q + head[:, None] * stride_out_h
+             + d[None, :], out.to(out_ptr.dtype.element_ty), mask=valid_m[:, None] & valid_d[None, :])
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_positions: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    block_m: int = 32,
+    block_n: int = 32,
+) -> torch.Tensor:
+    """Launches the kernel; arguments and result as in `reference.paged_attention_reference`."""
+    rows, heads, num_queries, head_dim = query.shape
+    kv_heads = key_pool.shape[1]
+    device = query.device
+    dtypes = (torch.float32, torch.float16, torch.bfloat16) + ((torch.float64,) if interpreting() else ())
+    check_tensor("query", query, (rows, heads, num_queries, head_dim), dtypes, device)
+    check_tensor("key_pool", key_pool, (None, kv_heads, head_dim), (query.dtype,), device)
+    check_tensor("value_pool", value_pool, tuple(key_pool.shape), (query.dtype,), device)
+    check_tensor("block_tables", block_tables, (rows, None), (torch.int32, torch.int64), device)
+    check_tensor("query_positions", query_positions, (rows, num_queries), (torch.int64,), device)
+    if heads % kv_heads:
+        raise ValueError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
+    if key_pool.stride() != value_pool.stride() or key_pool.stride(1) != head_dim:
+        raise ValueError("key_pool and value_pool must be contiguous [num_slots, kv_heads, head_dim] with equal strides")
+    groups = heads // kv_heads
+    out = torch.empty((rows, num_queries, heads, head_dim), dtype=query.dtype, device=device)
+    if rows == 0 or num_queries == 0:
+        return out
+    grid = (rows, kv_heads, triton.cdiv(num_queries * groups, block_m))
+    _paged_attention_kernel[grid](
+        out, out.stride(0), out.stride(1), out.stride(2),
+        query, query.stride(0), query.stride(1), query.stride(2),
+        key_pool, value_pool, key_pool.stride(0), key_pool.stride(1),
+        block_tables, block_tables.stride(0),
+        query_positions, query_positions.stride(0),
+        num_queries, groups, head_dim, block_size, sliding_window or 0,
+        scale if scale is not None else 1 / math.sqrt(head_dim), softcap or 0.0,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        HAS_SOFTCAP=bool(softcap), ACC_DTYPE=tl.float64 if query.dtype == torch.float64 else tl.float32,
+        IEEE_DOT=query.dtype == torch.float32,
+    )
+    return out
