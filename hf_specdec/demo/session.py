@@ -267,14 +267,15 @@ class DemoSession:
         seed = _whole_number("seed", seed, 0, 2**31 - 1)
         if schedule not in ("adaptive", "constant"):
             raise DemoInputError(f"Unknown k schedule {schedule!r}: choose 'adaptive' or 'constant'.")
-        if do_sample:
+        if not do_sample:
+            temperature, top_p = 1.0, 1.0  # unused by greedy decoding, so not checked
+        else:
             temperature, top_p = _number("temperature", temperature), _number("top-p", top_p)
             if not 0.05 <= temperature <= 2.0:
                 raise DemoInputError(f"Temperature {temperature:g} is out of range: use a value from 0.05 to 2.")
             if not 0.0 < top_p <= 1.0:
                 raise DemoInputError(f"Top-p {top_p:g} is out of range: use a value above 0 and at most 1.")
-        return Settings(speculator, k, max_new_tokens, bool(do_sample), float(temperature), float(top_p), seed,
-                        schedule)
+        return Settings(speculator, k, max_new_tokens, bool(do_sample), temperature, top_p, seed, schedule)
 
     def check_batch(self, text: str | None) -> list[str]:
         """Splits a batch request (prompts separated by lines holding only `---`) and checks each prompt."""
