@@ -4,7 +4,9 @@ transformers calls a processor with `input_ids` `[batch, cur_len]`: every row at
 step row i's position j has history `prompt_i + generated_i + drafts_i[:j]`, and rows differ. We group positions by
 history length (laid out as transformers lays out a batch: left-padded prompt, then generated tokens) and call the
 processors once per group, so a processor sees exactly the `input_ids` plain `generate` would have given it.
-Processors that never read `input_ids` (the sampling warpers) run once over all positions.
+Processors that never read `input_ids` (the sampling warpers) run once over all positions; when they are only
+temperature, top-k and top-p and the kernel backend is triton (CUDA by default), one kernel applies them to every
+position without sorting (`hf_specdec.kernels.sampling`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessorList
 from transformers.generation import logits_process as lp
+
+from .kernels._backend import resolve_backend
+from .kernels.sampling import apply_sampling_params
 
 _HISTORY_FREE = tuple(
     getattr(lp, name)
@@ -50,6 +55,8 @@ class LogitsProcessing:
                     "watermarking) or call generate without speculator="
                 )
         self.history_free = all(isinstance(p, _HISTORY_FREE) for p in self.processors)
+        self.sampling_params = _sampling_params(self.processors)
+        self._param_tensors: dict = {}
 
     def __bool__(self) -> bool:
         return len(self.processors) > 0
@@ -61,6 +68,8 @@ class LogitsProcessing:
         scores = scores.float()
         if not self.processors:
             return scores
+        if self.sampling_params is not None and resolve_backend("auto", scores.device) == "triton":
+            return apply_sampling_params(scores, *self._params(len(scores), scores.device), backend="triton")
         if self.history_free:
             return self.processors(token_ids[rows, :1], scores)
         out = scores.clone()
@@ -69,3 +78,31 @@ class LogitsProcessing:
             idx = torch.tensor([t for t, n in enumerate(lens) if n == length], device=scores.device)
             out[idx] = self.processors(token_ids[rows[idx], :length], scores[idx])
         return out
+
+    def _params(self, n: int, device) -> tuple:
+        key = (n, str(device))
+        if key not in self._param_tensors:
+            temperature, top_k, top_p = self.sampling_params
+            self._param_tensors = {key: (
+                None if temperature is None else torch.full((n,), temperature, dtype=torch.float32, device=device),
+                None if top_k is None else torch.full((n,), top_k, dtype=torch.int64, device=device),
+                None if top_p is None else torch.full((n,), top_p, dtype=torch.float32, device=device),
+            )}
+        return self._param_tensors[key]
+
+
+def _sampling_params(processors: LogitsProcessorList) -> tuple | None:
+    """`(temperature, top_k, top_p)` (each or `None`) when the processors are exactly those warpers, in the order
+    `generate` builds them and with the settings the kernel implements; otherwise `None`."""
+    params, order = [None, None, None], 0
+    for p in processors:
+        if type(p) is lp.TemperatureLogitsWarper and order <= 0:
+            params[0], order = float(p.temperature), 1
+        elif type(p) is lp.TopKLogitsWarper and order <= 1 and p.filter_value == float("-inf"):
+            params[1], order = int(p.top_k), 2  # top_k already includes min_tokens_to_keep
+        elif (type(p) is lp.TopPLogitsWarper and order <= 2 and p.filter_value == float("-inf")
+              and p.min_tokens_to_keep == 1):
+            params[2], order = float(p.top_p), 3
+        else:
+            return None
+    return tuple(params) if processors else None

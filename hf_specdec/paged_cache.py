@@ -8,19 +8,23 @@ registered attention function then masks by the plan (causal per row, sliding wi
 
 Rows are right-aligned inside a step: row i's `n_i` new tokens occupy the last `n_i` of the `q` query columns, so the
 last column always holds every row's newest token. Padding columns write to a scratch slot no row ever reads.
+
+With the triton kernel backend (CUDA by default, see `hf_specdec.kernels`), `update` only writes and the attention
+function reads the pools in place through the block tables; with the torch backend `update` gathers each row's
+context and the attention is masked SDPA. Both follow `hf_specdec.kernels.paged_attention.reference`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
 from .block_manager import BlockManager
+from .kernels._backend import resolve_backend
+from .kernels.paged_attention.reference import attend, attention_mask, context_slots
 
 ATTENTION_NAME = "hf_specdec_paged"
 PLAN_KWARG = "hf_specdec_plan"
@@ -33,27 +37,29 @@ class StepPlan:
 
     Attributes:
         write_slots: `[rows * q]` flat pool slot of every query token; padding goes to the scratch slot.
-        context_slots: `[rows, num_context]` flat pool slots of each row's context, padded with the scratch slot.
+        block_tables: `[rows, max_blocks]` each row's blocks.
+        block_size: tokens per block.
         query_positions: `[rows, q]` position of each query token in its row (padding repeats the first real one).
         context_lens: `[rows]` tokens each row holds once this step's tokens are written.
+        backend: `"torch"` (gather, then SDPA) or `"triton"` (the paged attention kernel reads the pool in place).
+        context_slots: `[rows, num_context]` flat pool slots of each row's context, padded with the scratch slot
+            (torch backend only; `None` with triton).
     """
 
     write_slots: torch.Tensor
-    context_slots: torch.Tensor
+    block_tables: torch.Tensor
+    block_size: int
     query_positions: torch.Tensor
     context_lens: torch.Tensor
+    backend: str = "torch"
+    context_slots: torch.Tensor | None = None
     _masks: dict = field(default_factory=dict)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
-        """`[rows, 1, q, num_context]` boolean mask: True where a query may attend."""
+        """`[rows, 1, q, num_context]` boolean mask: True where a query may attend (torch backend)."""
         key = sliding_window or 0
         if key not in self._masks:
-            context_pos = torch.arange(self.context_slots.shape[1], device=self.context_slots.device)
-            query_pos = self.query_positions[:, :, None]  # [rows, q, 1]
-            allowed = context_pos[None, None, :] <= query_pos  # causal; also excludes the padding past each row
-            if sliding_window:
-                allowed &= context_pos[None, None, :] > query_pos - sliding_window
-            self._masks[key] = allowed[:, None]
+            self._masks[key] = attention_mask(self.query_positions, self.context_slots.shape[1], sliding_window)
         return self._masks[key]
 
 
@@ -67,11 +73,14 @@ class PagedKVCache(Cache):
         block_size (`int`): tokens per block.
         num_blocks (`int`): initial pool size in blocks; the pool doubles as needed up to `max_num_blocks`.
         max_num_blocks (`int`, *optional*): hard cap on the pool, `None` for no cap.
+        kernel_backend (`str`): attention backend, `"auto"` (triton on CUDA), `"torch"` or `"triton"`.
     """
 
     is_compileable = False
 
-    def __init__(self, block_size: int = 16, num_blocks: int = 64, max_num_blocks: int | None = None):
+    def __init__(self, block_size: int = 16, num_blocks: int = 64, max_num_blocks: int | None = None,
+                 kernel_backend: str = "auto"):
+        self.kernel_backend = kernel_backend
         # transformers' mask helpers iterate `layers`; an empty list tells them nothing (we build our own masks).
         self.layers = []
         if max_num_blocks is not None:
@@ -132,12 +141,13 @@ class PagedKVCache(Cache):
         is_token = offset >= 0
         query_positions = starts_t[:, None] + offset.clamp(min=0)
 
-        num_context = int(max(s + n for s, n in zip(starts, num_tokens)))
-        context_pos = torch.arange(num_context, device=device).expand(len(seq_ids), -1)
-        in_row = context_pos < context_lens[:, None]
-        context_slots = torch.where(in_row, self._slots(block_tables, context_pos.clamp(max=width * bs - 1)), 0)
         write_slots = torch.where(is_token, self._slots(block_tables, query_positions), SCRATCH_SLOT)
-        self.plan = StepPlan(write_slots.reshape(-1), context_slots, query_positions, context_lens)
+        backend = resolve_backend(self.kernel_backend, device)
+        slots = None
+        if backend == "torch":
+            num_context = int(max(s + n for s, n in zip(starts, num_tokens)))
+            slots = context_slots(block_tables, context_lens, num_context, bs, pad_slot=SCRATCH_SLOT)
+        self.plan = StepPlan(write_slots.reshape(-1), block_tables, bs, query_positions, context_lens, backend, slots)
         return self.plan
 
     def _slots(self, block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -145,8 +155,9 @@ class PagedKVCache(Cache):
         return blocks * self.block_size + positions % self.block_size
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        """Writes this step's keys/values `[rows, kv_heads, q, head_dim]`; returns each row's gathered context
-        `[rows, kv_heads, num_context, head_dim]`, ordered by position and padded (the plan's mask hides padding)."""
+        """Writes this step's keys/values `[rows, kv_heads, q, head_dim]`. Returns each row's gathered context
+        `[rows, kv_heads, num_context, head_dim]`, ordered by position and padded (the plan's mask hides padding),
+        or with the triton backend the pools themselves `[num_slots, kv_heads, head_dim]` (read in place)."""
         plan = self.plan
         if plan is None:
             raise RuntimeError("PagedKVCache.update called outside a planned step; use hf_specdec's model runner")
@@ -158,6 +169,8 @@ class PagedKVCache(Cache):
         key_pool, value_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
         key_pool.index_copy_(0, plan.write_slots, key_states.transpose(1, 2).reshape(rows * q, heads, dim))
         value_pool.index_copy_(0, plan.write_slots, value_states.transpose(1, 2).reshape(rows * q, heads, -1))
+        if plan.backend == "triton":
+            return key_pool, value_pool
         keys = key_pool[plan.context_slots].transpose(1, 2)
         values = value_pool[plan.context_slots].transpose(1, 2)
         return keys, values
@@ -174,7 +187,7 @@ class PagedKVCache(Cache):
 def paged_attention_forward(
     module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, softcap=None, **kwargs
 ):
-    """Attention over a `PagedKVCache` step: `query` `[rows, heads, q, dim]`, `key`/`value` the gathered contexts."""
+    """Attention over a `PagedKVCache` step: `query` `[rows, heads, q, dim]`, `key`/`value` what `update` returned."""
     plan: StepPlan | None = kwargs.get(PLAN_KWARG)
     if plan is None:
         raise RuntimeError(
@@ -184,17 +197,13 @@ def paged_attention_forward(
     for unsupported in ("s_aux", "sinks"):
         if kwargs.get(unsupported) is not None:
             raise NotImplementedError(f"attention sinks ({unsupported}) are not supported by hf_specdec's paged cache")
-    mask = plan.mask(sliding_window)
-    if softcap is None:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
-    else:  # logit soft-capping needs the scores, so compute them explicitly
-        groups = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-        scale = scaling if scaling is not None else 1 / math.sqrt(query.shape[-1])
-        scores = torch.tanh(query @ key.transpose(-1, -2) * scale / softcap) * softcap
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype) @ value
-    return out.transpose(1, 2).contiguous(), None
+    if plan.backend == "triton":
+        from .kernels.paged_attention.triton_kernel import paged_attention_triton
+
+        out = paged_attention_triton(query, key, value, plan.block_tables, plan.query_positions, plan.block_size,
+                                     sliding_window, scaling, softcap)
+        return out, None
+    return attend(query, key, value, plan.mask(sliding_window), scaling, softcap).contiguous(), None
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

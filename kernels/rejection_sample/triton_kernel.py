@@ -13,9 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .._backend import check_tensor
+from .._backend import check_tensor, interpreting
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INTERPRETER_DTYPES = FLOAT_DTYPES + (torch.float64,)  # float64 models in tests, under TRITON_INTERPRET=1 only
 
 
 @triton.jit
@@ -134,12 +135,13 @@ def rejection_sample_triton(
     batch, k = draft_token_ids.shape
     device = target_probs.device
     vocab = target_probs.shape[-1]
+    floats = INTERPRETER_DTYPES if interpreting() else FLOAT_DTYPES
     check_tensor("draft_token_ids", draft_token_ids, (batch, k), (torch.int64,), device, contiguous_last=True)
     check_tensor("num_draft_tokens", num_draft_tokens, (batch,), (torch.int64,), device)
-    check_tensor("target_probs", target_probs, (batch, k + 1, vocab), FLOAT_DTYPES, device)
+    check_tensor("target_probs", target_probs, (batch, k + 1, vocab), floats, device)
     check_tensor("is_greedy", is_greedy, (batch,), (torch.bool,), device)
     if draft_probs is not None:
-        check_tensor("draft_probs", draft_probs, (batch, k, None), FLOAT_DTYPES, device)
+        check_tensor("draft_probs", draft_probs, (batch, k, None), floats, device)
     if uniforms is not None:
         check_tensor("uniforms", uniforms, (batch, k), (torch.float64,), device)
     if noise is not None:
