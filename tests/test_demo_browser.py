@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 REAL_MODEL = os.environ.get("HF_SPECDEC_DEMO_MODEL")
 
 pytest.importorskip("gradio", reason="the demo needs gradio (pip install -e '.[test]')")
-sync_api = pytest.importorskip("playwright.sync_api", reason="the browser test needs playwright (pip install playwright)")
+sync_api = pytest.importorskip("playwright.sync_api", reason="the browser test needs playwright (pip install "
+                                                             "playwright)")
 if not Path(CHROMIUM).exists():
     pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium)", allow_module_level=True)
 
