@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
+
+# Kernel tests run the Triton kernels for real on a GPU and under the Triton interpreter on a CPU. The variable must
+# be set before any kernel module is imported (triton reads it when it decorates a kernel).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 from transformers import (
     Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
     Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-)
+)  # noqa: E402
 
 import hf_specdec  # noqa: F401  (registers speculator=)
 

@@ -18,6 +18,10 @@ import triton.language as tl
 from .._backend import check_tensor, interpreting
 
 
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+              torch.float64: tl.float64}
+
+
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, stride_out_b, stride_out_q, stride_out_h,  # [rows, q, heads, head_dim], last stride 1
@@ -27,7 +31,7 @@ def _paged_attention_kernel(
     positions_ptr, stride_positions_b,  # [rows, q] int64
     num_queries, groups, head_dim, block_size, sliding_window, scale, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, IEEE_DOT: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, IEEE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -42,7 +46,7 @@ def _paged_attention_kernel(
 
     query_pos = tl.load(positions_ptr + row * stride_positions_b + query_idx, mask=valid_m, other=0)
     q = tl.load(query_ptr + row * stride_query_b + head[:, None] * stride_query_h + query_idx[:, None] * stride_query_q
-                + d[None, :], mask=valid_m[:, None] & valid_d[None, :], other=0.0)
+                + d[None, :], mask=valid_m[:, None] & valid_d[None, :], other=0.0).to(DOT_DTYPE)
 
     hi = tl.max(tl.where(valid_m, query_pos, 0), axis=0) + 1
     lo = hi * 0
@@ -62,7 +66,7 @@ def _paged_attention_kernel(
         slot = block.to(tl.int64) * block_size + pos % block_size
         kv_offsets = slot[:, None] * stride_pool_slot + kv_head * stride_pool_h + d[None, :]
         kv_mask = valid_n[:, None] & valid_d[None, :]
-        k = tl.load(key_pool_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        k = tl.load(key_pool_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
         if IEEE_DOT:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee", out_dtype=ACC_DTYPE)
         else:
@@ -80,7 +84,7 @@ def _paged_attention_kernel(
         p = tl.exp(scores - m_shift[:, None])
         alpha = tl.exp(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(value_pool_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        v = tl.load(value_pool_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
         if IEEE_DOT:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee", out_dtype=ACC_DTYPE)
         else:
@@ -136,5 +140,7 @@ def paged_attention_triton(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         HAS_SOFTCAP=bool(softcap), ACC_DTYPE=tl.float64 if query.dtype == torch.float64 else tl.float32,
         IEEE_DOT=query.dtype == torch.float32,
+        # The interpreter has no bfloat16 matrix multiply; it multiplies bfloat16 inputs in float32 instead.
+        DOT_DTYPE=tl.float32 if query.dtype == torch.bfloat16 and interpreting() else _TL_DTYPES[query.dtype],
     )
     return out
