@@ -139,7 +139,7 @@ def test_bad_input_gets_a_visible_message(page):
 def test_compare_streams_both_panes_with_highlighted_drafts_and_metrics(page, tmp_path):
     if REAL_MODEL:
         _choose(page, "Built-in example", "grounded: repeat_summarise")
-        sync_api.expect(page.get_by_label("Prompt")).to_have_value(r"^Here is a news report")
+        sync_api.expect(page.get_by_label("Prompt")).to_have_value(re.compile(r"^Here is a news report"))
         new_tokens = "96"
     else:
         page.get_by_label("Prompt").fill(word_prompt(5, 12))

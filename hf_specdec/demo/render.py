@@ -16,9 +16,10 @@ CSS = """
 .sd-acc1 { background: #7fd69a; color: #0b3d1c; border-radius: 3px; }
 .sd-tgt { }
 .sd-legend span { padding: 0 0.4em; margin-right: 0.6em; }
-.sd-metrics table, .sd-batch table { border-collapse: collapse; }
-.sd-metrics td, .sd-batch td, .sd-batch th { padding: 0.2em 0.8em; border-bottom: 1px solid #eaeef2;
-                                             vertical-align: top; text-align: left; }
+.sd-metrics table, .sd-batch table { border-collapse: collapse; border: none !important; }
+.sd-metrics td, .sd-batch td, .sd-batch th { padding: 0.2em 0.8em; border: none !important;
+                                             border-bottom: 1px solid #eaeef2 !important; vertical-align: top;
+                                             text-align: left; }
 .sd-bar-row { display: flex; align-items: center; gap: 0.5em; margin: 0.15em 0; }
 .sd-bar-label { width: 5.5em; text-align: right; font-variant-numeric: tabular-nums; }
 .sd-bar-track { flex: 1; background: #eaeef2; border-radius: 3px; height: 1.1em; max-width: 30em; }
