@@ -324,3 +324,13 @@ def test_rejection_launcher_refuses_bad_input():
         rejection_sample_triton(drafts, counts, target, None, greedy, None)
     with pytest.raises(TypeError, match="num_draft_tokens must have dtype"):
         rejection_sample_triton(drafts[:, :2], counts.int(), target, None, greedy, None)
+
+
+def test_kernel_benchmark_script_runs_at_tiny_shapes():
+    """The GPU benchmark script itself (shapes shrunk to run anywhere): every op reports both backends."""
+    from hf_specdec.kernels.bench import run, table
+
+    rows = run(smoke=True)
+    assert {row["op"] for row in rows} == {"rejection_sample", "sampling_params", "paged_attention"}
+    assert all(row["triton_ms"] > 0 for row in rows)
+    assert "rejection_sample" in table(rows)

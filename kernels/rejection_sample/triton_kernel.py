@@ -3,8 +3,8 @@
 Same contract as `reference.py`. Sampled rows read only the draft tokens' probabilities during the scan (a gather),
 then one pass over the vocabulary at the final position: `max(target_probs - draft_probs, 0)` for a recovered token,
 the target itself for a bonus token, sampled as `argmax(w / e)` with `e ~ Exp(1)` from Philox (per-row seed) or from a
-given noise tensor. Greedy rows take the argmax of each position's scores, stopping at the first mismatch, so a
-rejected draft costs no reads past it. Nothing here synchronises with the host.
+given noise tensor. Greedy rows take the argmax of each position's scores, stopping at the first mismatch (whose
+argmax is the recovered token), so each position is read at most once and nothing past a rejection is read. Nothing here synchronises with the host.
 """
 
 from __future__ import annotations
@@ -56,11 +56,13 @@ def _rejection_sample_kernel(
     target_row = target_ptr + row * stride_target_b
     num_accepted = num_draft * 0
     alive = num_draft * 0 + 1
+    target_argmax = num_draft * 0  # greedy: the argmax at the last position read (the recovered token on a mismatch)
     for j in range(0, k):
         if (j < num_draft) & (alive != 0):
             draft_id = tl.load(draft_ids_ptr + row * stride_draft_b + j)
             if greedy:
-                ok = _argmax_row(target_row + j * stride_target_k, vocab, BLOCK_V) == draft_id
+                target_argmax = _argmax_row(target_row + j * stride_target_k, vocab, BLOCK_V)
+                ok = target_argmax == draft_id
             else:
                 target_p = tl.load(target_row + j * stride_target_k + draft_id, mask=draft_id < vocab, other=0.0)
                 target_p = target_p.to(tl.float64)
@@ -79,7 +81,10 @@ def _rejection_sample_kernel(
 
     final_row = target_row + num_accepted * stride_target_k
     if greedy:
-        token = _argmax_row(final_row, vocab, BLOCK_V)
+        if num_accepted < num_draft:  # rejected: the mismatching argmax is already known, no second read
+            token = target_argmax
+        else:
+            token = _argmax_row(final_row, vocab, BLOCK_V)
     else:
         rejected = num_accepted < num_draft
         rejected_id = tl.load(draft_ids_ptr + row * stride_draft_b + num_accepted, mask=rejected, other=-1)
