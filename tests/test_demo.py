@@ -317,3 +317,19 @@ def test_space_build_vendors_the_package(tmp_path):
     with pytest.raises(subprocess.CalledProcessError):
         subprocess.run([sys.executable, str(REPO / "demos" / "space" / "build.py"), str(REPO / "demos" / "space")],
                        check=True, capture_output=True)
+
+
+def test_eagle_head_is_offered_when_available_and_checked_against_the_target(monkeypatch):
+    eagle_class = getattr(hf_specdec, "EagleSpeculator", None)
+    if eagle_class is None:
+        pytest.skip("this build of hf_specdec has no EagleSpeculator")
+    checked = []
+
+    class Head(hf_specdec.Speculator):
+        def validate(self, target):
+            checked.append(target)
+
+    monkeypatch.setattr(eagle_class, "from_pretrained", classmethod(lambda cls, path: Head()))
+    target = make_model("llama", dtype=torch.float32)
+    offered = load_speculators(target, make_tokenizer(), [], eagle="heads/tiny")
+    assert list(offered) == [NGRAM_LABEL, "EAGLE head: heads/tiny"] and checked == [target]

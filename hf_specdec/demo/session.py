@@ -184,7 +184,8 @@ def load_speculators(model, tokenizer, drafts: list[str] = (), eagle: str | None
     """Speculators the demo offers, by label: n-gram always, each draft model given, an EAGLE head when available.
 
     Draft models load on the target's device and dtype; their tokenizers, when they have one, must match the
-    target's. EAGLE is offered only if this build of hf_specdec has `EagleSpeculator` and a head is given.
+    target's. EAGLE is offered only if this build of hf_specdec has `EagleSpeculator` and a head (converted with
+    `hf_specdec.convert_eagle`) is given; it must pass the speculator's own check against the target.
     """
     speculators: dict = {NGRAM_LABEL: "ngram"}
     for name in drafts:
@@ -202,8 +203,9 @@ def load_speculators(model, tokenizer, drafts: list[str] = (), eagle: str | None
         eagle_class = getattr(hf_specdec, "EagleSpeculator", None)
         if eagle_class is None:
             raise ValueError("--eagle needs a version of hf_specdec with EagleSpeculator; drop --eagle or upgrade")
-        load = getattr(eagle_class, "from_pretrained", eagle_class)
-        speculators[f"EAGLE head: {eagle}"] = load(eagle)
+        head = eagle_class.from_pretrained(eagle)
+        head.validate(model)  # a head that cannot serve this target is refused now, not offered
+        speculators[f"EAGLE head: {eagle}"] = head
     return speculators
 
 
