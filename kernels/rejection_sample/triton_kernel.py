@@ -32,7 +32,7 @@ def _argmax_row(row_ptr, vocab, BLOCK_V: tl.constexpr):
         better = block_best > best  # strict: an earlier block keeps ties
         best_idx = tl.where(better, block_idx, best_idx)
         best = tl.where(better, block_best, best)
-    return best_idx
+    return best_idx.to(tl.int64)
 
 
 @triton.jit
@@ -77,7 +77,7 @@ def _rejection_sample_kernel(
                 tl.store(out_ptr + row * (k + 1) + j, draft_id)
                 num_accepted += 1
             else:
-                alive = 0
+                alive = alive * 0  # same dtype as the loop-carried value (compiled Triton requires it)
 
     final_row = target_row + num_accepted * stride_target_k
     if greedy:

@@ -26,9 +26,13 @@ def _keys(scores):
 
 
 @triton.jit
-def _scores(row_ptr, idx, vocab, inv_temperature):
+def _scores(row_ptr, idx, vocab, temperature, HAS_TEMPERATURE: tl.constexpr):
+    """Scores at `idx` (-inf past the vocabulary), divided by the temperature as the spec does (multiplying by its
+    reciprocal can differ in the last bit)."""
     x = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-    return x * inv_temperature
+    if HAS_TEMPERATURE:
+        x = tl.math.div_rn(x, temperature)
+    return x
 
 
 @triton.jit
@@ -45,16 +49,15 @@ def _sampling_params_kernel(
     offs = tl.arange(0, BLOCK_V)
     cand = tl.arange(0, NUM_CANDIDATES)
     if HAS_TEMPERATURE:
-        # divide (as the spec does): multiplying by 1 / t can differ in the last bit
         temperature = tl.load(temperature_ptr + row).to(tl.float32)
     else:
-        temperature = 1.0
+        temperature = 1.0  # unused
 
     # The row's largest key (the top token always survives both filters).
     max_key = tl.max(tl.full([BLOCK_V], -2147483647 - 1, tl.int32), axis=0)
     for start in range(0, vocab, BLOCK_V):
-        x = tl.load(row_ptr + start + offs, mask=start + offs < vocab, other=float("-inf")).to(tl.float32)
-        max_key = tl.maximum(max_key, tl.max(_keys(tl.math.div_rn(x, temperature)), axis=0))
+        s = _scores(row_ptr, start + offs, vocab, temperature, HAS_TEMPERATURE)
+        max_key = tl.maximum(max_key, tl.max(_keys(s), axis=0))
 
     # Top-k: the largest threshold t with count(key >= t) >= k.
     k_key = max_key * 0 - 2147483647 - 1  # keep everything
@@ -68,8 +71,7 @@ def _sampling_params_kernel(
                 thresholds = lo + cand.to(tl.int64) * step  # thresholds[0] = lo
                 counts = tl.zeros([NUM_CANDIDATES], tl.int64)
                 for start in range(0, vocab, BLOCK_V):
-                    x = tl.load(row_ptr + start + offs, mask=start + offs < vocab, other=float("-inf"))
-                    key = _keys(tl.math.div_rn(x.to(tl.float32), temperature)).to(tl.int64)
+                    key = _keys(_scores(row_ptr, start + offs, vocab, temperature, HAS_TEMPERATURE)).to(tl.int64)
                     key = tl.where(start + offs < vocab, key, -4294967296)  # padding never counts
                     counts += tl.sum((key[:, None] >= thresholds[None, :]).to(tl.int64), axis=0)
                 ok = (counts >= k) & (thresholds <= hi)
@@ -87,8 +89,7 @@ def _sampling_params_kernel(
             max_score = _float_of_key(max_key)
             total = tl.zeros([BLOCK_V], tl.float32)
             for start in range(0, vocab, BLOCK_V):
-                x = tl.load(row_ptr + start + offs, mask=start + offs < vocab, other=float("-inf")).to(tl.float32)
-                s = tl.math.div_rn(x, temperature)
+                s = _scores(row_ptr, start + offs, vocab, temperature, HAS_TEMPERATURE)
                 total += tl.where(_keys(s) >= k_key, tl.exp(s - max_score), 0.0)
             limit = (1.0 - p) * tl.sum(total, axis=0)
             lo = k_key.to(tl.int64)
@@ -98,8 +99,7 @@ def _sampling_params_kernel(
                 thresholds = lo + cand.to(tl.int64) * step
                 mass = tl.zeros([NUM_CANDIDATES], tl.float32)
                 for start in range(0, vocab, BLOCK_V):
-                    x = tl.load(row_ptr + start + offs, mask=start + offs < vocab, other=float("-inf"))
-                    s = tl.math.div_rn(x.to(tl.float32), temperature)
+                    s = _scores(row_ptr, start + offs, vocab, temperature, HAS_TEMPERATURE)
                     key = _keys(s)
                     e = tl.where(key >= k_key, tl.exp(s - max_score), 0.0)
                     key = key.to(tl.int64)
@@ -114,8 +114,7 @@ def _sampling_params_kernel(
     keep_key = tl.maximum(k_key, p_key)
     for start in range(0, vocab, BLOCK_V):
         idx = start + offs
-        x = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-        s = tl.math.div_rn(x, temperature)
+        s = _scores(row_ptr, idx, vocab, temperature, HAS_TEMPERATURE)
         tl.store(out_ptr + row * stride_out + idx, tl.where(_keys(s) >= keep_key, s, float("-inf")), mask=idx < vocab)
 
 
