@@ -1,0 +1,287 @@
+"""Quantized drafts: quantize-on-load (fp8, int8, nf4, gptq), pre-quantized GPTQ and FP8 checkpoints, bad checkpoints.
+
+The target is a tiny Llama trained for a few seconds on a random successor map, so, like a real model and unlike a
+random-init one, it predicts confidently; its quantized copies are the drafts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_specdec
+from hf_specdec.quantization import (
+    QuantizationUnavailableError, QuantizedCheckpointError, check_quantized_checkpoint, load_draft,
+)
+
+from conftest import make_tokenizer
+
+VOCAB = 96
+needs_torchao = pytest.mark.skipif(not hf_specdec.quantization.importlib.util.find_spec("torchao"),
+                                   reason="needs torchao")
+needs_bnb = pytest.mark.skipif(not hf_specdec.quantization.importlib.util.find_spec("bitsandbytes"),
+                               reason="needs bitsandbytes")
+needs_gptq = pytest.mark.skipif(not (hf_specdec.quantization.importlib.util.find_spec("gptqmodel")
+                                     and hf_specdec.quantization.importlib.util.find_spec("optimum")),
+                                reason="needs gptqmodel and optimum")
+needs_ct = pytest.mark.skipif(not hf_specdec.quantization.importlib.util.find_spec("compressed_tensors"),
+                              reason="needs compressed-tensors")
+
+
+def _trained_llama(seed: int = 0, steps: int = 60) -> LlamaForCausalLM:
+    """A tiny Llama that has learnt next = successor[current] over random sequences (confident, like real LMs)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
+                         bos_token_id=1, eos_token_id=None, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    successor = torch.randperm(VOCAB - 2) + 2
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        tokens = [torch.randint(2, VOCAB, (16,))]
+        for _ in range(31):
+            tokens.append(successor[tokens[-1] - 2])
+        batch = torch.stack(tokens, dim=1)
+        loss = model(input_ids=batch, labels=batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(target in float32, the directory of its full-precision checkpoint with a tokenizer)."""
+    directory = tmp_path_factory.mktemp("tiny_target")
+    model = _trained_llama()
+    model.save_pretrained(directory)
+    make_tokenizer().save_pretrained(directory)
+    return model, directory
+
+
+def _prompts(rows: int = 3, width: int = 10, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(2, VOCAB, (rows, width), generator=g)
+    mask = torch.ones_like(input_ids)
+    for i in range(rows):  # ragged: left padding of 0, 3, 6 ...
+        mask[i, :3 * i % (width - 2)] = 0
+    input_ids[mask == 0] = 0
+    return input_ids, mask
+
+
+def _run(target, draft, k: int = 4, max_new_tokens: int = 24):
+    input_ids, mask = _prompts()
+    plain = target.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+    out = target.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                          speculator=draft, num_speculative_tokens=k, speculative_schedule="constant",
+                          return_dict_in_generate=True)
+    return plain, out
+
+
+def _quantized_weight_type(draft) -> str:
+    return type(draft.model.layers[0].mlp.gate_proj.weight).__name__
+
+
+QUANTIZE_ON_LOAD = [
+    pytest.param("fp8", "Float8Tensor", 0.95, marks=needs_torchao),
+    pytest.param("int8", "Int8Params", 0.95, marks=needs_bnb),
+    pytest.param("nf4", "Params4bit", 0.95, marks=needs_bnb),
+]
+
+
+@pytest.mark.parametrize("quantization, weight_type, min_acceptance", QUANTIZE_ON_LOAD)
+def test_quantized_copy_of_target_is_lossless_and_accepted(checkpoint, quantization, weight_type, min_acceptance):
+    target, directory = checkpoint
+    draft = load_draft(directory, quantization=quantization)
+    assert _quantized_weight_type(draft) == weight_type  # really quantized, not silently full precision
+    plain, out = _run(target, draft)
+    assert torch.equal(out.sequences, plain)
+    # A greedy draft is accepted where the quantized copy's argmax equals the target's, which is certain where the
+    # target's top-1 margin exceeds twice the copy's largest logit error. Measured on these sequences: margins
+    # >= 5.4 logits, errors <= 0.08 (fp8), 0.05 (int8), 0.31 (nf4); acceptance 1.00 for all three.
+    assert out.speculative_metrics.acceptance_rate >= min_acceptance
+
+
+@pytest.mark.parametrize("quantization", [pytest.param("fp8", marks=needs_torchao),
+                                          pytest.param("nf4", marks=needs_bnb)])
+def test_quantized_unrelated_draft_keeps_output_identical(checkpoint, quantization):
+    target, _ = checkpoint
+    other = _trained_llama(seed=1, steps=20)  # a different, weaker model: many rejections
+    draft = load_draft(other, quantization=quantization)
+    assert _quantized_weight_type(draft) != "Parameter"
+    plain, out = _run(target.to(torch.float64), draft)
+    target.to(torch.float32)
+    assert torch.equal(out.sequences, plain)
+
+
+def test_unknown_quantization_and_bad_devices_are_refused(checkpoint):
+    _, directory = checkpoint
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        load_draft(directory, quantization="int3")
+    with pytest.raises(QuantizationUnavailableError, match="CPU or a CUDA GPU"):
+        load_draft(directory, quantization="int8", device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(QuantizationUnavailableError, match="needs a CUDA GPU"):
+            load_draft(directory, quantization="fp8", device="cuda")
+
+
+@pytest.mark.parametrize("quantization, module", [("fp8", "torchao"), ("nf4", "bitsandbytes"), ("gptq", "gptqmodel")])
+def test_missing_library_is_refused_not_replaced_by_full_precision(checkpoint, monkeypatch, quantization, module):
+    _, directory = checkpoint
+    real_find_spec = hf_specdec.quantization.importlib.util.find_spec
+    monkeypatch.setattr(hf_specdec.quantization.importlib.util, "find_spec",
+                        lambda name, *a: None if name == module else real_find_spec(name, *a))
+    with pytest.raises(QuantizationUnavailableError, match=module):
+        load_draft(directory, quantization=quantization, calibration=["w5 w6 w7"])
+
+
+@needs_bnb
+def test_bitsandbytes_backend_failure_is_refused(checkpoint, monkeypatch):
+    import bitsandbytes.functional
+
+    def unsupported(*args, **kwargs):
+        raise NotImplementedError("no kernel for this device")
+
+    monkeypatch.setattr(bitsandbytes.functional, "int8_vectorwise_quant", unsupported)
+    with pytest.raises(QuantizationUnavailableError, match="bitsandbytes cannot run int8 on cpu"):
+        load_draft(checkpoint[1], quantization="int8")
+
+
+def test_calibration_texts(tmp_path, checkpoint):
+    from hf_specdec.quantization import calibration_texts
+
+    file = tmp_path / "calib.txt"
+    file.write_text("w5 w6 w7\nw8\n\n\nw9 w10\n")
+    assert calibration_texts(str(file)) == ["w5 w6 w7\nw8", "w9 w10"]
+    assert calibration_texts(["a", " ", "b"]) == ["a", "b"]
+    with pytest.raises(ValueError, match="needs calibration texts"):
+        calibration_texts(None)
+    with pytest.raises(ValueError, match="is not a file"):
+        calibration_texts(str(tmp_path / "absent.txt"))
+    (tmp_path / "empty.txt").write_text("\n\n")
+    with pytest.raises(ValueError, match="calibration set is empty"):
+        calibration_texts(str(tmp_path / "empty.txt"))
+
+
+# ---- pre-quantized checkpoints, packed by hand exactly as the formats prescribe ----
+
+def _pack_gptq_v1(weight: torch.Tensor, bits: int, group_size: int, act_order: bool, seed: int = 0):
+    """Symmetric GPTQ of `weight [out, in]` in the original ("gptq", v1) layout; returns tensors and dequantized."""
+    out_features, in_features = weight.shape
+    per_int = 32 // bits
+    group = group_size if group_size > 0 else in_features
+    order = torch.randperm(in_features, generator=torch.Generator().manual_seed(seed)) if act_order \
+        else torch.arange(in_features)
+    g_idx = torch.empty(in_features, dtype=torch.int32)
+    g_idx[order] = (torch.arange(in_features) // group).to(torch.int32)  # act-order: groups in permuted order
+    num_groups = -(-in_features // group)
+    maxq, zero = 2 ** bits - 1, 2 ** (bits - 1)
+    scales = torch.zeros(num_groups, out_features)
+    for g in range(num_groups):
+        scales[g] = weight[:, g_idx == g].abs().amax(dim=1) / (zero - 1)
+    scales = scales.half().float().clamp_min(1e-8)
+    column_scales = scales[g_idx.long()].T  # [out, in]
+    q = (torch.round(weight / column_scales) + zero).clamp(0, maxq).to(torch.int64)
+    dequantized = (q - zero) * column_scales
+    qweight = torch.zeros(in_features // per_int, out_features, dtype=torch.int64)
+    for i in range(in_features):
+        qweight[i // per_int] |= q[:, i] << (bits * (i % per_int))
+    qzeros = torch.zeros(num_groups, out_features // per_int, dtype=torch.int64)
+    for j in range(out_features):
+        qzeros[:, j // per_int] |= (zero - 1) << (bits * (j % per_int))  # v1 stores zero - 1
+    as_int32 = lambda t: ((t + 2 ** 31) % 2 ** 32 - 2 ** 31).to(torch.int32)  # noqa: E731 (two's complement)
+    return {"qweight": as_int32(qweight), "qzeros": as_int32(qzeros), "scales": scales.half(), "g_idx": g_idx}, \
+        dequantized
+
+
+def _write_gptq(model, directory, bits: int, group_size: int, act_order: bool) -> dict[str, torch.Tensor]:
+    """Writes `model` as a GPTQ checkpoint (every decoder linear layer quantized); returns the dequantized weights."""
+    model.save_pretrained(directory)
+    state, dequantized = {}, {}
+    for name, tensor in model.state_dict().items():
+        module = name.rsplit(".", 1)[0]
+        if ".layers." in name and name.endswith("_proj.weight"):
+            packed, dequantized[module] = _pack_gptq_v1(tensor, bits, group_size, act_order)
+            state.update({f"{module}.{k}": v for k, v in packed.items()})
+        else:
+            state[name] = tensor.contiguous()
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group_size,
+                                     "desc_act": act_order, "sym": True, "checkpoint_format": "gptq"}
+    (directory / "config.json").write_text(json.dumps(config))
+    return dequantized
+
+
+def _write_fp8_dynamic(model, directory) -> dict[str, torch.Tensor]:
+    """Writes `model` as a compressed-tensors "FP8-dynamic" checkpoint: e4m3 weights with per-channel scales, dynamic
+    per-token activation scales, lm_head left in full precision. Returns the dequantized weights."""
+    model.save_pretrained(directory)
+    state, dequantized = {}, {}
+    for name, tensor in model.state_dict().items():
+        if ".layers." in name and name.endswith("_proj.weight"):
+            e4m3_max = torch.finfo(torch.float8_e4m3fn).max  # 448
+            scale = (tensor.abs().amax(dim=1, keepdim=True) / e4m3_max).to(torch.bfloat16)  # stored as bf16
+            state[name] = (tensor / scale.float()).clamp(-e4m3_max, e4m3_max).to(torch.float8_e4m3fn)
+            state[name.replace(".weight", ".weight_scale")] = scale
+            dequantized[name.rsplit(".", 1)[0]] = state[name].float() * scale.float()
+        else:
+            state[name] = tensor.contiguous()
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head"], "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                                  "dynamic": True}}}}
+    (directory / "config.json").write_text(json.dumps(config))
+    return dequantized
+
+
+GPTQ_LAYOUTS = [(4, 32, False), (4, 32, True), (8, -1, False), (8, 16, True)]
+
+
+@needs_gptq
+@pytest.mark.parametrize("bits, group_size, act_order", GPTQ_LAYOUTS)
+def test_gptq_checkpoint_loads_with_its_weights(checkpoint, tmp_path, bits, group_size, act_order):
+    target, _ = checkpoint
+    expected = _write_gptq(target, tmp_path, bits, group_size, act_order)
+    draft = load_draft(tmp_path)
+    for module, weight in expected.items():
+        original = target.get_submodule(module).weight
+        loaded = draft.get_submodule(module).dequantize_weight().T.float()  # gptqmodel's own unpacking, in fp16
+        fp16_rounding = original.abs().max().item() * 2 ** -11
+        torch.testing.assert_close(loaded, weight, atol=fp16_rounding, rtol=0)
+        # Symmetric rounding: every weight within half a step of its group's scale (plus fp16 rounding).
+        step = (original.abs().max() / (2 ** (bits - 1) - 1)).item()
+        assert (loaded - original).abs().max().item() <= 0.5 * step + fp16_rounding
+    plain, out = _run(target, draft)
+    assert torch.equal(out.sequences, plain)
+    assert out.speculative_metrics.acceptance_rate >= 0.95  # measured 1.00: margins >= 5.4 logits, see above
+
+
+@needs_ct
+def test_fp8_compressed_tensors_checkpoint_loads_with_its_weights(checkpoint, tmp_path):
+    target, _ = checkpoint
+    expected = _write_fp8_dynamic(target, tmp_path)
+    draft = load_draft(tmp_path)
+    for module, weight in expected.items():
+        loaded = draft.get_submodule(module).weight.float()
+        torch.testing.assert_close(loaded, weight, atol=1e-6, rtol=1e-2)  # the bf16 scale, applied in float32
+        original = target.get_submodule(module).weight
+        # e4m3 keeps 3 mantissa bits: within 2^-4 of each weight (2^-8 more where the bf16 scale clips the row's
+        # largest weight), or half the smallest subnormal step (2^-10 of the scale) near zero.
+        scale = original.abs().amax(dim=1, keepdim=True) / 448
+        assert ((loaded - original).abs() <= original.abs() * (2 ** -4 + 2 ** -8) + scale * 2 ** -10 * 1.01).all()
+    plain, out = _run(target, draft)
+    assert torch.equal(out.sequences, plain)
+    assert out.speculative_metrics.acceptance_rate >= 0.95  # measured 1.00
