@@ -19,7 +19,8 @@ from conftest import make_model, make_tokenizer, word_prompt
 from hf_specdec.demo import NGRAM_LABEL, DemoInputError, DemoLimits, DemoSession
 from hf_specdec.demo import app as demo_app
 from hf_specdec.demo.render import batch_html, chart_html, metrics_html, pane_html
-from hf_specdec.demo.session import Pane, _num_new_tokens, load_speculators
+from hf_specdec.demo.session import _num_new_tokens, load_speculators
+from hf_specdec.demo.stream import Pane
 from hf_specdec.workloads import chat_inputs
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,6 +1,7 @@
 """The demo app: plain and speculative generation streamed side by side (`hf-specdec demo`).
 
-`session.py` runs the models and checks input (no UI), `render.py` turns results into HTML, `app.py` is the Gradio UI.
+`session.py` checks input and runs the models (no UI), `stream.py` holds what a streamed run produced,
+`render.py` turns it into HTML, `app.py` is the Gradio UI.
 Importing this package does not import gradio.
 """
 

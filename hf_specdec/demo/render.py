@@ -5,7 +5,7 @@ from __future__ import annotations
 from html import escape
 
 from ..metrics import SpeculativeMetrics
-from .session import BatchResult, Comparison, Pane
+from .stream import BatchResult, Comparison, Pane
 
 CSS = """
 .sd-pane { min-height: 12em; max-height: 28em; overflow-y: auto; padding: 0.6em; border-radius: 6px;

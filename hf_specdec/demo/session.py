@@ -8,18 +8,17 @@ Each run happens in a worker thread that feeds a streamer; the caller iterates o
 from __future__ import annotations
 
 import math
-import queue
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..metrics import SpeculativeMetrics
 from ..models import DEFAULT_MODEL, load_causal_lm, load_model, load_tokenizer
 from ..tokenizers import check_tokenizers_match
 from ..workloads import chat_inputs
+from .stream import BatchResult, Comparison, Pane, StepStreamer
 
 NGRAM_LABEL = "n-gram (prompt lookup)"
 
@@ -65,119 +64,6 @@ class Settings:
             return dict(max_new_tokens=self.max_new_tokens, do_sample=False)
         return dict(max_new_tokens=self.max_new_tokens, do_sample=True, temperature=self.temperature,
                     top_p=self.top_p, top_k=0)
-
-
-@dataclass
-class Piece:
-    """Decoded text of one generated token and who produced it: `"accepted"` (a draft) or `"target"`."""
-
-    text: str
-    kind: str
-    step: int
-
-
-@dataclass
-class Pane:
-    """One run as it streams: its tokens grouped by step, their text pieces, and its timing."""
-
-    speculative: bool
-    token_ids: list[int] = field(default_factory=list)
-    pieces: list[Piece] = field(default_factory=list)
-    step_sizes: list[int] = field(default_factory=list)
-    elapsed_s: float = 0.0
-    done: bool = False
-    _text: str = ""
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.num_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-    @property
-    def num_accepted(self) -> int:
-        return sum(p.kind == "accepted" for p in self.pieces)
-
-    def add_step(self, token_ids: list[int], tokenizer) -> None:
-        """Appends one streamed step: for a speculative run all but its last token are accepted drafts."""
-        step = len(self.step_sizes)
-        self.step_sizes.append(len(token_ids))
-        for i, token_id in enumerate(token_ids):
-            self.token_ids.append(token_id)
-            text = tokenizer.decode(self.token_ids, skip_special_tokens=True)
-            piece = ""
-            # A token that ends inside a multi-byte character decodes to U+FFFD; its text arrives with the next one.
-            if not text.endswith("\ufffd") and text.startswith(self._text):
-                piece, self._text = text[len(self._text):], text
-            kind = "accepted" if self.speculative and i < len(token_ids) - 1 else "target"
-            self.pieces.append(Piece(piece, kind, step))
-
-    @property
-    def text(self) -> str:
-        return "".join(p.text for p in self.pieces)
-
-
-@dataclass
-class Comparison:
-    """A snapshot of a comparison: both panes, and once the speculative run ends its metrics."""
-
-    plain: Pane
-    speculative: Pane
-    settings: Settings
-    metrics: SpeculativeMetrics | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.plain.done and self.speculative.done
-
-    @property
-    def speedup(self) -> float:
-        return self.speculative.tokens_per_s / self.plain.tokens_per_s if self.plain.tokens_per_s else 0.0
-
-    @property
-    def identical(self) -> bool:
-        return self.plain.token_ids == self.speculative.token_ids
-
-
-@dataclass
-class BatchResult:
-    """Both runs of a batch: outputs per prompt, wall times and the speculative run's metrics."""
-
-    prompts: list[str]
-    outputs: list[str]
-    num_new_tokens: list[int]
-    plain_time_s: float
-    speculative_time_s: float
-    identical: bool
-    metrics: SpeculativeMetrics
-    settings: Settings
-
-    @property
-    def plain_tokens_per_s(self) -> float:
-        return sum(self.num_new_tokens) / self.plain_time_s
-
-    @property
-    def speculative_tokens_per_s(self) -> float:
-        return sum(self.num_new_tokens) / self.speculative_time_s
-
-
-class _StepStreamer:
-    """A transformers streamer that queues each `put` (after the prompt) with the time it arrived."""
-
-    def __init__(self):
-        self.queue: queue.Queue = queue.Queue()
-        self._prompt_seen = False
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self._prompt_seen:  # generate puts the prompt first
-            self._prompt_seen = True
-            return
-        self.queue.put((time.perf_counter(), value.reshape(-1).tolist()))
-
-    def end(self) -> None:
-        self.queue.put(None)
 
 
 def load_speculators(model, tokenizer, drafts: list[str] = (), eagle: str | None = None) -> dict:
@@ -327,7 +213,7 @@ class DemoSession:
 
     def _stream(self, pane: Pane, state: Comparison, inputs, seed: int, interval_s: float, kwargs: dict,
                 outputs: dict | None = None) -> Iterator[Comparison]:
-        streamer = _StepStreamer()
+        streamer = StepStreamer()
         failure: list[BaseException] = []
         started, total = [0.0], [0.0]
 
