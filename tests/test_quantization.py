@@ -285,3 +285,96 @@ def test_fp8_compressed_tensors_checkpoint_loads_with_its_weights(checkpoint, tm
     plain, out = _run(target, draft)
     assert torch.equal(out.sequences, plain)
     assert out.speculative_metrics.acceptance_rate >= 0.95  # measured 1.00
+
+
+# ---- bad checkpoints: clear errors before transformers would load them (and randomly initialise what is missing) --
+
+def _edit_tensors(directory, edit) -> None:
+    file = directory / "model.safetensors"
+    state = load_file(str(file))
+    edit(state)
+    save_file(state, str(file), metadata={"format": "pt"})
+
+
+def test_truncated_checkpoint_is_refused(checkpoint, tmp_path):
+    _write_gptq(checkpoint[0], tmp_path, 4, 32, False)
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    with pytest.raises(QuantizedCheckpointError, match="truncated or corrupt"):
+        load_draft(tmp_path)
+
+
+def test_gptq_wrong_shape_is_refused(checkpoint, tmp_path):
+    _write_gptq(checkpoint[0], tmp_path, 8, 32, False)  # packed with 8 bits ...
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["bits"] = 4  # ... but declared as 4
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QuantizedCheckpointError,
+                       match=r"down_proj.qweight has shape \[32, 64\], but a 4-bit GPTQ layer with 128 inputs"):
+        check_quantized_checkpoint(tmp_path)
+
+
+def test_gptq_wrong_dtype_is_refused(checkpoint, tmp_path):
+    _write_gptq(checkpoint[0], tmp_path, 4, 32, False)
+    name = "model.layers.1.mlp.down_proj.scales"
+    _edit_tensors(tmp_path, lambda state: state.update({name: state[name].to(torch.int32)}))
+    with pytest.raises(QuantizedCheckpointError, match=f"{name} has dtype I32"):
+        check_quantized_checkpoint(tmp_path)
+
+
+def test_missing_tensors_are_refused(checkpoint, tmp_path):
+    _write_gptq(checkpoint[0], tmp_path, 4, 32, False)
+    _edit_tensors(tmp_path, lambda state: state.pop("model.layers.0.self_attn.k_proj.qzeros"))
+    with pytest.raises(QuantizedCheckpointError, match="k_proj.qzeros is missing"):
+        check_quantized_checkpoint(tmp_path)
+    _write_gptq(checkpoint[0], tmp_path, 4, 32, False)  # a whole layer missing, as from a lost shard
+    _edit_tensors(tmp_path, lambda state: [state.pop(k) for k in list(state) if ".layers.1.mlp.up_proj." in k])
+    with pytest.raises(QuantizedCheckpointError, match="lacks 1 tensors.*up_proj.weight"):
+        check_quantized_checkpoint(tmp_path)
+
+
+def test_fp8_wrong_dtype_and_shape_are_refused(checkpoint, tmp_path):
+    _write_fp8_dynamic(checkpoint[0], tmp_path)
+    name = "model.layers.0.mlp.gate_proj.weight"
+    _edit_tensors(tmp_path, lambda state: state.update({name: state[name].float()}))
+    with pytest.raises(QuantizedCheckpointError, match=f"{name} has dtype F32, but an FP8"):
+        load_draft(tmp_path)
+    _edit_tensors(tmp_path, lambda state: state.update({name: state[name].to(torch.float8_e4m3fn)[:, :32].contiguous()}))
+    with pytest.raises(QuantizedCheckpointError, match=r"has shape \[128, 32\], but an FP8"):
+        load_draft(tmp_path)
+
+
+def test_pickle_only_quantized_checkpoint_is_refused(checkpoint, tmp_path):
+    _write_gptq(checkpoint[0], tmp_path, 4, 32, False)
+    torch.save(load_file(str(tmp_path / "model.safetensors")), tmp_path / "pytorch_model.bin")
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(QuantizedCheckpointError, match="only pickle files"):
+        check_quantized_checkpoint(tmp_path)
+
+
+def test_requantizing_a_quantized_checkpoint_is_refused(checkpoint, tmp_path):
+    _write_fp8_dynamic(checkpoint[0], tmp_path)
+    with pytest.raises(ValueError, match=r"already quantized \(fp8\); pass quantization=None"):
+        load_draft(tmp_path, quantization="nf4")
+
+
+# ---- GPTQ quantize-on-load (optimum + gptqmodel; on a CPU gptqmodel builds its packing extension once) ----
+
+@needs_gptq
+def test_gptq_quantize_on_load_from_target_generations(checkpoint, tmp_path):
+    target, directory = checkpoint
+    tokenizer = make_tokenizer()
+    with pytest.raises(ValueError, match="needs calibration texts"):
+        load_draft(directory, quantization="gptq")
+    texts = [" ".join(f"w{t}" for t in row.tolist() if t >= 4)
+             for row in target.generate(_prompts(rows=4, seed=1)[0], max_new_tokens=32, do_sample=False)]
+    draft = load_draft(directory, quantization="gptq", calibration=texts, tokenizer=tokenizer, bits=4, group_size=32)
+    assert type(draft.model.layers[0].mlp.gate_proj).__name__ != "Linear"  # a GPTQ layer, not full precision
+    # Saved before it runs: gptqmodel's CPU kernel repacks qweight in place at the first forward, and a checkpoint
+    # saved after that no longer matches its config (our check refuses it).
+    draft.save_pretrained(tmp_path)
+    check_quantized_checkpoint(tmp_path)
+    plain, out = _run(target, draft)
+    assert torch.equal(out.sequences, plain)
+    assert out.speculative_metrics.acceptance_rate >= 0.95  # measured 1.00
+    assert torch.equal(_run(target, load_draft(tmp_path))[1].sequences, plain)
