@@ -12,6 +12,7 @@ from .generation import SpeculativeGenerateOutput, register_generation_strategy,
 from .metrics import SpeculativeMetrics
 from .paged_cache import PagedKVCache
 from .pipeline import SpeculativeTextGenerationPipeline, register_pipeline
+from .quantization import QuantizationUnavailableError, QuantizedCheckpointError, load_draft
 from .speculators import DraftModelSpeculator, EagleCheckpointError, EagleSpeculator, NgramSpeculator, Speculator
 from .tokenizers import TokenizerMismatchError, check_tokenizers_match
 from .types import DraftProposal, VerifyResult
@@ -24,10 +25,10 @@ register_pipeline()
 
 __all__ = [
     "BlockManager", "DraftModelSpeculator", "DraftProposal", "EagleCheckpointError", "EagleSpeculator",
-    "NgramSpeculator", "OutOfBlocksError", "PagedKVCache",
+    "NgramSpeculator", "OutOfBlocksError", "PagedKVCache", "QuantizationUnavailableError", "QuantizedCheckpointError",
     "SpeculativeEngine", "SpeculativeGenerateOutput", "SpeculativeMetrics", "SpeculativeTextGenerationPipeline",
     "Speculator", "TokenizerMismatchError",
     "UnsupportedModelError", "VerifyResult", "check_tokenizers_match", "convert_eagle", "register_pipeline",
-    "resolve_speculator",
+    "load_draft", "resolve_speculator",
     "verify",
 ]

@@ -8,6 +8,9 @@ interleaved across configurations so machine noise hits them alike, and medians 
 - ideal speedup: tokens emitted per target forward, discounted by drafting cost (the draft's size relative to the
   target's, per drafted token): what speculation would give if a verify cost the same as a plain decode step.
   The fraction achieved (speedup / ideal) shows the overhead left on the table.
+- draft ms/token: the speculator's drafting time per drafted token of a row (one draft forward at batch 1);
+  draft/target: that time over plain generate's TPOT in the same run, the draft's measured relative cost. Quantized
+  drafts (`--draft-quantization`) are compared on this and on acceptance.
 """
 
 from __future__ import annotations
@@ -50,28 +53,38 @@ class Result:
     tokens_per_target_forward: float | None = None
     ideal_speedup: float | None = None
     fraction_of_ideal: float | None = None
+    draft_ms_per_token: float | None = None
+    draft_to_target: float | None = None
 
 
-def build_configs(model, speculators: dict, k: int, draft_costs: dict) -> list[Config]:
-    configs = [Config("plain generate"), Config("transformers prompt lookup", dict(prompt_lookup_num_tokens=k),
-                                                batch_one_only=True)]
+def build_configs(model, speculators: dict, k: int, draft_costs: dict, schedule: str = "adaptive",
+                  assisted: bool = True) -> list[Config]:
+    configs = [Config("plain generate")]
+    if assisted:
+        configs.append(Config("transformers prompt lookup", dict(prompt_lookup_num_tokens=k), batch_one_only=True))
+        for name, spec in speculators.items():
+            if not isinstance(spec, str):
+                configs.append(Config(f"transformers assisted ({name})", dict(assistant_model=spec),
+                                      batch_one_only=True))
     for name, spec in speculators.items():
-        if not isinstance(spec, str):
-            configs.append(Config(f"transformers assisted ({name})", dict(assistant_model=spec), batch_one_only=True))
-    for name, spec in speculators.items():
-        configs.append(Config(f"hf_specdec {name}", dict(speculator=spec, num_speculative_tokens=k),
+        configs.append(Config(f"hf_specdec {name}", dict(speculator=spec, num_speculative_tokens=k,
+                                                         speculative_schedule=schedule),
                               draft_cost=draft_costs.get(name, 0.0)))
     return configs
 
 
 def run_bench(model, tokenizer, speculators: dict, batch_sizes=(1, 4, 16), workloads=("grounded", "open_chat"),
-              max_new_tokens: int = 128, k: int = 10, repeats: int = 3, progress: bool = True) -> list[Result]:
-    """Runs every configuration; returns one `Result` per (workload, batch size, configuration)."""
+              max_new_tokens: int = 128, k: int = 10, repeats: int = 3, progress: bool = True,
+              schedule: str = "adaptive", assisted: bool = True) -> list[Result]:
+    """Runs every configuration; returns one `Result` per (workload, batch size, configuration).
+
+    `schedule` is hf_specdec's `speculative_schedule`; `assisted=False` leaves out transformers' own speculation.
+    """
     from tqdm.auto import tqdm
 
     draft_costs = {n: s.num_parameters() / model.num_parameters() for n, s in speculators.items()
                    if not isinstance(s, str)}
-    configs = build_configs(model, speculators, k, draft_costs)
+    configs = build_configs(model, speculators, k, draft_costs, schedule, assisted)
     plan = [(w, b) for w in workloads for b in batch_sizes]
     total = sum(len([c for c in configs if b == 1 or not c.batch_one_only]) for _, b in plan) * (repeats + 1)
     bar = tqdm(total=total, disable=not progress, desc="bench")
@@ -127,6 +140,9 @@ def _measure(model, inputs, configs, workload, batch_size, max_new_tokens, repea
             result.tokens_per_target_forward = per_forward
             result.ideal_speedup = per_forward / (1 + config.draft_cost * drafted_per_forward)
             result.fraction_of_ideal = result.speedup / result.ideal_speedup
+            if metrics.num_draft_tokens:
+                result.draft_ms_per_token = 1000 * metrics.draft_time_s * batch_size / metrics.num_draft_tokens
+                result.draft_to_target = result.draft_ms_per_token / (1000 * results[0].tpot_s)
         results.append(result)
     return results
 
@@ -179,10 +195,11 @@ def table(results: list[Result]) -> str:
         return "-" if v is None else format(v, spec)
 
     lines = ["| workload | batch | configuration | tokens/s | speedup | TTFT s | TPOT ms | acceptance | mean acc. len "
-             "| ideal | of ideal | identical |", "|" + " --- |" * 12]
+             "| draft ms/token | draft/target | ideal | of ideal | identical |", "|" + " --- |" * 14]
     for r in results:
         lines.append(f"| {r.workload} | {r.batch_size} | {r.config} | {r.tokens_per_s:.1f} | {r.speedup:.2f}x | "
                      f"{r.ttft_s:.3f} | {r.tpot_s * 1000:.1f} | {fmt(r.acceptance_rate, '.2f')} | "
-                     f"{fmt(r.mean_acceptance_length, '.2f')} | {fmt(r.ideal_speedup, '.2f')} | "
+                     f"{fmt(r.mean_acceptance_length, '.2f')} | {fmt(r.draft_ms_per_token, '.1f')} | "
+                     f"{fmt(r.draft_to_target, '.2f')} | {fmt(r.ideal_speedup, '.2f')} | "
                      f"{fmt(r.fraction_of_ideal, '.0%')} | {'yes' if r.identical else 'no'} |")
     return "\n".join(lines)

@@ -10,16 +10,24 @@ import time
 import torch
 
 from .demo.app import add_arguments as add_demo_arguments
-from .models import DEFAULT_MODEL, load_causal_lm, load_model, load_tokenizer
+from .models import DEFAULT_MODEL, EMBEDDED_MODELS, load_causal_lm, load_model, load_tokenizer
+from .quantization import QUANTIZATIONS, load_draft
 from .tokenizers import check_tokenizers_match
 from .workloads import GROUNDED, chat_inputs
 
 
-def _speculator(spec: str, target, target_tokenizer):
-    """'ngram', or a draft model loaded like the target (its tokenizer, when it has one, must match)."""
+def _speculator(spec: str, target, target_tokenizer, quantization: str | None = None):
+    """'ngram', or a draft model loaded like the target (its tokenizer, when it has one, must match), optionally
+    quantized as it loads (`hf_specdec.load_draft`); pre-quantized checkpoints load as they are."""
     if spec == "ngram":
+        if quantization is not None:
+            raise SystemExit(f"--draft-quantization {quantization} applies to draft models, not to 'ngram'")
         return "ngram"
-    draft = load_causal_lm(spec, dtype=target.dtype, device=target.device)
+    quantize = dict(quantization=quantization, target=target, tokenizer=target_tokenizer)
+    if spec in EMBEDDED_MODELS:  # GGUF weights: load, then quantize a copy
+        draft = load_draft(load_causal_lm(spec, dtype=target.dtype, device=target.device), **quantize)
+    else:
+        draft = load_draft(spec, dtype=target.dtype, device=target.device, **quantize)
     try:
         draft_tokenizer = load_tokenizer(spec)
     except (OSError, ValueError):
@@ -27,6 +35,16 @@ def _speculator(spec: str, target, target_tokenizer):
     if draft_tokenizer is not None:
         check_tokenizers_match(target_tokenizer, draft_tokenizer)
     return draft
+
+
+def _quantizations(spec: str) -> list[str | None]:
+    """'none,fp8' -> [None, 'fp8'], refusing unknown names."""
+    names = [name.strip() for name in spec.split(",") if name.strip()]
+    unknown = [name for name in names if name not in ("none", *QUANTIZATIONS)]
+    if unknown or not names:
+        raise SystemExit(f"--draft-quantization: unknown {unknown or [spec]}; choose from none, "
+                         f"{', '.join(QUANTIZATIONS)}")
+    return [None if name == "none" else name for name in names]
 
 
 def cmd_run(args) -> int:
@@ -76,7 +94,7 @@ def cmd_generate(args) -> int:
     inputs = chat_inputs(tokenizer, [args.prompt])
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k) \
         if args.sample else dict(do_sample=False)
-    speculator = _speculator(args.speculator, model, tokenizer)
+    speculator = _speculator(args.speculator, model, tokenizer, _quantizations(args.draft_quantization)[0])
     start = time.perf_counter()
     out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, speculator=speculator,
                          num_speculative_tokens=args.k, return_dict_in_generate=True,
@@ -95,11 +113,17 @@ def cmd_bench(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
-    speculators = {name: _speculator(name, model, tokenizer) for name in args.speculators.split(",")}
+    speculators = {}
+    for name in args.speculators.split(","):
+        for quantization in _quantizations(args.draft_quantization) if name != "ngram" else [None]:
+            label = name if quantization is None else f"{name} [{quantization}]"
+            speculators[label] = _speculator(name, model, tokenizer, quantization)
     results = run_bench(model, tokenizer, speculators, [int(b) for b in args.batch_sizes.split(",")],
-                        args.workloads.split(","), args.max_new_tokens, args.k, args.repeats)
+                        args.workloads.split(","), args.max_new_tokens, args.k, args.repeats,
+                        schedule=args.schedule, assisted=not args.no_assisted)
     meta = {"model": args.model, "speculators": list(speculators), "k": args.k, "max_new_tokens": args.max_new_tokens,
-            "repeats": args.repeats, "command": "hf-specdec bench " + " ".join(sys.argv[2:]), **environment()}
+            "repeats": args.repeats, "schedule": args.schedule, "command": "hf-specdec bench " + " ".join(sys.argv[2:]),
+            **environment()}
     save(results, args.out, args.plot, meta)
     print(table(results))
     print(f"\nwrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
@@ -138,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="bench.json", help="JSON results file")
     bench.add_argument("--plot", default="bench.png", help="PNG plot of speedups ('' for none)")
     bench.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    bench.add_argument("--draft-quantization", default="none", help="comma-separated, a benchmark dimension for "
+                       f"draft models: 'none' and/or {', '.join(QUANTIZATIONS)}")
+    bench.add_argument("--schedule", default="adaptive", choices=["adaptive", "constant"],
+                       help="speculative_schedule: choose k per step, or always draft k")
+    bench.add_argument("--no-assisted", action="store_true", help="leave out transformers' own assisted generation")
     bench.set_defaults(func=cmd_bench)
 
     gen = sub.add_parser("generate", help="stream one prompt's speculative generation")
@@ -150,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=1.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--draft-quantization", default="none", choices=["none", *QUANTIZATIONS],
+                     help="quantize the draft model as it loads (see hf_specdec.load_draft)")
     gen.set_defaults(func=cmd_generate)
 
     demo = sub.add_parser("demo", help="serve the demo app: plain vs speculative generation, side by side")

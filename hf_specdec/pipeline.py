@@ -6,6 +6,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TextGenerationPipe
 from transformers.pipelines import PIPELINE_REGISTRY
 
 from .generation import resolve_speculator
+from .quantization import load_draft
 from .speculators.base import Speculator
 from .speculators.draft_model import DraftModelSpeculator
 from .tokenizers import check_tokenizers_match
@@ -21,19 +22,29 @@ class SpeculativeTextGenerationPipeline(TextGenerationPipeline):
             device and dtype), a draft model, `"ngram"`, or a speculator object.
         assistant_tokenizer (*optional*): the draft's tokenizer; loaded beside the draft when `assistant` is an id or
             path. When known, it must match the target's tokenizer (`TokenizerMismatchError` otherwise).
+        assistant_quantization (`str`, *optional*): quantize the draft as it loads: `"fp8"`, `"int8"`, `"nf4"` or
+            `"gptq"` (calibrated on the target's own generations); see `hf_specdec.load_draft`. Pre-quantized
+            checkpoints (GPTQ, FP8) load as they are without it.
         num_speculative_tokens (`int`, *optional*): drafts per step (k); may also be given per call.
     """
 
-    def __init__(self, *args, assistant=None, assistant_tokenizer=None, **kwargs):
+    def __init__(self, *args, assistant=None, assistant_tokenizer=None, assistant_quantization=None, **kwargs):
         super().__init__(*args, **kwargs)
         if assistant is None:
             raise ValueError(f"the {TASK!r} pipeline needs assistant=: a draft model id or path, a PreTrainedModel, "
                              "'ngram', or an hf_specdec.Speculator")
-        self.speculator = self._load_assistant(assistant, assistant_tokenizer)
+        self.speculator = self._load_assistant(assistant, assistant_tokenizer, assistant_quantization)
 
-    def _load_assistant(self, assistant, assistant_tokenizer) -> Speculator:
+    def _load_assistant(self, assistant, assistant_tokenizer, quantization=None) -> Speculator:
+        if quantization is not None and (isinstance(assistant, Speculator) or assistant == "ngram"):
+            raise ValueError(f"assistant_quantization={quantization!r} applies to draft models; the assistant "
+                             f"{assistant!r} is not one")
+        if quantization is not None and not isinstance(assistant, str):
+            assistant = load_draft(assistant, quantization, device=self.model.device, target=self.model,
+                                   tokenizer=self.tokenizer)
         if isinstance(assistant, str) and assistant != "ngram":
-            draft = AutoModelForCausalLM.from_pretrained(assistant, dtype=self.model.dtype).to(self.model.device)
+            draft = load_draft(assistant, quantization, dtype=self.model.dtype, device=self.model.device,
+                               target=self.model, tokenizer=self.tokenizer)
             if assistant_tokenizer is None:
                 try:
                     assistant_tokenizer = AutoTokenizer.from_pretrained(assistant)

@@ -339,7 +339,8 @@ def test_fp8_wrong_dtype_and_shape_are_refused(checkpoint, tmp_path):
     _edit_tensors(tmp_path, lambda state: state.update({name: state[name].float()}))
     with pytest.raises(QuantizedCheckpointError, match=f"{name} has dtype F32, but an FP8"):
         load_draft(tmp_path)
-    _edit_tensors(tmp_path, lambda state: state.update({name: state[name].to(torch.float8_e4m3fn)[:, :32].contiguous()}))
+    narrow = lambda state: state.update({name: state[name].to(torch.float8_e4m3fn)[:, :32].contiguous()})  # noqa: E731
+    _edit_tensors(tmp_path, narrow)
     with pytest.raises(QuantizedCheckpointError, match=r"has shape \[128, 32\], but an FP8"):
         load_draft(tmp_path)
 
@@ -378,3 +379,45 @@ def test_gptq_quantize_on_load_from_target_generations(checkpoint, tmp_path):
     assert torch.equal(out.sequences, plain)
     assert out.speculative_metrics.acceptance_rate >= 0.95  # measured 1.00
     assert torch.equal(_run(target, load_draft(tmp_path))[1].sequences, plain)
+
+
+# ---- the pipeline's assistant_quantization= and the CLI's --draft-quantization ----
+
+@needs_torchao
+def test_pipeline_assistant_quantization(checkpoint):
+    from transformers import pipeline
+
+    target, directory = checkpoint
+    tokenizer = make_tokenizer()
+    prompts = ["w5 w9 w33 w7", "w12 w40"]
+    stock = pipeline("text-generation", model=target, tokenizer=tokenizer)
+    pipe = pipeline("speculative-text-generation", model=target, tokenizer=tokenizer, assistant=str(directory),
+                    assistant_quantization="fp8", num_speculative_tokens=4)
+    assert _quantized_weight_type(pipe.speculator.model) == "Float8Tensor"
+    kwargs = dict(max_new_tokens=12, do_sample=False)
+    assert pipe(prompts, **kwargs) == stock(prompts, **kwargs)
+    with pytest.raises(ValueError, match="applies to draft models"):
+        pipeline("speculative-text-generation", model=target, tokenizer=tokenizer, assistant="ngram",
+                 assistant_quantization="fp8")
+
+
+@needs_torchao
+@needs_bnb
+def test_bench_draft_quantization_dimension(checkpoint, tmp_path, capsys):
+    from hf_specdec.cli import main
+
+    target, directory = checkpoint
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", str(directory), "--speculators", f"ngram,{directory}", "--draft-quantization",
+                 "none,fp8,nf4", "--schedule", "constant", "--no-assisted", "--batch-sizes", "1",
+                 "--workloads", "grounded", "--max-new-tokens", "8", "--repeats", "1", "-k", "3",
+                 "--out", str(out), "--plot", ""]) == 0
+    results = {r["config"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(results) == {"plain generate", "hf_specdec ngram", f"hf_specdec {directory}",
+                            f"hf_specdec {directory} [fp8]", f"hf_specdec {directory} [nf4]"}
+    for name in (f"hf_specdec {directory}", f"hf_specdec {directory} [fp8]", f"hf_specdec {directory} [nf4]"):
+        assert results[name]["identical"] and results[name]["draft_ms_per_token"] > 0
+        assert results[name]["draft_to_target"] > 0
+    assert "draft ms/token" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown \\['int3'\\]"):
+        main(["bench", "--model", str(directory), "--speculators", str(directory), "--draft-quantization", "int3"])
