@@ -334,3 +334,25 @@ def test_eagle_head_is_offered_when_available_and_checked_against_the_target(mon
     target = make_model("llama", dtype=torch.float32)
     offered = load_speculators(target, make_tokenizer(), [], eagle="heads/tiny")
     assert list(offered) == [NGRAM_LABEL, "EAGLE head: heads/tiny"] and checked == [target]
+
+
+def test_app_handlers_show_messages_not_tracebacks(session, monkeypatch):
+    pytest.importorskip("gradio")
+    handlers = {f.name: f.fn for f in demo_app.build_app(session).fns.values()}
+    settings = (NGRAM_LABEL, 4, 12, False, 0.8, 0.95, 0, "adaptive")
+    with pytest.warns(UserWarning, match="The prompt is empty"):  # gr.Warning's toast, outside a request
+        status, *_ = list(handlers["compare"]("  ", *settings))[-1]
+    assert "sd-status-error" in status and "The prompt is empty" in status
+    status, plain, speculative, metrics, chart = list(handlers["compare"](word_prompt(5, 12), *settings))[-1]
+    assert "Done:" in status and 'data-state="done"' in plain and "speedup" in metrics and "sd-chart" in chart
+    status, result = handlers["run_batch"]("w5 w6\n---\nw7", *settings)
+    assert "2 prompts in one batch" in status and "tokens/s" in result
+
+    def broken(*args, **kwargs):
+        raise FloatingPointError("the target model produced NaN or inf logits")
+
+    monkeypatch.setattr(session.model, "generate", broken)
+    status, *_ = list(handlers["compare"]("w5 w6", *settings))[-1]
+    assert "Generation failed: the target model produced NaN" in status and "Traceback" not in status
+    status, _ = handlers["run_batch"]("w5 w6", *settings)
+    assert "Generation failed" in status
