@@ -253,7 +253,8 @@ def _require_gptq(what: str) -> None:
         if importlib.util.find_spec(module) is None:
             raise QuantizationUnavailableError(
                 f"{what} needs optimum and gptqmodel (transformers' GPTQ backend; its torch kernels run on CPUs), "
-                f"and {module} is not installed; {_INSTALL}")
+                f"and {module} is not installed; pip install 'hf_specdec[gptq]' (gptqmodel pins numpy==2.2.6; "
+                "`pip install --no-deps gptqmodel` plus its other requirements keeps your numpy)")
 
 
 def _require_checkpoint_libraries(config) -> None:
