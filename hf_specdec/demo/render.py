@@ -16,7 +16,8 @@ CSS = """
 .sd-acc1 { background: #7fd69a; color: #0b3d1c; border-radius: 3px; }
 .sd-tgt { }
 .sd-legend span { padding: 0 0.4em; margin-right: 0.6em; }
-.sd-metrics table, .sd-batch table { border-collapse: collapse; border: none !important; }
+.sd-metrics table, .sd-batch table, .sd-metrics tr, .sd-batch tr { border-collapse: collapse;
+                                                                   border: none !important; }
 .sd-metrics td, .sd-batch td, .sd-batch th { padding: 0.2em 0.8em; border: none !important;
                                              border-bottom: 1px solid #eaeef2 !important; vertical-align: top;
                                              text-align: left; }
