@@ -356,3 +356,31 @@ def test_app_handlers_show_messages_not_tracebacks(session, monkeypatch):
     assert "Generation failed: the target model produced NaN" in status and "Traceback" not in status
     status, _ = handlers["run_batch"]("w5 w6", *settings)
     assert "Generation failed" in status
+
+
+def test_a_closed_page_stops_its_run_and_leaves_the_model_usable(session):
+    import threading
+
+    from hf_specdec.demo.stream import RunCancelled, StepStreamer
+
+    # The streamer ends a speculative generate call at its next step once cancelled...
+    class CancelAfterTwoSteps(StepStreamer):
+        def put(self, value):
+            super().put(value)
+            if self.queue.qsize() == 2:
+                self.cancel()
+
+    inputs = chat_inputs(session.tokenizer, [word_prompt(5, 12)])
+    streamer = CancelAfterTwoSteps()
+    with pytest.raises(RunCancelled):
+        session.model.generate(**inputs, max_new_tokens=40, do_sample=False, streamer=streamer,
+                               speculator=session.speculators[SELF_DRAFT], num_speculative_tokens=3)
+    assert streamer.queue.qsize() == 2
+    # ...and closing a comparison mid-stream cancels and joins its worker; the next run is unaffected.
+    running = session.compare(word_prompt(6, 12), session.check_settings(SELF_DRAFT, 4, 64), interval_s=0)
+    first = next(running)
+    running.close()
+    assert not first.done
+    assert not [t for t in threading.enumerate() if t.name == "hf-specdec-demo-generate"]
+    last = _run(session, word_prompt(5, 12), speculator=NGRAM_LABEL, k=4, max_new_tokens=40, schedule="constant")
+    assert last.identical and last.speculative.num_accepted == last.metrics.num_accepted_tokens

@@ -113,6 +113,7 @@ class DemoSession:
         self.speculators = speculators
         self.limits = limits or DemoLimits()
         self.model_name = model_name
+        self._lock = threading.Lock()
         context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         self.context = context or self.limits.max_prompt_tokens + self.limits.max_new_tokens
 
@@ -199,11 +200,12 @@ class DemoSession:
         self._check_context(inputs["input_ids"].shape[1], settings.max_new_tokens)
         state = Comparison(Pane(speculative=False), Pane(speculative=True), settings)
         common = settings.generate_kwargs()
-        yield from self._stream(state.plain, state, inputs, settings.seed, interval_s, common)
-        outputs = {}
-        yield from self._stream(state.speculative, state, inputs, settings.seed, interval_s,
-                                {**common, **self._speculative_kwargs(settings), "return_dict_in_generate": True},
-                                outputs)
+        with self._lock:  # one run at a time on this model, whatever the app's queue allows
+            yield from self._stream(state.plain, state, inputs, settings.seed, interval_s, common)
+            outputs = {}
+            yield from self._stream(state.speculative, state, inputs, settings.seed, interval_s,
+                                    {**common, **self._speculative_kwargs(settings), "return_dict_in_generate": True},
+                                    outputs)
         state.metrics = outputs["result"].speculative_metrics
         yield state
 
@@ -232,17 +234,22 @@ class DemoSession:
         worker = threading.Thread(target=work, name="hf-specdec-demo-generate", daemon=True)
         worker.start()
         last_yield = 0.0
-        while True:
-            item = streamer.queue.get()
-            if item is None:
-                break
-            arrived, token_ids = item
-            pane.add_step(token_ids, self.tokenizer)
-            pane.elapsed_s = arrived - started[0]
-            if time.perf_counter() - last_yield >= interval_s:
-                last_yield = time.perf_counter()
-                yield state
-        worker.join()
+        try:
+            while True:
+                item = streamer.queue.get()
+                if item is None:
+                    break
+                arrived, token_ids = item
+                pane.add_step(token_ids, self.tokenizer)
+                pane.elapsed_s = arrived - started[0]
+                if time.perf_counter() - last_yield >= interval_s:
+                    last_yield = time.perf_counter()
+                    yield state
+        finally:
+            # A page closed mid-stream closes this generator: stop the run at its next step and wait for it, so
+            # two runs never use the model at once. (Harmless once the run has ended.)
+            streamer.cancel()
+            worker.join()
         if failure:
             raise failure[0]
         pane.elapsed_s, pane.done = total[0], True  # the whole call, as a user of generate would time it
@@ -253,15 +260,16 @@ class DemoSession:
         inputs = chat_inputs(self.tokenizer, prompts).to(self.model.device)
         self._check_context(inputs["input_ids"].shape[1], settings.max_new_tokens)
         common = settings.generate_kwargs()
-        torch.manual_seed(settings.seed)
-        start = time.perf_counter()
-        plain = self.model.generate(**inputs, **common)
-        plain_time = time.perf_counter() - start
-        torch.manual_seed(settings.seed)
-        start = time.perf_counter()
-        out = self.model.generate(**inputs, **common, **self._speculative_kwargs(settings),
-                                  return_dict_in_generate=True)
-        speculative_time = time.perf_counter() - start
+        with self._lock:
+            torch.manual_seed(settings.seed)
+            start = time.perf_counter()
+            plain = self.model.generate(**inputs, **common)
+            plain_time = time.perf_counter() - start
+            torch.manual_seed(settings.seed)
+            start = time.perf_counter()
+            out = self.model.generate(**inputs, **common, **self._speculative_kwargs(settings),
+                                      return_dict_in_generate=True)
+            speculative_time = time.perf_counter() - start
         width = inputs["input_ids"].shape[1]
         generated = out.sequences[:, width:]
         num_new = _num_new_tokens(generated, self.model.generation_config.eos_token_id)

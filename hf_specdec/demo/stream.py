@@ -8,6 +8,7 @@ generation that step's output (its accepted drafts, then one token the target pr
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -116,14 +117,28 @@ class BatchResult:
         return sum(self.num_new_tokens) / self.speculative_time_s
 
 
+class RunCancelled(Exception):
+    """Raised inside `generate` (from the streamer) to end a run nobody is watching any more."""
+
+
 class StepStreamer:
-    """A transformers streamer that queues each `put` (after the prompt) with the time it arrived."""
+    """A transformers streamer that queues each `put` (after the prompt) with the time it arrived.
+
+    `cancel()` makes the next `put` raise `RunCancelled`, which ends the `generate` call at its next step at no cost
+    to the steps before (a stopping criterion would be called after every token).
+    """
 
     def __init__(self):
         self.queue: queue.Queue = queue.Queue()
         self._prompt_seen = False
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
 
     def put(self, value: torch.Tensor) -> None:
+        if self._cancelled.is_set():
+            raise RunCancelled("the demo's page stopped listening")
         if not self._prompt_seen:  # generate puts the prompt first
             self._prompt_seen = True
             return
