@@ -384,3 +384,10 @@ def test_a_closed_page_stops_its_run_and_leaves_the_model_usable(session):
     assert not [t for t in threading.enumerate() if t.name == "hf-specdec-demo-generate"]
     last = _run(session, word_prompt(5, 12), speculator=NGRAM_LABEL, k=4, max_new_tokens=40, schedule="constant")
     assert last.identical and last.speculative.num_accepted == last.metrics.num_accepted_tokens
+
+
+def test_missing_gradio_is_named_with_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gradio", None)
+    args = hf_specdec.cli.build_parser().parse_args(["demo"])
+    with pytest.raises(ImportError, match=re.escape('pip install "hf_specdec[demo]"')):
+        args.func(args)
