@@ -170,8 +170,7 @@ class EagleHead(nn.Module):
                 self.register_buffer("draft_to_target", torch.zeros(config["draft_vocab_size"], dtype=torch.long))
             else:
                 self.draft_to_target = None
-        self._target_embed = None
-        self._target_lm_head = None
+        self._bound: tuple = (None, None)  # the target's (input embeddings, LM head); a tuple, so not submodules
 
     @property
     def device(self) -> torch.device:
@@ -179,8 +178,7 @@ class EagleHead(nn.Module):
 
     def bind(self, target) -> None:
         """Shares the target's input embeddings (unless the head has its own) and, for EAGLE-1/2, its LM head."""
-        self._target_embed = target.get_input_embeddings()
-        self._target_lm_head = target.get_output_embeddings() if self.version == 1 else None
+        self._bound = (target.get_input_embeddings(), target.get_output_embeddings() if self.version == 1 else None)
 
     def forward(self, input_ids, position_ids, past_key_values, features, from_target: bool = True,
                 use_cache=None, logits_to_keep=None, output_hidden_states=None, **kwargs) -> torch.Tensor:
@@ -190,7 +188,7 @@ class EagleHead(nn.Module):
             input_ids: `[rows, q]` the token after each feature's position.
             features: `[rows, q, width]` the target's features (`from_target=True`), or the head's own outputs.
         """
-        embed = self.embed_tokens if self.embed_tokens is not None else self._target_embed
+        embed = self.embed_tokens if self.embed_tokens is not None else self._bound[0]
         embeds = embed(input_ids).to(self.fc.weight.dtype)
         if self.version == 1:
             hidden = self.fc(torch.cat([embeds, features], dim=-1))
@@ -202,7 +200,7 @@ class EagleHead(nn.Module):
     def logits(self, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """`[rows, vocab_size]` logits over the target's vocabulary from head outputs `[rows, hidden]`."""
         if self.version == 1:
-            return self._target_lm_head(hidden)[..., :vocab_size]
+            return self._bound[1](hidden)[..., :vocab_size]
         draft_logits = self.lm_head(self.norm(hidden))
         if self.draft_to_target is None:
             return draft_logits[..., :vocab_size]
@@ -309,6 +307,7 @@ class EagleSpeculator(Speculator):
             return DraftProposal.empty(len(rows), batch.device)
         rows_t = batch.active_tensor()
         features, num_states, starts = _select_rows(self._pending, rows)
+        features = features[:, features.shape[1] - max(num_states):]  # rows that left may have been the widest
         self._pending = None
         runner = self._runner
         if any(runner.length(r) != s for r, s in zip(rows, starts)):
