@@ -19,6 +19,10 @@ import sys
 from pathlib import Path
 
 try:
+    import spaces  # noqa: F401  (first, before torch: on ZeroGPU it patches torch as torch is imported)
+except ImportError:
+    pass
+try:
     import hf_specdec  # noqa: F401  (vendored beside this file by build.py, or pip-installed)
 except ImportError:  # run from a checkout: demos/space/app.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
