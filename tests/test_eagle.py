@@ -328,3 +328,203 @@ def test_fitted_eagle3_head_accepts_well_above_a_random_head(fitted, tmp_path):
     print(f"EAGLE-3 acceptance: fitted {right:.2f}, random head {baseline:.2f}")
     assert right == shifted
     assert right >= 0.1 and right > 3 * baseline
+
+
+# --- exact wiring: the engine's draft logits equal the reference formulas, written out here ------------------------
+def rms(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def reference_head_logits(target, tensors, version, layers, seq):
+    """EAGLE's forward from the reference tensors, in plain torch: entry p reads the target's hidden state(s) at p
+    and the token at p + 1, at position p. Returns `[entries, vocab]` logits over the target's vocabulary."""
+    config = target.config
+    eps, hidden = config.rms_norm_eps, config.hidden_size
+    t = {n: v.double() if v.is_floating_point() else v for n, v in tensors.items()}
+    pre = "layers.0." if version == 1 else "midlayer."
+    with torch.no_grad():
+        states = target(seq, output_hidden_states=True).hidden_states
+        features = torch.cat([states[i] for i in layers], dim=-1)[0, :-1]
+        embeds = target.get_input_embeddings()(seq[0, 1:])
+        if version == 1:  # fc over [embedding, feature]; no input norm
+            h = torch.cat([embeds, features], -1) @ t["fc.weight"].T + t.get("fc.bias", 0)
+            attn_in = h
+        else:  # fc over the three states; attention over [input_layernorm(embed), hidden_norm(h)]
+            h = features @ t["fc.weight"].T
+            attn_in = torch.cat([rms(embeds, t[pre + "input_layernorm.weight"], eps),
+                                 rms(h, t[pre + "hidden_norm.weight"], eps)], -1)
+        n = h.shape[0]
+        heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, hidden // config.num_attention_heads
+        q = (attn_in @ t[pre + "self_attn.q_proj.weight"].T).view(n, heads, dim).transpose(0, 1)
+        k = (attn_in @ t[pre + "self_attn.k_proj.weight"].T).view(n, kv_heads, dim).transpose(0, 1)
+        v = (attn_in @ t[pre + "self_attn.v_proj.weight"].T).view(n, kv_heads, dim).transpose(0, 1)
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        angles = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq[None]
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+
+        def rotate(x):
+            return x * cos + torch.cat([-x[..., dim // 2:], x[..., :dim // 2]], -1) * sin
+
+        q, k = rotate(q), rotate(k)
+        k, v = k.repeat_interleave(heads // kv_heads, 0), v.repeat_interleave(heads // kv_heads, 0)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1).reshape(n, -1)
+        h = h + attn @ t[pre + "self_attn.o_proj.weight"].T
+        x = rms(h, t[pre + "post_attention_layernorm.weight"], eps)
+        mlp = (F.silu(x @ t[pre + "mlp.gate_proj.weight"].T) * (x @ t[pre + "mlp.up_proj.weight"].T))
+        h = h + mlp @ t[pre + "mlp.down_proj.weight"].T
+        if version == 1:  # the target's LM head on the un-normed output
+            return target.lm_head(h)
+        draft_logits = rms(h, t["norm.weight"], eps) @ t["lm_head.weight"].T
+        logits = torch.full((n, config.vocab_size), float("-inf"), dtype=torch.float64)
+        logits[:, torch.arange(draft_logits.shape[1]) + t["d2t"]] = draft_logits
+        return logits
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_draft_logits_equal_the_reference_forward(tmp_path, version, monkeypatch):
+    from hf_specdec.speculators.eagle import EagleHead
+
+    target = make_target(num_layers=2 if version == 1 else 4)
+    config, tensors = eagle1_reference(target) if version == 1 else eagle3_reference(target)
+    layers = [2] if version == 1 else [1, 2, 3]
+    src = write_reference(tmp_path / "src", config, tensors)
+    spec = EagleSpeculator.from_pretrained(convert_eagle(src, tmp_path / "dst", target=target, aux_layers=layers))
+    seen = []
+    original = EagleHead.logits
+
+    def recording(self, hidden, vocab_size):
+        logits = original(self, hidden, vocab_size)
+        seen.append(logits[0].clone())
+        return logits
+
+    monkeypatch.setattr(EagleHead, "logits", recording)
+    input_ids = torch.randint(2, VOCAB, (1, 7), generator=torch.Generator().manual_seed(3))
+    out = speculate(target, spec, input_ids, k=1, max_new_tokens=12)
+    expected = reference_head_logits(target, tensors, version, layers, out.sequences)
+    # A random head's drafts are rejected, so each step commits one token; step 0 has no target states yet and the
+    # last step may not draft (length budget). Drafting step s (committed length 8 + s) reads entry 6 + s.
+    assert out.speculative_metrics.num_accepted_tokens == 0 and len(seen) == 10
+    for step, logits in enumerate(seen):
+        reference = expected[input_ids.shape[1] - 1 + step]
+        finite = torch.isfinite(reference)
+        assert torch.equal(finite, torch.isfinite(logits))
+        # (transformers computes rotary angles in float32, hence not float64-exact)
+        torch.testing.assert_close(logits[finite], reference[finite], rtol=1e-5, atol=1e-5)
+
+
+# --- bad checkpoints get clear errors --------------------------------------------------------------------------------
+class _RunsCode:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_pickle_that_runs_code_is_refused(tmp_path):
+    target = make_target()
+    config, tensors = eagle1_reference(target)
+    write_reference(tmp_path / "src", config, tensors, "bin")
+    marker = tmp_path / "ran"
+    torch.save({**tensors, "payload": _RunsCode(marker)}, tmp_path / "src" / "pytorch_model.bin")
+    with pytest.raises(EagleCheckpointError, match="refused to load .*pytorch_model.bin"):
+        convert_eagle(tmp_path / "src", tmp_path / "dst", target=target)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_truncated_checkpoint(tmp_path, fmt):
+    target = make_target()
+    config, tensors = eagle1_reference(target)
+    src = write_reference(tmp_path / "src", config, tensors, fmt)
+    file = src / ("model.safetensors" if fmt == "safetensors" else "pytorch_model.bin")
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    with pytest.raises(EagleCheckpointError, match="truncated or corrupt"):
+        convert_eagle(src, tmp_path / "dst", target=target)
+
+
+def test_truncated_converted_head(tmp_path):
+    dst = convert(tmp_path, make_target(), 1)
+    file = dst / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:200])
+    with pytest.raises(EagleCheckpointError, match="truncated or corrupt"):
+        EagleSpeculator.from_pretrained(dst)
+
+
+def _broken(tensors, name, value=None):
+    out = dict(tensors)
+    if value is None:
+        del out[name]
+    else:
+        out[name] = value
+    return out
+
+
+@pytest.mark.parametrize(("version", "edit", "message"), [
+    (1, lambda t: _broken(t, "layers.0.mlp.down_proj.weight"), r"missing tensor.*layer.mlp.down_proj.weight"),
+    (1, lambda t: _broken(t, "fc.bias"), r"missing tensor.*fc.bias"),  # config says bias (the default)
+    (1, lambda t: _broken(t, "fc.weight", t["fc.weight"][:, :40]), r"'fc.weight' has shape \(32, 40\)"),
+    (1, lambda t: _broken(t, "layers.0.self_attn.q_proj.weight", t["layers.0.self_attn.q_proj.weight"].long()),
+     r"'layers.0.self_attn.q_proj.weight' has dtype torch.int64"),
+    (1, lambda t: _broken(t, "layers.0.input_layernorm.weight", torch.ones(32)),
+     r"unexpected tensor.*layers.0.input_layernorm.weight"),
+    (1, lambda t: _broken(t, "fc.weight", torch.full_like(t["fc.weight"], float("nan"))), r"'fc.weight' holds NaN"),
+    (3, lambda t: _broken(t, "midlayer.hidden_norm.weight"), r"missing tensor.*hidden_norm"),
+    (3, lambda t: _broken(t, "d2t", t["d2t"].float()), r"'d2t' must be a 1-D integer tensor"),
+    (3, lambda t: _broken(t, "t2d", ~t["t2d"]), r"'d2t' and 't2d' disagree"),
+    (3, lambda t: _broken(t, "midlayer.self_attn.k_proj.weight", torch.zeros(16, 32)),
+     r"'midlayer.self_attn.k_proj.weight' has shape \(16, 32\) but \(16, 64\)"),
+])
+def test_bad_checkpoints_name_the_tensor(tmp_path, version, edit, message):
+    target = make_target(num_layers=2 if version == 1 else 4)
+    config, tensors = eagle1_reference(target) if version == 1 else eagle3_reference(target)
+    write_reference(tmp_path / "src", config, edit(tensors))
+    with pytest.raises(EagleCheckpointError, match=message):
+        convert_eagle(tmp_path / "src", tmp_path / "dst", target=target, aux_layers=None if version == 1 else [1, 2, 3])
+
+
+def test_head_for_another_target_size(tmp_path):
+    config, tensors = eagle1_reference(make_target())
+    write_reference(tmp_path / "src", config, tensors)
+    bigger = LlamaConfig(**{**COMMON, "hidden_size": 64})
+    with pytest.raises(EagleCheckpointError, match=r"'embed_tokens.weight' has shape \(96, 32\).*another target"):
+        convert_eagle(tmp_path / "src", tmp_path / "dst", target=bigger)
+    del tensors["embed_tokens.weight"]
+    write_reference(tmp_path / "src2", config, tensors)
+    with pytest.raises(EagleCheckpointError, match=r"'fc.weight' has shape \(32, 64\).*hidden size 64"):
+        convert_eagle(tmp_path / "src2", tmp_path / "dst", target=bigger)
+
+
+def test_unknown_layout_and_missing_target(tmp_path):
+    target = make_target()
+    src = write_reference(tmp_path / "src", {"model_type": "llama"}, {"model.norm.weight": torch.ones(32)})
+    with pytest.raises(EagleCheckpointError, match="unknown layout"):
+        convert_eagle(src, tmp_path / "dst", target=target)
+    with pytest.raises(ValueError, match="needs target="):
+        convert_eagle(src, tmp_path / "dst")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(EagleCheckpointError, match="no config.json"):
+        convert_eagle(tmp_path / "empty", tmp_path / "dst", target=target)
+
+
+def test_eagle3_layers_out_of_range(tmp_path):
+    target = make_target(num_layers=4)
+    config, tensors = eagle3_reference(target)
+    write_reference(tmp_path / "src", config, tensors)
+    with pytest.raises(EagleCheckpointError, match=r"layers \[1, 2, 4\].*0 to 3"):
+        convert_eagle(tmp_path / "src", tmp_path / "dst", target=target, aux_layers=[1, 2, 4])
+
+
+def test_wrong_target_at_generate_time(tmp_path):
+    spec = EagleSpeculator.from_pretrained(convert(tmp_path, make_target(), 1))
+    other = make_target(num_layers=3)
+    with pytest.raises(ValueError, match="num_hidden_layers=2.*num_hidden_layers=3"):
+        other.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=4, speculator=spec)
+
+
+def test_unconverted_directory_is_explained(tmp_path):
+    target = make_target()
+    config, tensors = eagle1_reference(target)
+    src = write_reference(tmp_path / "src", config, tensors)
+    with pytest.raises(EagleCheckpointError, match="convert-eagle"):
+        EagleSpeculator.from_pretrained(src)
