@@ -7,11 +7,15 @@ import statistics
 import sys
 import time
 
+from pathlib import Path
+
 import torch
 
 from .demo.app import add_arguments as add_demo_arguments
 from .models import DEFAULT_MODEL, EMBEDDED_MODELS, load_causal_lm, load_model, load_tokenizer
 from .quantization import QUANTIZATIONS, load_draft
+from .speculators.eagle import CONFIG_NAME as EAGLE_CONFIG_NAME
+from .speculators.eagle import EagleSpeculator
 from .tokenizers import check_tokenizers_match
 from .workloads import GROUNDED, chat_inputs
 
@@ -23,6 +27,8 @@ def _speculator(spec: str, target, target_tokenizer, quantization: str | None = 
         if quantization is not None:
             raise SystemExit(f"--draft-quantization {quantization} applies to draft models, not to 'ngram'")
         return "ngram"
+    if (Path(spec) / EAGLE_CONFIG_NAME).is_file():  # a converted EAGLE head (hf-specdec convert-eagle)
+        return EagleSpeculator.from_pretrained(spec)
     quantize = dict(quantization=quantization, target=target, tokenizer=target_tokenizer)
     if spec in EMBEDDED_MODELS:  # GGUF weights: load, then quantize a copy
         draft = load_draft(load_causal_lm(spec, dtype=target.dtype, device=target.device), **quantize)
@@ -137,6 +143,18 @@ def cmd_demo(args) -> int:
     return launch(args)
 
 
+def cmd_convert_eagle(args) -> int:
+    """Converts a published EAGLE-1/2 or EAGLE-3 head into hf_specdec's format."""
+    from .eagle_convert import convert_eagle
+
+    aux_layers = [int(i) for i in args.aux_layers.split(",")] if args.aux_layers else None
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    dst = convert_eagle(args.src, args.dst, target=args.target, aux_layers=aux_layers,
+                        aux_layer_convention=args.aux_layer_convention, dtype=dtype)
+    print(f"wrote {dst}; use it with EagleSpeculator.from_pretrained({str(dst)!r}) or --speculator {dst}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-specdec", description="Speculative decoding for transformers models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -182,6 +200,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft-quantization", default="none", choices=["none", *QUANTIZATIONS],
                      help="quantize the draft model as it loads (see hf_specdec.load_draft)")
     gen.set_defaults(func=cmd_generate)
+
+    convert = sub.add_parser("convert-eagle", help="convert a published EAGLE-1/2 or EAGLE-3 head (see docs/eagle.md)")
+    convert.add_argument("src", help="the head: a directory or hub id (model.safetensors or pytorch_model.bin)")
+    convert.add_argument("dst", help="output directory")
+    convert.add_argument("--target", required=True, help="the target model (hub id or path) the head was trained for")
+    convert.add_argument("--aux-layers", default=None, help="EAGLE-3: comma-separated target layers fc reads "
+                         "(default: the head config's, else 2,L//2,L-3)")
+    convert.add_argument("--aux-layer-convention", default="input", choices=["input", "output"],
+                         help="EAGLE-3: the ids name each layer's input (vLLM, EAGLE) or output (SGLang)")
+    convert.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                         help="cast the weights (default: keep the checkpoint's)")
+    convert.set_defaults(func=cmd_convert_eagle)
 
     demo = sub.add_parser("demo", help="serve the demo app: plain vs speculative generation, side by side")
     add_demo_arguments(demo)

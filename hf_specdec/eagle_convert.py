@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from .speculators.eagle import (
-    CONFIG_NAME, FORMAT, FORMAT_VERSION, HIDDEN_STATES_CONVENTION, WEIGHTS_NAME, EagleCheckpointError, check_tensors,
-    load_eagle_dir,
+    CONFIG_NAME, FORMAT, FORMAT_VERSION, HIDDEN_STATES_CONVENTION, WEIGHTS_NAME, EagleCheckpointError, EagleSpeculator,
+    check_tensors, load_eagle_dir,
 )
 
 logger = logging.getLogger("hf_specdec")
@@ -113,9 +113,15 @@ def looks_like_reference_eagle(path: str | Path) -> bool:
         return True
     from safetensors import safe_open
 
-    for file in path.glob("*.safetensors"):
-        with safe_open(str(file), "pt") as handle:
-            names = set(handle.keys())
+    for file in [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")]:
+        try:
+            if file.suffix == ".bin":  # memory-mapped: only the names are read
+                names = set(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+            else:
+                with safe_open(str(file), "pt") as handle:
+                    names = set(handle.keys())
+        except Exception:  # unreadable: not for this check to judge; loading it reports the problem
+            continue
         if "fc.weight" in names and any(n.startswith(("layers.0.", "midlayer.")) for n in names):
             return True
     return False
@@ -271,3 +277,17 @@ def _target_config(target):
     elif not isinstance(target, PretrainedConfig):
         target = AutoConfig.from_pretrained(str(target))
     return target.get_text_config()
+
+
+def eagle_speculator_from_dir(path) -> EagleSpeculator | None:
+    """An `EagleSpeculator` when `path` is a converted EAGLE head, `None` when it is no EAGLE head at all; an
+    EAGLE checkpoint still in a reference layout raises, saying how to convert it."""
+    if not isinstance(path, (str, Path)) or not Path(path).is_dir():
+        return None
+    if (Path(path) / CONFIG_NAME).is_file():
+        return EagleSpeculator.from_pretrained(path)
+    if looks_like_reference_eagle(path):
+        raise EagleCheckpointError(
+            f"{path} holds an EAGLE head in a reference layout; convert it first: `hf-specdec convert-eagle {path} "
+            "DST --target TARGET` (or hf_specdec.convert_eagle), then pass DST")
+    return None

@@ -528,3 +528,27 @@ def test_unconverted_directory_is_explained(tmp_path):
     src = write_reference(tmp_path / "src", config, tensors)
     with pytest.raises(EagleCheckpointError, match="convert-eagle"):
         EagleSpeculator.from_pretrained(src)
+
+
+# --- the command line and the pipeline --------------------------------------------------------------------------------
+def test_cli_convert_eagle_then_pipeline_detects_the_head(tmp_path, capsys):
+    from conftest import make_tokenizer, word_prompt
+    from transformers import pipeline
+
+    from hf_specdec.cli import main
+
+    target = make_target()
+    target.config.save_pretrained(tmp_path / "target")
+    config, tensors = eagle1_reference(target, bias=False)
+    src = write_reference(tmp_path / "src", config, tensors, "bin")
+    assert main(["convert-eagle", str(src), str(tmp_path / "dst"), "--target", str(tmp_path / "target")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    tokenizer = make_tokenizer()
+    ours = pipeline("speculative-text-generation", model=target, tokenizer=tokenizer, assistant=str(tmp_path / "dst"))
+    assert isinstance(ours.speculator, EagleSpeculator)
+    stock = pipeline("text-generation", model=target, tokenizer=tokenizer)
+    prompts = [word_prompt(1, 9), word_prompt(2, 5)]
+    greedy = dict(max_new_tokens=10, do_sample=False)
+    assert ours(prompts, batch_size=2, **greedy) == stock(prompts, batch_size=1, **greedy)
+    with pytest.raises(EagleCheckpointError, match="convert it first"):
+        pipeline("speculative-text-generation", model=target, tokenizer=tokenizer, assistant=str(src))
