@@ -63,6 +63,11 @@ def convert_eagle(src: str | Path, dst: str | Path, target=None, *, aux_layers: 
             f"{src_dir}: unknown layout (tensors {sorted(tensors)[:6]}...); expected an EAGLE-1/2 head "
             "(fc.weight, layers.0.*) or an EAGLE-3 head (fc.weight, midlayer.*)")
     check_tensors(converted, config, str(src_dir), source_names=names)
+    if config["eagle_version"] == 1 and config["head_config"]["hidden_size"] != target_config.hidden_size:
+        raise EagleCheckpointError(
+            f"{src_dir}: the head's hidden size ({config['head_config']['hidden_size']}) differs from the target's "
+            f"({target_config.hidden_size}); an EAGLE-1/2 head runs on the target's own features and LM head, so "
+            "it was made for another target model")
     if dtype is not None:
         converted = {n: t.to(dtype) if t.is_floating_point() else t for n, t in converted.items()}
     config["source"] = {"path": str(src), "architectures": source_config.get("architectures")}

@@ -552,3 +552,46 @@ def test_cli_convert_eagle_then_pipeline_detects_the_head(tmp_path, capsys):
     assert ours(prompts, batch_size=2, **greedy) == stock(prompts, batch_size=1, **greedy)
     with pytest.raises(EagleCheckpointError, match="convert it first"):
         pipeline("speculative-text-generation", model=target, tokenizer=tokenizer, assistant=str(src))
+
+
+# --- engine plumbing ---------------------------------------------------------------------------------------------------
+def test_hidden_states_only_for_speculators_that_ask(tmp_path, monkeypatch):
+    target = make_target()
+    calls = []
+    forward = type(target).forward
+
+    def spy(self, *args, **kwargs):
+        calls.append(bool(kwargs.get("output_hidden_states")))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(target), "forward", spy)
+    input_ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
+    speculate(target, "ngram", input_ids, max_new_tokens=6)
+    assert calls and not any(calls)
+    calls.clear()
+    speculate(target, EagleSpeculator.from_pretrained(convert(tmp_path, target, 1)), input_ids, max_new_tokens=6)
+    assert calls and all(calls)
+
+
+def test_states_of_a_step_that_drafted_nothing_are_kept_and_appended():
+    from hf_specdec.model_runner import TargetHiddenStates
+    from hf_specdec.speculators.eagle import _append_states
+
+    def states(values: list[list[float]], width: int) -> torch.Tensor:  # right-aligned, padding 0
+        return torch.tensor([[0.0] * (width - len(v)) + v for v in values])[..., None]
+
+    old = TargetHiddenStates(states([[1, 2, 3], [4], [5, 6]], 3), [3, 1, 2], [0, 0, 0], [0, 1, 2])
+    new = TargetHiddenStates(states([[7], [8, 9]], 2), [1, 2], [3, 2], [0, 2])  # row 1 finished meanwhile
+    merged = _append_states(old, new)
+    assert merged.rows == [0, 2] and merged.num_states == [4, 4] and merged.start_positions == [0, 0]
+    assert merged.states[..., 0].tolist() == [[1, 2, 3, 7], [5, 6, 8, 9]]
+
+
+def test_adaptive_schedule_stays_lossless(tmp_path):
+    target = make_target()
+    spec = EagleSpeculator.from_pretrained(convert(tmp_path, target, 1))
+    input_ids, mask = ragged_batch(3)
+    out = target.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=40, speculator=spec,
+                          num_speculative_tokens=4, return_dict_in_generate=True)
+    expected = target.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    assert torch.equal(out.sequences, expected)
