@@ -14,8 +14,8 @@ import torch
 from .demo.app import add_arguments as add_demo_arguments
 from .models import DEFAULT_MODEL, EMBEDDED_MODELS, load_causal_lm, load_model, load_tokenizer
 from .quantization import QUANTIZATIONS, load_draft
-from .speculators.eagle import CONFIG_NAME as EAGLE_CONFIG_NAME
 from .speculators.eagle import EagleSpeculator
+from .speculators.heads import CONFIG_NAME as EAGLE_CONFIG_NAME
 from .tokenizers import check_tokenizers_match
 from .workloads import GROUNDED, chat_inputs
 

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from .speculators.eagle import (
-    CONFIG_NAME, FORMAT, FORMAT_VERSION, HIDDEN_STATES_CONVENTION, WEIGHTS_NAME, EagleCheckpointError, EagleSpeculator,
-    check_tensors, load_eagle_dir,
+from .speculators.eagle import EagleSpeculator
+from .speculators.heads import (
+    CONFIG_NAME, FORMAT, FORMAT_VERSION, HIDDEN_STATES_CONVENTION, WEIGHTS_NAME, EagleCheckpointError, check_tensors,
+    load_eagle_dir,
 )
 
 logger = logging.getLogger("hf_specdec")

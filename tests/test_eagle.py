@@ -354,7 +354,8 @@ def reference_head_logits(target, tensors, version, layers, seq):
             attn_in = torch.cat([rms(embeds, t[pre + "input_layernorm.weight"], eps),
                                  rms(h, t[pre + "hidden_norm.weight"], eps)], -1)
         n = h.shape[0]
-        heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, hidden // config.num_attention_heads
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        dim = hidden // heads
         q = (attn_in @ t[pre + "self_attn.q_proj.weight"].T).view(n, heads, dim).transpose(0, 1)
         k = (attn_in @ t[pre + "self_attn.k_proj.weight"].T).view(n, kv_heads, dim).transpose(0, 1)
         v = (attn_in @ t[pre + "self_attn.v_proj.weight"].T).view(n, kv_heads, dim).transpose(0, 1)
@@ -382,7 +383,7 @@ def reference_head_logits(target, tensors, version, layers, seq):
 
 @pytest.mark.parametrize("version", [1, 3])
 def test_draft_logits_equal_the_reference_forward(tmp_path, version, monkeypatch):
-    from hf_specdec.speculators.eagle import EagleHead
+    from hf_specdec.speculators.heads import EagleHead
 
     target = make_target(num_layers=2 if version == 1 else 4)
     config, tensors = eagle1_reference(target) if version == 1 else eagle3_reference(target)
@@ -554,7 +555,7 @@ def test_cli_convert_eagle_then_pipeline_detects_the_head(tmp_path, capsys):
         pipeline("speculative-text-generation", model=target, tokenizer=tokenizer, assistant=str(src))
 
 
-# --- engine plumbing ---------------------------------------------------------------------------------------------------
+# --- engine plumbing -------------------------------------------------------------------------------------------------
 def test_hidden_states_only_for_speculators_that_ask(tmp_path, monkeypatch):
     target = make_target()
     calls = []
