@@ -38,7 +38,7 @@ class QuantizedCheckpointError(ValueError):
 
 def load_draft(path_or_model, quantization: str | None = None, *, dtype: torch.dtype | None = None,
                device: str | torch.device | None = None, calibration: str | list[str] | None = None,
-               tokenizer=None, target=None, bits: int = 4, group_size: int = 128):
+               tokenizer=None, target=None, bits: int = 4, group_size: int | None = None):
     """Loads a draft model, quantized as it loads or as its checkpoint already is.
 
     Args:
@@ -58,7 +58,9 @@ def load_draft(path_or_model, quantization: str | None = None, *, dtype: torch.d
         tokenizer (*optional*): the draft's tokenizer, for GPTQ calibration (loaded from the checkpoint if absent).
         target (`PreTrainedModel`, *optional*): the target, to generate calibration texts from.
         bits (`int`): GPTQ bits (2, 3, 4 or 8).
-        group_size (`int`): GPTQ group size (`-1`: one group per row).
+        group_size (`int`, *optional*): GPTQ group size (`-1`: one group per row). By default the largest of 128,
+            64, 32, 16 that divides every layer's input size (gptqmodel's CPU kernel needs that; 576-wide models
+            such as SmolLM2 get 64).
 
     Returns:
         `PreTrainedModel`: the draft, in eval mode, ready for `generate(..., speculator=draft)`.
@@ -130,7 +132,7 @@ def checkpoint_quantization(config) -> str | None:
 
 
 def quantization_config(quantization: str, device=None, *, calibration=None, tokenizer=None, target=None,
-                        path: str | None = None, bits: int = 4, group_size: int = 128):
+                        path: str | None = None, bits: int = 4, group_size: int | None = None):
     """The transformers quantization config for `quantization` on `device`, after checking it can run there.
 
     Raises:
@@ -196,7 +198,23 @@ def _gptq_config(device, calibration, tokenizer, target, path, bits, group_size)
             raise ValueError(f"quantization='gptq' needs the draft's tokenizer for calibration, and none loads "
                              f"from {path}; pass tokenizer=") from error
     texts = calibration_texts(calibration, tokenizer, target)
+    group_size = _gptq_group_size(path, group_size, device)
     return GPTQConfig(bits=bits, group_size=group_size, dataset=texts, tokenizer=tokenizer, desc_act=False)
+
+
+def _gptq_group_size(path: str, group_size: int | None, device: torch.device) -> int:
+    from transformers import AutoConfig
+
+    inputs = {in_features for _, in_features in _expected_layout(AutoConfig.from_pretrained(path))[0].values()}
+    if group_size is None:
+        return next((g for g in (128, 64, 32, 16) if all(n % g == 0 for n in inputs)), -1)
+    uneven = sorted(n for n in inputs if n % group_size) if group_size > 0 else []
+    if uneven and device.type == "cpu":
+        raise QuantizationUnavailableError(
+            f"GPTQ with group_size={group_size} cannot run on a CPU for this model: gptqmodel's CPU kernel needs every "
+            f"layer's input size to be a multiple of the group size, and {uneven} are not; pass a group_size that "
+            "divides them, or leave it unset")
+    return group_size
 
 
 def calibration_texts(calibration: str | list[str] | None, tokenizer=None, target=None, num_prompts: int = 8,

@@ -6,6 +6,7 @@ random-init one, it predicts confidently; its quantized copies are the drafts.
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -116,8 +117,7 @@ def test_quantized_unrelated_draft_keeps_output_identical(checkpoint, quantizati
     other = _trained_llama(seed=1, steps=20)  # a different, weaker model: many rejections
     draft = load_draft(other, quantization=quantization)
     assert _quantized_weight_type(draft) != "Parameter"
-    plain, out = _run(target.to(torch.float64), draft)
-    target.to(torch.float32)
+    plain, out = _run(copy.deepcopy(target).to(torch.float64), draft)  # a float64 target, a float32 draft
     assert torch.equal(out.sequences, plain)
 
 
@@ -421,3 +421,11 @@ def test_bench_draft_quantization_dimension(checkpoint, tmp_path, capsys):
     assert "draft ms/token" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="unknown \\['int3'\\]"):
         main(["bench", "--model", str(directory), "--speculators", str(directory), "--draft-quantization", "int3"])
+
+
+@needs_gptq
+def test_gptq_group_size_the_cpu_kernel_cannot_run_is_refused(checkpoint):
+    _, directory = checkpoint  # input sizes 64 and 128
+    with pytest.raises(QuantizationUnavailableError, match=r"group_size=48 cannot run on a CPU.*\[64, 128\]"):
+        load_draft(directory, quantization="gptq", calibration=["w5 w6 w7"], tokenizer=make_tokenizer(),
+                   group_size=48)
