@@ -18,6 +18,9 @@ class Speculator:
 
     #: The engine passes the target's hidden states from the verify pass only to speculators that ask.
     needs_hidden_states: bool = False
+    #: Which of the target's hidden states to pass (indices into transformers' `output_hidden_states` tuple: 0 is
+    #: the embeddings, i the output of layer i - 1); read only when `needs_hidden_states`.
+    hidden_state_layers: tuple[int, ...] = ()
 
     def begin(self, target, batch: SequenceBatch) -> None:
         """Prepares per-call state. `target` is the model being decoded."""
@@ -25,6 +28,10 @@ class Speculator:
     def propose(self, batch: SequenceBatch, k: int) -> DraftProposal:
         """Returns up to `k` drafts for each row of `batch.active` (in that order)."""
         raise NotImplementedError
+
+    def observe_hidden_states(self, hidden) -> None:
+        """Called after each verify, before `commit`, when `needs_hidden_states`: the target's hidden states at
+        `hidden_state_layers` for each active row's newly committed tokens (a `model_runner.TargetHiddenStates`)."""
 
     def commit(self, batch: SequenceBatch, num_accepted: list[int]) -> None:
         """Called after verification with the accepted drafts per active row; `batch.lengths` is already updated."""
