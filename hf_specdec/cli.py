@@ -17,6 +17,8 @@ from .quantization import QUANTIZATIONS, load_draft
 from .speculators.eagle import EagleSpeculator
 from .speculators.heads import CONFIG_NAME as EAGLE_CONFIG_NAME
 from .tokenizers import check_tokenizers_match
+from .train_eagle import add_arguments as add_train_eagle_arguments
+from .train_eagle import cmd_train_eagle
 from .workloads import GROUNDED, chat_inputs
 
 
@@ -212,6 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                          help="cast the weights (default: keep the checkpoint's)")
     convert.set_defaults(func=cmd_convert_eagle)
+
+    train = sub.add_parser("train-eagle", help="train an EAGLE head for a target on its own generations "
+                           "(see docs/eagle.md)")
+    add_train_eagle_arguments(train)
+    train.set_defaults(func=cmd_train_eagle)
 
     demo = sub.add_parser("demo", help="serve the demo app: plain vs speculative generation, side by side")
     add_demo_arguments(demo)

@@ -1,0 +1,431 @@
+"""Trains EAGLE heads from the target itself: `hf_specdec.train_eagle` and `hf-specdec train-eagle`.
+
+The training set is self-distilled: the target continues prompts (a file, or the built-in set below), then one
+teacher-forced pass over each sequence records the hidden states the head reads and the target's next-token argmax
+at every position. Entry p of the head reads the target's feature at p and the token at p + 1 and learns (a) the
+target's argmax at p + 1 (cross-entropy) and (b) to reproduce what its own input would be at p + 1 (the target's
+feature for EAGLE-1/2, `fc` of the target's states for EAGLE-3), which is what chain drafting feeds back. With
+`num_unroll > 1` the head also trains on its own outputs, as chain drafting runs it. Data order is a pure function
+of (seed, step), so a run resumed from a checkpoint equals an uninterrupted one. The output loads with
+`EagleSpeculator.from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .eagle_convert import _write
+from .speculators.heads import FORMAT, FORMAT_VERSION, HIDDEN_STATES_CONVENTION, EagleHead
+
+CHECKPOINT_NAME = "checkpoint.pt"
+TRAINING_SET_NAME = "training_set.pt"
+
+# Built-in prompts for self-distillation: varied open-chat requests (the benchmark's prompts are left out).
+PROMPTS = [
+    "Write a haiku about autumn leaves.", "Explain what a black hole is in two paragraphs.",
+    "Give me three tips for a job interview.", "How do I make a simple tomato pasta sauce?",
+    "Write a short poem about the sea at night.", "What is the difference between weather and climate?",
+    "Describe a busy market in a small town.", "Why is the sky blue?", "Write a thank-you note to a teacher.",
+    "What are the benefits of regular exercise?", "Explain photosynthesis to a child.",
+    "Tell me a fun fact about octopuses.", "How does a bicycle stay upright?",
+    "Write a short dialogue between a cat and a dog.", "What should I pack for a weekend camping trip?",
+    "Summarise the plot of Cinderella in a few sentences.", "Explain how vaccines work.",
+    "Give me a recipe for pancakes.", "What is machine learning, in simple words?",
+    "Write a limerick about a forgetful wizard.", "How can I save money on groceries?",
+    "Describe the water cycle.", "What are some ways to reduce stress?", "Explain what gravity does.",
+    "Write an email asking a colleague for a meeting next week.", "Why do we have seasons?",
+    "List five animals that live in the desert and one fact about each.", "How do plants grow from seeds?",
+    "Write the opening paragraph of a mystery novel.", "What is the capital of France and what is it known for?",
+    "Explain the rules of chess briefly.", "How do I write a good essay introduction?",
+    "What causes earthquakes?", "Describe your ideal weekend.", "Give advice to someone learning to cook.",
+    "Explain how the internet works in simple terms.", "Write a short speech for a friend's birthday.",
+    "What are the planets in our solar system?", "How do bees make honey?",
+    "Write a product description for a reusable water bottle.", "What is the history of the bicycle?",
+    "Explain why sleep is important.", "Tell a short story about a robot who learns to paint.",
+    "How do I start learning to play the guitar?", "What are good habits for healthy teeth?",
+    "Describe a sunrise over the mountains.", "Explain what a computer program is.",
+    "Give me ideas for a rainy day with kids.",
+]
+
+
+@dataclass
+class TrainingSet:
+    """Self-distilled sequences, right-padded. `features` are the target hidden states the head reads,
+    concatenated; `labels[:, p]` is the target's argmax after token p (-100 past a row's length)."""
+
+    token_ids: torch.Tensor  # [num_sequences, max_len]
+    lengths: torch.Tensor  # [num_sequences]
+    features: torch.Tensor  # [num_sequences, max_len, num_layers * hidden]
+    labels: torch.Tensor  # [num_sequences, max_len]
+    layers: list[int]
+
+    def save(self, path: str | Path) -> None:
+        torch.save({**{k: getattr(self, k) for k in ("token_ids", "lengths", "features", "labels")},
+                    "layers": self.layers}, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrainingSet:
+        return cls(**torch.load(path, weights_only=True))
+
+
+@dataclass
+class TrainResult:
+    path: Path
+    losses: list[float] = field(default_factory=list)  # one per step, from step 1
+
+
+def default_layers(target, version: int) -> list[int]:
+    """EAGLE-1/2: the final (normed) state. EAGLE-3: the inputs to layers (2, L // 2, L - 3), as the reference."""
+    num_layers = target.config.get_text_config().num_hidden_layers
+    if version == 1:
+        return [num_layers]
+    return sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)})
+
+
+@torch.no_grad()
+def build_training_set(target, prompt_ids: list[list[int]], layers: list[int], *, max_new_tokens: int = 128,
+                       samples_per_prompt: int = 1, temperature: float = 0.7, batch_size: int = 8,
+                       eos_token_id: int | None = None, seed: int = 0) -> TrainingSet:
+    """Continues each prompt with the target (greedy first, then `samples_per_prompt - 1` sampled continuations)
+    and records, in one teacher-forced pass per sequence, the hidden states `layers` and the target's argmax.
+
+    Args:
+        prompt_ids (`list[list[int]]`): tokenised prompts (with the chat template applied, when there is one).
+        layers (`list[int]`): `output_hidden_states` indices the head reads (see `default_layers`).
+        eos_token_id (`int`, *optional*): a continuation is cut after it.
+    """
+    if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("build_training_set needs at least one prompt, and no empty prompt")
+    sequences = []
+    for sample_index in range(samples_per_prompt):  # greedy first, then sampled continuations
+        sample = sample_index > 0
+        for start in range(0, len(prompt_ids), batch_size):
+            chunk = prompt_ids[start:start + batch_size]
+            width = max(len(p) for p in chunk)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device=target.device)
+            mask = (torch.arange(width, device=ids.device)[None] >= torch.tensor(
+                [width - len(p) for p in chunk], device=ids.device)[:, None]).long()
+            torch.manual_seed(seed + 1000 * sample_index + start)
+            out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                  do_sample=sample, temperature=temperature if sample else None, top_k=None,
+                                  top_p=None, pad_token_id=0 if eos_token_id is None else eos_token_id)
+            for prompt, row in zip(chunk, out):
+                new = row[width:].tolist()
+                if eos_token_id is not None and eos_token_id in new:
+                    new = new[:new.index(eos_token_id) + 1]
+                sequences.append(prompt + new)
+    max_len = max(len(s) for s in sequences)
+    token_ids = torch.zeros(len(sequences), max_len, dtype=torch.long)
+    lengths = torch.tensor([len(s) for s in sequences])
+    for i, s in enumerate(sequences):
+        token_ids[i, :len(s)] = torch.tensor(s)
+    features, labels = [], []
+    for start in range(0, len(sequences), batch_size):
+        ids = token_ids[start:start + batch_size].to(target.device)
+        mask = (torch.arange(max_len)[None] < lengths[start:start + batch_size, None]).long().to(target.device)
+        out = target(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        features.append(torch.cat([out.hidden_states[i] for i in layers], dim=-1).float().cpu())
+        labels.append(out.logits.argmax(-1).cpu().masked_fill(mask.cpu() == 0, -100))
+    return TrainingSet(token_ids, lengths, torch.cat(features), torch.cat(labels), list(layers))
+
+
+def head_config_for(target, data: TrainingSet, version: int, *, draft_vocab_size: int | None = None,
+                    intermediate_size: int | None = None) -> tuple[dict, torch.Tensor | None]:
+    """Our `eagle_config.json` for a head over `target`: one Llama layer of the target's width. EAGLE-3 heads draft
+    from the `draft_vocab_size` tokens the target predicts most often in `data` (returned, ascending)."""
+    text = target.config.get_text_config()
+    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+            "max_position_embeddings", "hidden_act", "rope_parameters", "vocab_size")
+    head = {k: getattr(text, k) for k in keys if getattr(text, k, None) is not None}
+    head["hidden_act"] = "silu" if "gelu" not in str(head.get("hidden_act")) else head["hidden_act"]
+    head["intermediate_size"] = intermediate_size or text.intermediate_size
+    config = {"format": FORMAT, "format_version": FORMAT_VERSION, "eagle_version": version, "fc_bias": False,
+              "head_config": head,
+              "target": {"hidden_size": text.hidden_size, "vocab_size": text.vocab_size,
+                         "num_hidden_layers": text.num_hidden_layers,
+                         "name_or_path": getattr(target.config, "_name_or_path", "") or ""},
+              "target_hidden_states": {"layers": list(data.layers), "convention": HIDDEN_STATES_CONVENTION}}
+    draft_to_target = None
+    if version == 3:
+        vocab = text.vocab_size
+        size = min(draft_vocab_size or vocab, vocab)
+        config["draft_vocab_size"] = size
+        if size < vocab:  # the most frequent argmax tokens (ties: lower id first)
+            counts = data.labels[data.labels >= 0].bincount(minlength=vocab)
+            draft_to_target = counts.argsort(descending=True, stable=True)[:size].sort().values
+    return config, draft_to_target
+
+
+def new_head(target, config: dict, draft_to_target: torch.Tensor | None, seed: int = 0) -> EagleHead:
+    """A seeded head; an EAGLE-3 head's LM head starts from the target's rows of its draft vocabulary."""
+    torch.manual_seed(seed)
+    head = EagleHead(config).float()
+    if config["eagle_version"] == 3:
+        rows = draft_to_target if draft_to_target is not None else torch.arange(config["draft_vocab_size"])
+        with torch.no_grad():
+            head.lm_head.weight.copy_(target.get_output_embeddings().weight[rows.to(target.device)].float().cpu())
+            if draft_to_target is not None:
+                head.draft_to_target.copy_(draft_to_target)
+    return head
+
+
+def eagle_loss(head: EagleHead, token_ids: torch.Tensor, lengths: torch.Tensor, features: torch.Tensor,
+               labels: torch.Tensor, num_unroll: int = 1, target_to_draft: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over unroll steps of cross-entropy against the target's argmax plus smooth-L1 against the next input.
+
+    Args:
+        token_ids, labels: `[batch, length]`; features: `[batch, length, width]`; lengths: `[batch]`.
+        target_to_draft: `[vocab]` EAGLE-3 draft id of each target id, -100 outside the draft vocabulary.
+    """
+    length = token_ids.shape[1]
+    positions = torch.arange(length - 1, device=token_ids.device).expand(token_ids.shape[0], -1)
+    if head.version == 1:
+        next_input = features[:, 1:]
+    else:
+        with torch.no_grad():
+            next_input = head.fc(features[:, 1:])
+    draft_labels = labels if target_to_draft is None else torch.where(labels >= 0, target_to_draft[labels.clamp(
+        min=0)], -100)
+    total, inputs, from_target = 0.0, features[:, :-1], True
+    for u in range(num_unroll):  # step u: entry p reads (the input at p + u, token p + u + 1), at position p + u
+        hidden = head(token_ids[:, u + 1:], positions[:, u:], None, inputs, from_target=from_target)
+        valid = positions[:, u:] + 1 < lengths[:, None]  # the token at p + u + 1 exists
+        logits = head.logits(hidden, head.config["target"]["vocab_size"]) if head.version == 1 else \
+            head.lm_head(head.norm(hidden))
+        step_labels = draft_labels[:, u + 1:].flatten()
+        ce = F.cross_entropy(logits.flatten(0, 1), step_labels, reduction="sum") / (step_labels >= 0).sum().clamp(
+            min=1)
+        reg = F.smooth_l1_loss(hidden[valid], next_input[:, u:][valid])
+        total = total + ce + reg
+        inputs, from_target = hidden[:, :-1], False
+    return total / num_unroll
+
+
+def _batch_indices(num_sequences: int, batch_size: int, seed: int, step: int) -> torch.Tensor:
+    """The sequences of training step `step` (0-based): epoch-wise seeded permutations, a pure function of step."""
+    per_epoch = max(num_sequences // batch_size, 1)
+    epoch, index = divmod(step, per_epoch)
+    order = torch.randperm(num_sequences, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+    return order[index * batch_size:(index + 1) * batch_size]
+
+
+def _learning_rate(lr: float, step: int, steps: int) -> float:
+    warmup = max(min(steps // 10, 100), 1)  # linear warm-up, then cosine decay to a tenth
+    return lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(step / steps, 1.0))))
+
+
+def train_eagle(target, data: TrainingSet, out_dir: str | Path, *, version: int = 3, steps: int = 200,
+                batch_size: int = 8, lr: float = 1e-3, num_unroll: int = 1, draft_vocab_size: int | None = None,
+                intermediate_size: int | None = None, save_every: int = 50, seed: int = 0, resume: bool = True,
+                progress: bool = True, save_dtype: torch.dtype = torch.float32) -> TrainResult:
+    """Trains an EAGLE head for `target` on `data` and writes it to `out_dir` in our format.
+
+    Checkpoints (`checkpoint.pt`: head, optimizer, step, losses) every `save_every` steps and when interrupted; with
+    `resume=True` a run continues from `out_dir`'s checkpoint and ends where an uninterrupted run would. Uses a GPU
+    through accelerate when one is present.
+
+    Args:
+        target: the target model (its input embeddings, and for EAGLE-1/2 its LM head, are shared, kept frozen).
+        data (`TrainingSet`): from `build_training_set`, with the layers the head reads.
+        version (`int`): 1 (EAGLE-1/2: reads the final state, drafts with the target's LM head) or 3 (EAGLE-3: reads
+            `data.layers`, its own norm and LM head over `draft_vocab_size` tokens).
+        num_unroll (`int`): chain steps trained per entry (1: teacher forcing only).
+        draft_vocab_size (`int`, *optional*): EAGLE-3 draft vocabulary (default: the target's).
+        intermediate_size (`int`, *optional*): the head's MLP width (default: the target's).
+    Returns:
+        `TrainResult` with the output directory and the loss of every step run so far.
+    """
+    if version not in (1, 3):
+        raise ValueError(f"version must be 1 (EAGLE-1/2) or 3 (EAGLE-3), got {version}")
+    if version == 1 and data.layers != default_layers(target, 1):
+        raise ValueError(f"an EAGLE-1/2 head reads the final hidden state {default_layers(target, 1)}, but the "
+                         f"training set holds layers {data.layers}; rebuild it with those layers")
+    if steps < 1 or batch_size < 1 or num_unroll < 1 or num_unroll >= int(data.lengths.min()):
+        raise ValueError("steps, batch_size and num_unroll must be positive, num_unroll shorter than every sequence")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config, draft_to_target = head_config_for(target, data, version, draft_vocab_size=draft_vocab_size,
+                                              intermediate_size=intermediate_size)
+    head = new_head(target, config, draft_to_target, seed)
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    start, losses = 0, []
+    checkpoint_file = out_dir / CHECKPOINT_NAME
+    if resume and checkpoint_file.is_file():
+        state = torch.load(checkpoint_file, weights_only=True)
+        if state["config"] != json.loads(json.dumps(config)):
+            raise ValueError(f"{checkpoint_file} is from a run with another head or training set; pass another "
+                             "output directory, or resume=False (--no-resume) to start over")
+        head.load_state_dict(state["head"])
+        optimizer.load_state_dict(state["optimizer"])
+        start, losses = state["step"], state["losses"]
+    accelerator = _accelerator()
+    device = target.device
+    if accelerator is not None:
+        head, optimizer = accelerator.prepare(head, optimizer)
+        device = accelerator.device
+    head.to(device)
+    head.bind(target)
+    target_to_draft = None
+    if draft_to_target is not None:
+        target_to_draft = torch.full((config["target"]["vocab_size"],), -100, dtype=torch.long)
+        target_to_draft[draft_to_target] = torch.arange(len(draft_to_target))
+        target_to_draft = target_to_draft.to(device)
+
+    def save(step: int) -> None:
+        torch.save({"step": step, "head": head.state_dict(), "optimizer": optimizer.state_dict(), "losses": losses,
+                    "config": config}, checkpoint_file)
+
+    frozen = [(p, p.requires_grad) for p in target.parameters()]
+    attention = head.layer.self_attn.config._attn_implementation
+    head.layer.self_attn.config._attn_implementation = "sdpa"  # plain causal attention over whole sequences
+    head.train()
+    step = start
+    try:
+        for p, _ in frozen:
+            p.requires_grad_(False)
+        bar = _progress(range(start, steps), progress, start, steps)
+        for step in bar:
+            rows = _batch_indices(len(data.lengths), batch_size, seed, step)
+            width = int(data.lengths[rows].max())
+            batch = [t[rows][:, :width].to(device) for t in (data.token_ids, data.features, data.labels)]
+            for group in optimizer.param_groups:
+                group["lr"] = _learning_rate(lr, step, steps)
+            loss = eagle_loss(head, batch[0], data.lengths[rows].to(device), batch[1], batch[2], num_unroll,
+                              target_to_draft)
+            optimizer.zero_grad()
+            accelerator.backward(loss) if accelerator is not None else loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            step += 1
+            if hasattr(bar, "set_postfix"):
+                bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            if step % save_every == 0 or step == steps:
+                save(step)
+    except KeyboardInterrupt:
+        save(step)  # the last completed step: resuming continues from there
+        raise
+    finally:
+        for p, flag in frozen:
+            p.requires_grad_(flag)
+        head.layer.self_attn.config._attn_implementation = attention
+        head.eval()
+    tensors = {n: (t.to(save_dtype) if t.is_floating_point() else t).detach().cpu()
+               for n, t in head.state_dict().items()}
+    _write(out_dir, config, tensors)
+    return TrainResult(out_dir, losses)
+
+
+def _accelerator():
+    if not torch.cuda.is_available():
+        return None
+    from accelerate import Accelerator
+
+    return Accelerator()
+
+
+def _progress(steps: range, enabled: bool, start: int, total: int):
+    if not enabled:
+        return steps
+    from tqdm.auto import tqdm
+
+    return tqdm(steps, initial=start, total=total, desc="train-eagle", unit="step")
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Prompts from a file: one per line (`.txt`), or JSON lines with a "prompt" field (`.jsonl`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--data {path}: no such file; give a text file with one prompt per line")
+    lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    if path.suffix == ".jsonl":
+        try:
+            lines = [json.loads(line)["prompt"] for line in lines]
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise ValueError(f"--data {path}: every line of a .jsonl file must be an object with a \"prompt\" field "
+                             f"({error})") from error
+    if not lines:
+        raise ValueError(f"--data {path} holds no prompts; write one prompt per line")
+    return lines
+
+
+def tokenize_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
+    """Token ids of each prompt as a user turn, with the chat template when the tokenizer has one."""
+    if getattr(tokenizer, "chat_template", None):
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                 add_generation_prompt=True) for p in prompts]
+    return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--target", required=True, help="the target: embedded model name, hub id or path")
+    parser.add_argument("--out", required=True, help="output directory (head, checkpoint, training set)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--data", default=None, help="prompts file: one per line (.txt) or {\"prompt\": ...} "
+                        "lines (.jsonl)")
+    source.add_argument("--self-distill", type=int, default=None, metavar="N",
+                        help=f"use N of the {len(PROMPTS)} built-in prompts (default: all)")
+    parser.add_argument("--version", type=int, default=3, choices=[1, 3], help="EAGLE-1/2 or EAGLE-3 head")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--unroll", type=int, default=2, help="chain steps trained per entry")
+    parser.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary size")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens the target generates per prompt")
+    parser.add_argument("--samples-per-prompt", type=int, default=2,
+                        help="continuations per prompt: one greedy, the rest sampled (temperature 0.7)")
+    parser.add_argument("--save-every", type=int, default=50, help="checkpoint interval in steps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-resume", action="store_true", help="start over even if --out holds a checkpoint")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def cmd_train_eagle(args) -> int:
+    """`hf-specdec train-eagle`: build (or reuse) the self-distilled training set, train, write the head."""
+    import time
+
+    from .models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    data_file = out / TRAINING_SET_NAME
+    target, tokenizer = load_model(args.target, device="cuda" if torch.cuda.is_available() else None)
+    start = time.perf_counter()
+    if data_file.is_file() and not args.no_resume:
+        data = TrainingSet.load(data_file)
+        print(f"reusing the training set in {data_file} ({len(data.lengths)} sequences)")
+    else:
+        if args.data:
+            prompts = read_prompts(args.data)
+        else:
+            count = args.self_distill or len(PROMPTS)
+            if not 1 <= count <= len(PROMPTS):
+                raise SystemExit(f"--self-distill {count}: choose 1 to {len(PROMPTS)} built-in prompts, or give "
+                                 "your own with --data FILE (more samples per prompt: --samples-per-prompt)")
+            prompts = PROMPTS[:count]
+        print(f"generating {len(prompts) * args.samples_per_prompt} training sequences with {args.target} ...")
+        data = build_training_set(target, tokenize_prompts(tokenizer, prompts), default_layers(target, args.version),
+                                  max_new_tokens=args.max_new_tokens, samples_per_prompt=args.samples_per_prompt,
+                                  eos_token_id=tokenizer.eos_token_id, seed=args.seed)
+        out.mkdir(parents=True, exist_ok=True)
+        data.save(data_file)
+        print(f"training set: {len(data.lengths)} sequences, {int(data.lengths.sum())} tokens, "
+              f"{time.perf_counter() - start:.0f} s")
+    try:
+        result = train_eagle(target, data, out, version=args.version, steps=args.steps, batch_size=args.batch_size,
+                             lr=args.lr, num_unroll=args.unroll, draft_vocab_size=args.draft_vocab,
+                             save_every=args.save_every, seed=args.seed, resume=not args.no_resume)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; the checkpoint in {out} resumes with the same command", file=sys.stderr)
+        return 130
+    print(f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f} over {len(result.losses)} steps, "
+          f"{time.perf_counter() - start:.0f} s; wrote {result.path}: use --speculator {result.path} or "
+          f"EagleSpeculator.from_pretrained({str(result.path)!r})")
+    return 0
