@@ -15,7 +15,7 @@ from .pipeline import SpeculativeTextGenerationPipeline, register_pipeline
 from .quantization import QuantizationUnavailableError, QuantizedCheckpointError, load_draft
 from .speculators import DraftModelSpeculator, EagleCheckpointError, EagleSpeculator, NgramSpeculator, Speculator
 from .tokenizers import TokenizerMismatchError, check_tokenizers_match
-from .train_eagle import TrainingSet, build_training_set, train_eagle
+from .train_eagle import TrainingSet, build_training_set, train_eagle_head
 from .types import DraftProposal, VerifyResult
 from .verify import verify
 
@@ -30,6 +30,6 @@ __all__ = [
     "SpeculativeEngine", "SpeculativeGenerateOutput", "SpeculativeMetrics", "SpeculativeTextGenerationPipeline",
     "Speculator", "TokenizerMismatchError",
     "UnsupportedModelError", "VerifyResult", "check_tokenizers_match", "convert_eagle", "register_pipeline",
-    "load_draft", "resolve_speculator", "TrainingSet", "build_training_set", "train_eagle",
+    "load_draft", "resolve_speculator", "TrainingSet", "build_training_set", "train_eagle_head",
     "verify",
 ]

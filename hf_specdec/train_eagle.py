@@ -1,4 +1,4 @@
-"""Trains EAGLE heads from the target itself: `hf_specdec.train_eagle` and `hf-specdec train-eagle`.
+"""Trains EAGLE heads from the target itself: `hf_specdec.train_eagle_head` and `hf-specdec train-eagle`.
 
 The training set is self-distilled: the target continues prompts (a file, or the built-in set below), then one
 teacher-forced pass over each sequence records the hidden states the head reads and the target's next-token argmax
@@ -221,7 +221,7 @@ def _learning_rate(lr: float, step: int, steps: int) -> float:
     return lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(step / steps, 1.0))))
 
 
-def train_eagle(target, data: TrainingSet, out_dir: str | Path, *, version: int = 3, steps: int = 200,
+def train_eagle_head(target, data: TrainingSet, out_dir: str | Path, *, version: int = 3, steps: int = 200,
                 batch_size: int = 8, lr: float = 1e-3, num_unroll: int = 1, draft_vocab_size: int | None = None,
                 intermediate_size: int | None = None, save_every: int = 50, seed: int = 0, resume: bool = True,
                 progress: bool = True, save_dtype: torch.dtype = torch.float32) -> TrainResult:
@@ -316,10 +316,14 @@ def train_eagle(target, data: TrainingSet, out_dir: str | Path, *, version: int 
             p.requires_grad_(flag)
         head.layer.self_attn.config._attn_implementation = attention
         head.eval()
-    tensors = {n: (t.to(save_dtype) if t.is_floating_point() else t).detach().cpu()
-               for n, t in head.state_dict().items()}
-    _write(out_dir, config, tensors)
+    save_head(head, out_dir, save_dtype)
     return TrainResult(out_dir, losses)
+
+
+def save_head(head: EagleHead, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Writes `head` in our format (`eagle_config.json`, `model.safetensors`), checked by loading it back."""
+    tensors = {n: (t.to(dtype) if t.is_floating_point() else t).detach().cpu() for n, t in head.state_dict().items()}
+    return _write(out_dir, head.config, tensors)
 
 
 def _accelerator():
@@ -419,9 +423,10 @@ def cmd_train_eagle(args) -> int:
         print(f"training set: {len(data.lengths)} sequences, {int(data.lengths.sum())} tokens, "
               f"{time.perf_counter() - start:.0f} s")
     try:
-        result = train_eagle(target, data, out, version=args.version, steps=args.steps, batch_size=args.batch_size,
-                             lr=args.lr, num_unroll=args.unroll, draft_vocab_size=args.draft_vocab,
-                             save_every=args.save_every, seed=args.seed, resume=not args.no_resume)
+        result = train_eagle_head(target, data, out, version=args.version, steps=args.steps,
+                                  batch_size=args.batch_size, lr=args.lr, num_unroll=args.unroll,
+                                  draft_vocab_size=args.draft_vocab, save_every=args.save_every, seed=args.seed,
+                                  resume=not args.no_resume)
     except KeyboardInterrupt:
         print(f"\ninterrupted; the checkpoint in {out} resumes with the same command", file=sys.stderr)
         return 130

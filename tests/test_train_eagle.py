@@ -1,0 +1,150 @@
+"""`train_eagle_head` and `hf-specdec train-eagle`: a trained head beats an untrained one and stays lossless, a resumed
+run equals an uninterrupted one, bad input is explained."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import COMMON, VOCAB, make_tokenizer
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_specdec.train_eagle as te
+from hf_specdec import EagleSpeculator
+from hf_specdec.train_eagle import (
+    TrainingSet, build_training_set, default_layers, head_config_for, new_head, save_head, train_eagle_head,
+)
+
+
+def make_target(num_layers: int = 2, seed: int = 0):
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{**COMMON, "num_hidden_layers": num_layers})).float().eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def prompts(num: int, seed: int, width: int = 6) -> list[list[int]]:
+    return torch.randint(2, VOCAB, (num, width), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target()
+
+
+@pytest.fixture(scope="module")
+def data1(target) -> TrainingSet:
+    return build_training_set(target, prompts(32, 1), default_layers(target, 1), max_new_tokens=24)
+
+
+def acceptance(target, spec) -> float:
+    """Acceptance on held-out prompts at k = 3; also checks the output is the target's own greedy output."""
+    input_ids = torch.tensor(prompts(8, 99))
+    out = target.generate(input_ids=input_ids, max_new_tokens=24, speculator=spec, num_speculative_tokens=3,
+                          speculative_schedule="constant", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, target.generate(input_ids=input_ids, max_new_tokens=24, do_sample=False))
+    return out.speculative_metrics.acceptance_rate
+
+
+def test_training_set_holds_the_targets_own_continuations_and_states(target, data1):
+    assert data1.token_ids.shape == (32, 30) and data1.lengths.tolist() == [30] * 32
+    expected = target.generate(input_ids=torch.tensor(prompts(32, 1)[:2]), max_new_tokens=24, do_sample=False)
+    assert torch.equal(data1.token_ids[:2], expected)
+    with torch.no_grad():
+        out = target(data1.token_ids[:2], output_hidden_states=True)
+    torch.testing.assert_close(data1.features[:2], out.hidden_states[2])
+    assert torch.equal(data1.labels[:2], out.logits.argmax(-1))
+    # greedy continuations: the target's argmax after each generated token is the next token
+    assert torch.equal(data1.labels[:, 5:-1], data1.token_ids[:, 6:])
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_training_reduces_loss_and_raises_acceptance(tmp_path, target, data1, version):
+    data = data1 if version == 1 else build_training_set(target, prompts(32, 1), default_layers(target, 3),
+                                                         max_new_tokens=24)
+    kwargs = dict(version=version, batch_size=16, lr=1e-2, draft_vocab_size=64, progress=False)
+    config, draft_to_target = head_config_for(target, data, version, draft_vocab_size=64)
+    untrained = acceptance(target, EagleSpeculator.from_pretrained(
+        save_head(new_head(target, config, draft_to_target), tmp_path / "untrained")))
+    result = train_eagle_head(target, data, tmp_path / "trained", steps=60, **kwargs)
+    trained = acceptance(target, EagleSpeculator.from_pretrained(result.path))
+    first, last = sum(result.losses[:5]) / 5, sum(result.losses[-5:]) / 5
+    print(f"EAGLE-{version}: loss {first:.3f} -> {last:.3f}, acceptance untrained {untrained:.3f} -> {trained:.3f}")
+    assert len(result.losses) == 60 and last < 0.9 * first
+    assert trained >= 0.1 and trained > 5 * untrained
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, RuntimeError])
+def test_resumed_run_equals_an_uninterrupted_one(tmp_path, target, data1, monkeypatch, failure):
+    """Interrupted (Ctrl-C: checkpoint at the last completed step) or killed (the last periodic checkpoint, step 4)
+    during step 7, then resumed to step 10: the same losses and the same weights as a run straight to step 10."""
+    kwargs = dict(version=1, steps=10, batch_size=8, lr=1e-2, num_unroll=2, save_every=4, progress=False)
+    straight = train_eagle_head(target, data1, tmp_path / "straight", **kwargs)
+    loss, calls = te.eagle_loss, []
+
+    def failing(*args, **kw):
+        calls.append(1)
+        if len(calls) == 7:
+            raise failure("stopped")
+        return loss(*args, **kw)
+
+    monkeypatch.setattr(te, "eagle_loss", failing)
+    with pytest.raises(failure):
+        train_eagle_head(target, data1, tmp_path / "resumed", **kwargs)
+    saved = torch.load(tmp_path / "resumed" / te.CHECKPOINT_NAME, weights_only=True)["step"]
+    assert saved == (6 if failure is KeyboardInterrupt else 4)
+    monkeypatch.setattr(te, "eagle_loss", loss)
+    resumed = train_eagle_head(target, data1, tmp_path / "resumed", **kwargs)
+    assert resumed.losses == straight.losses
+    a = EagleSpeculator.from_pretrained(straight.path).head.state_dict()
+    b = EagleSpeculator.from_pretrained(resumed.path).head.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_data_order_is_seeded_and_covers_every_sequence():
+    epoch = torch.cat([te._batch_indices(20, 5, seed=3, step=s) for s in range(4)])
+    assert sorted(epoch.tolist()) == list(range(20))
+    assert torch.equal(te._batch_indices(20, 5, 3, 2), te._batch_indices(20, 5, 3, 2))
+    assert not torch.equal(te._batch_indices(20, 5, 3, 4), te._batch_indices(20, 5, 3, 0))  # a new epoch, reshuffled
+
+
+def test_bad_input_is_explained(tmp_path, target, data1):
+    with pytest.raises(ValueError, match="EAGLE-1/2 head reads the final hidden state"):
+        train_eagle_head(target, TrainingSet(**{**vars(data1), "layers": [1]}), tmp_path / "a", version=1, steps=1)
+    with pytest.raises(ValueError, match="version must be 1"):
+        train_eagle_head(target, data1, tmp_path / "a", version=2, steps=1)
+    train_eagle_head(target, data1, tmp_path / "b", version=1, steps=2, progress=False)
+    with pytest.raises(ValueError, match="another head or training set.*--no-resume"):
+        train_eagle_head(target, data1, tmp_path / "b", version=1, steps=2, intermediate_size=16, progress=False)
+    with pytest.raises(ValueError, match="no empty prompt"):
+        build_training_set(target, [[5, 6], []], [2])
+    with pytest.raises(ValueError, match="no such file"):
+        te.read_prompts(tmp_path / "missing.txt")
+    (tmp_path / "bad.jsonl").write_text('{"text": "hello"}\n')
+    with pytest.raises(ValueError, match='"prompt" field'):
+        te.read_prompts(tmp_path / "bad.jsonl")
+
+
+def test_cli_trains_resumes_and_writes_a_loadable_head(tmp_path, capsys):
+    from hf_specdec.cli import main
+
+    target = make_target()
+    target.save_pretrained(tmp_path / "target")
+    make_tokenizer().save_pretrained(tmp_path / "target")
+    (tmp_path / "prompts.txt").write_text("\n".join(" ".join(f"w{i}" for i in p) for p in prompts(8, 5)) + "\n")
+    args = ["train-eagle", "--target", str(tmp_path / "target"), "--out", str(tmp_path / "head"), "--data",
+            str(tmp_path / "prompts.txt"), "--steps", "4", "--batch-size", "4", "--max-new-tokens", "8",
+            "--draft-vocab", "50", "--save-every", "2"]
+    assert main(args) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert main([*args, "--steps", "6"]) == 0  # more steps: reuses the training set, resumes from step 4
+    out = capsys.readouterr().out
+    assert "reusing the training set" in out and "over 6 steps" in out
+    spec = EagleSpeculator.from_pretrained(tmp_path / "head")
+    assert spec.head.version == 3 and spec.config["draft_vocab_size"] == 50
+    input_ids = torch.tensor(prompts(2, 7))
+    out = target.generate(input_ids=input_ids, max_new_tokens=10, speculator=spec, num_speculative_tokens=2)
+    assert torch.equal(out, target.generate(input_ids=input_ids, max_new_tokens=10, do_sample=False))
+    with pytest.raises(SystemExit, match="choose 1 to"):
+        main(["train-eagle", "--target", str(tmp_path / "target"), "--out", str(tmp_path / "x"),
+              "--self-distill", "999"])
