@@ -91,7 +91,7 @@ def run_bench(model, tokenizer, speculators: dict, batch_sizes=(1, 4, 16), workl
     results = []
     for workload, batch_size in plan:
         prompts = [WORKLOADS[workload][i % len(WORKLOADS[workload])] for i in range(batch_size)]
-        inputs = chat_inputs(tokenizer, prompts)
+        inputs = chat_inputs(tokenizer, prompts).to(model.device)
         active = [c for c in configs if batch_size == 1 or not c.batch_one_only]
         results += _measure(model, inputs, active, workload, batch_size, max_new_tokens, repeats, bar)
     bar.close()
@@ -103,6 +103,8 @@ def _measure(model, inputs, configs, workload, batch_size, max_new_tokens, repea
         start = time.perf_counter()
         out = model.generate(**inputs, max_new_tokens=n, do_sample=False, return_dict_in_generate=True,
                              **config.kwargs)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)  # the timing must include the last kernels
         return time.perf_counter() - start, out
 
     latencies = {c.name: [] for c in configs}

@@ -22,6 +22,11 @@ from .train_eagle import cmd_train_eagle
 from .workloads import GROUNDED, chat_inputs
 
 
+
+def _dtype(args):
+    """`--dtype` as a torch dtype (None: the model's default; float32 for the embedded GGUF models)."""
+    return None if args.dtype is None else getattr(torch, args.dtype)
+
 def _speculator(spec: str, target, target_tokenizer, quantization: str | None = None):
     """'ngram', or a draft model loaded like the target (its tokenizer, when it has one, must match), optionally
     quantized as it loads (`hf_specdec.load_draft`); pre-quantized checkpoints load as they are."""
@@ -59,8 +64,8 @@ def cmd_run(args) -> int:
     """Speculative generation on the embedded default model, timed against plain generate in the same run."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model)
-    inputs = chat_inputs(tokenizer, [args.prompt or GROUNDED["repeat_summarise"]])
+    model, tokenizer = load_model(args.model, dtype=_dtype(args), device=args.device)
+    inputs = chat_inputs(tokenizer, [args.prompt or GROUNDED["repeat_summarise"]]).to(model.device)
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     speculative = dict(speculator=_speculator(args.speculator, model, tokenizer), num_speculative_tokens=args.k)
 
@@ -98,8 +103,8 @@ def cmd_generate(args) -> int:
     """Streams one prompt's speculative generation, then prints the metrics line."""
     from transformers import TextStreamer
 
-    model, tokenizer = load_model(args.model)
-    inputs = chat_inputs(tokenizer, [args.prompt])
+    model, tokenizer = load_model(args.model, dtype=_dtype(args), device=args.device)
+    inputs = chat_inputs(tokenizer, [args.prompt]).to(model.device)
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k) \
         if args.sample else dict(do_sample=False)
     speculator = _speculator(args.speculator, model, tokenizer, _quantizations(args.draft_quantization)[0])
@@ -120,7 +125,7 @@ def cmd_bench(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=_dtype(args), device=args.device)
     speculators = {}
     for name in args.speculators.split(","):
         for quantization in _quantizations(args.draft_quantization) if name != "ngram" else [None]:
@@ -162,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="speculative generation on the default model, with speedup and acceptance")
+    run.add_argument("--device", default=None, help="where to run the model, e.g. cuda (default: cpu)")
+    run.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="model dtype (default: float32 for the embedded models, else the checkpoint's)")
     run.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name, hub id or path")
     run.add_argument("--speculator", default="ngram", help="'ngram' or a draft model (name, id or path)")
     run.add_argument("-k", type=int, default=10, help="num_speculative_tokens")
@@ -172,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     bench = sub.add_parser("bench", help="benchmark plain, transformers-assisted and hf_specdec generation")
+    bench.add_argument("--device", default=None, help="where to run the model, e.g. cuda (default: cpu)")
+    bench.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="model dtype (default: float32 for the embedded models, else the checkpoint's)")
     bench.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name, hub id or path")
     bench.add_argument("--speculators", default="ngram", help="comma-separated: 'ngram' and/or draft models")
     bench.add_argument("--batch-sizes", default="1,4,16")
@@ -191,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="stream one prompt's speculative generation")
     gen.add_argument("prompt")
+    gen.add_argument("--device", default=None, help="where to run the model, e.g. cuda (default: cpu)")
+    gen.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="model dtype (default: float32 for the embedded models, else the checkpoint's)")
     gen.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name, hub id or path")
     gen.add_argument("--speculator", default="ngram", help="'ngram' or a draft model (name, id or path)")
     gen.add_argument("-k", type=int, default=5, help="num_speculative_tokens")
