@@ -384,6 +384,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens the target generates per prompt")
     parser.add_argument("--samples-per-prompt", type=int, default=2,
                         help="continuations per prompt: one greedy, the rest sampled (temperature 0.7)")
+    parser.add_argument("--generation-batch-size", type=int, default=16, help="prompts the target continues at once")
     parser.add_argument("--save-every", type=int, default=50, help="checkpoint interval in steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-resume", action="store_true", help="start over even if --out holds a checkpoint")
@@ -417,7 +418,8 @@ def cmd_train_eagle(args) -> int:
         print(f"generating {len(prompts) * args.samples_per_prompt} training sequences with {args.target} ...")
         data = build_training_set(target, tokenize_prompts(tokenizer, prompts), default_layers(target, args.version),
                                   max_new_tokens=args.max_new_tokens, samples_per_prompt=args.samples_per_prompt,
-                                  eos_token_id=tokenizer.eos_token_id, seed=args.seed)
+                                  batch_size=args.generation_batch_size, eos_token_id=tokenizer.eos_token_id,
+                                  seed=args.seed)
         out.mkdir(parents=True, exist_ok=True)
         data.save(data_file)
         print(f"training set: {len(data.lengths)} sequences, {int(data.lengths.sum())} tokens, "
