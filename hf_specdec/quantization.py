@@ -85,9 +85,9 @@ def load_draft(path_or_model, quantization: str | None = None, *, dtype: torch.d
         if quantization not in (None, existing):
             raise ValueError(f"{path} is already quantized ({existing}); pass quantization=None (or {existing!r}) to "
                              f"load it as it is, or quantize its full-precision original with {quantization!r}")
-        _require_checkpoint_libraries(config)
-        if Path(path).is_dir():
+        if Path(path).is_dir():  # a broken file is named first, whatever libraries are installed
             check_quantized_checkpoint(path)
+        _require_checkpoint_libraries(config)
         if existing == "fp8":
             kwargs["quantization_config"] = _fp8_checkpoint_config(device, path)
         logger.info("hf_specdec: loading the %s checkpoint %s as it is", existing, path)
