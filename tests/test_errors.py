@@ -126,3 +126,25 @@ def test_bad_speculative_schedule_is_refused():
         make_model().generate(PROMPT, max_new_tokens=4, speculator="ngram", speculative_schedule="fast")
     with pytest.raises(ValueError, match="speculator"):
         make_model().generate(PROMPT, max_new_tokens=4, speculative_schedule="constant")
+
+
+def test_draft_in_another_dtype_than_the_target_works():
+    """Drafts cross over as token ids and float32 probabilities, so a draft may keep its own dtype: output stays the
+    target's, greedy and seeded sampling alike."""
+    target = make_model("llama")
+    draft = make_model("llama", seed=1, dtype=torch.float32)
+    input_ids, mask = ragged_batch(rows=2, width=10)
+    expected = target.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    out = target.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False, speculator=draft,
+                          speculative_schedule="constant", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert out.speculative_metrics.num_draft_tokens > 0
+
+    def sample():
+        torch.manual_seed(0)
+        return target.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=True, speculator=draft,
+                               speculative_schedule="constant", return_dict_in_generate=True)
+
+    first, second = sample(), sample()
+    assert torch.equal(first.sequences, second.sequences)
+    assert first.speculative_metrics.num_draft_tokens > 0
