@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .speculators.base import Speculator
 from .workloads import GROUNDED, OPEN_CHAT, chat_inputs
 
 WORKLOADS = {"grounded": list(GROUNDED.values()), "open_chat": list(OPEN_CHAT.values())}
@@ -63,7 +64,7 @@ def build_configs(model, speculators: dict, k: int, draft_costs: dict, schedule:
     if assisted:
         configs.append(Config("transformers prompt lookup", dict(prompt_lookup_num_tokens=k), batch_one_only=True))
         for name, spec in speculators.items():
-            if not isinstance(spec, str):
+            if not isinstance(spec, (str, Speculator)):  # transformers can only assist with a draft model
                 configs.append(Config(f"transformers assisted ({name})", dict(assistant_model=spec),
                                       batch_one_only=True))
     for name, spec in speculators.items():
@@ -82,8 +83,10 @@ def run_bench(model, tokenizer, speculators: dict, batch_sizes=(1, 4, 16), workl
     """
     from tqdm.auto import tqdm
 
-    draft_costs = {n: s.num_parameters() / model.num_parameters() for n, s in speculators.items()
-                   if not isinstance(s, str)}
+    draft_costs = {
+        n: s.relative_cost(model) if isinstance(s, Speculator) else s.num_parameters() / model.num_parameters()
+        for n, s in speculators.items() if not isinstance(s, str)
+    }
     configs = build_configs(model, speculators, k, draft_costs, schedule, assisted)
     plan = [(w, b) for w in workloads for b in batch_sizes]
     total = sum(len([c for c in configs if b == 1 or not c.batch_one_only]) for _, b in plan) * (repeats + 1)

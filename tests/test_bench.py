@@ -29,3 +29,18 @@ def test_bench_runs_every_configuration(tmp_path, capsys):
             assert r["ideal_speedup"] is not None and r["acceptance_rate"] is not None
     assert png.stat().st_size > 0
     assert "| grounded | 1 | plain generate |" in capsys.readouterr().out
+
+
+def test_bench_takes_speculator_objects():
+    """A `Speculator` (an EAGLE head, an n-gram instance) is benchmarked by hf_specdec only: transformers cannot
+    assist with it, and its cost comes from `relative_cost`, not a parameter count."""
+    from hf_specdec import NgramSpeculator
+    from hf_specdec.bench import run_bench
+
+    model, tokenizer = make_model("llama", dtype=torch.float32), make_tokenizer()
+    results = run_bench(model, tokenizer, {"ngram-object": NgramSpeculator()}, batch_sizes=(1,),
+                        workloads=("grounded",), max_new_tokens=6, repeats=1, progress=False)
+    configs = {r.config for r in results}
+    assert "hf_specdec ngram-object" in configs
+    assert not any("assisted" in c for c in configs)
+    assert all(r.identical for r in results)
