@@ -162,15 +162,19 @@ def cmd_convert_eagle(args) -> int:
     return 0
 
 
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name, hub id or path")
+    parser.add_argument("--device", default=None, help="where to run the model, e.g. cuda (default: cpu)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="model dtype (default: float32 for the embedded models, else the checkpoint's)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-specdec", description="Speculative decoding for transformers models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="speculative generation on the default model, with speedup and acceptance")
-    run.add_argument("--device", default=None, help="where to run the model, e.g. cuda (default: cpu)")
-    run.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="model dtype (default: float32 for the embedded models, else the checkpoint's)")
-    run.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name, hub id or path")
+    _add_model_arguments(run)
     run.add_argument("--speculator", default="ngram", help="'ngram' or a draft model (name, id or path)")
     run.add_argument("-k", type=int, default=10, help="num_speculative_tokens")
     run.add_argument("--max-new-tokens", type=int, default=128)
@@ -180,10 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     bench = sub.add_parser("bench", help="benchmark plain, transformers-assisted and hf_specdec generation")
-    bench.add_argument("--device", default=None, help="where to run the model, e.g. cuda (default: cpu)")
-    bench.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="model dtype (default: float32 for the embedded models, else the checkpoint's)")
-    bench.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name, hub id or path")
+    _add_model_arguments(bench)
     bench.add_argument("--speculators", default="ngram", help="comma-separated: 'ngram' and/or draft models")
     bench.add_argument("--batch-sizes", default="1,4,16")
     bench.add_argument("--workloads", default="grounded,open_chat")
@@ -202,10 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="stream one prompt's speculative generation")
     gen.add_argument("prompt")
-    gen.add_argument("--device", default=None, help="where to run the model, e.g. cuda (default: cpu)")
-    gen.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="model dtype (default: float32 for the embedded models, else the checkpoint's)")
-    gen.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name, hub id or path")
+    _add_model_arguments(gen)
     gen.add_argument("--speculator", default="ngram", help="'ngram' or a draft model (name, id or path)")
     gen.add_argument("-k", type=int, default=5, help="num_speculative_tokens")
     gen.add_argument("--max-new-tokens", type=int, default=128)
