@@ -24,7 +24,7 @@ from transformers.cache_utils import Cache
 
 from .block_manager import BlockManager
 from .kernels._backend import resolve_backend
-from .kernels.paged_attention.reference import attend, attention_mask, context_slots
+from .kernels.paged_attention.reference import attend, attention_mask, context_slots, slots_of
 
 ATTENTION_NAME = "hf_specdec_paged"
 PLAN_KWARG = "hf_specdec_plan"
@@ -141,7 +141,7 @@ class PagedKVCache(Cache):
         is_token = offset >= 0
         query_positions = starts_t[:, None] + offset.clamp(min=0)
 
-        write_slots = torch.where(is_token, self._slots(block_tables, query_positions), SCRATCH_SLOT)
+        write_slots = torch.where(is_token, slots_of(block_tables, query_positions, bs), SCRATCH_SLOT)
         backend = resolve_backend(self.kernel_backend, device)
         slots = None
         if backend == "torch":
@@ -149,10 +149,6 @@ class PagedKVCache(Cache):
             slots = context_slots(block_tables, context_lens, num_context, bs, pad_slot=SCRATCH_SLOT)
         self.plan = StepPlan(write_slots.reshape(-1), block_tables, bs, query_positions, context_lens, backend, slots)
         return self.plan
-
-    def _slots(self, block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        blocks = block_tables.gather(1, positions // self.block_size)
-        return blocks * self.block_size + positions % self.block_size
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Writes this step's keys/values `[rows, kv_heads, q, head_dim]`. Returns each row's gathered context

@@ -16,13 +16,17 @@ import torch
 import torch.nn.functional as F
 
 
+def slots_of(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Pool slot of each row's `positions` `[rows, n]` through its block table."""
+    return block_tables.gather(1, positions // block_size) * block_size + positions % block_size
+
+
 def context_slots(block_tables: torch.Tensor, context_lens: torch.Tensor, num_context: int, block_size: int,
                   pad_slot: int = 0) -> torch.Tensor:
     """`[rows, num_context]` pool slot of each row's positions `0..num_context-1`, `pad_slot` past its length."""
     positions = torch.arange(num_context, device=block_tables.device).expand(len(block_tables), -1)
     in_row = positions < context_lens[:, None]
-    positions = positions.clamp(max=block_tables.shape[1] * block_size - 1)
-    slots = block_tables.gather(1, positions // block_size) * block_size + positions % block_size
+    slots = slots_of(block_tables, positions.clamp(max=block_tables.shape[1] * block_size - 1), block_size)
     return torch.where(in_row, slots, pad_slot)
 
 
