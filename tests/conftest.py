@@ -12,12 +12,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
 from transformers import (
     Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
     Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
 )  # noqa: E402
 
 import hf_specdec  # noqa: F401  (registers speculator=)
+
+# CI replays the same examples every run (HYPOTHESIS_PROFILE=ci in .ci/run), so a landing never hangs on the draw;
+# local runs draw fresh examples each time and keep failures in .hypothesis/ to replay.
+settings.register_profile("ci", derandomize=True, database=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 VOCAB = 96
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

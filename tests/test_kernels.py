@@ -245,6 +245,17 @@ def test_sampling_kernel_matches_reference(inputs):
     assert torch.equal(got[~torch.isinf(got)], expected[~torch.isinf(expected)])
 
 
+def test_top_p_one_keeps_tokens_whose_probability_underflows():
+    """top_p = 1 is off: a token far below the top (its softmax underflows to exactly 0) is kept by both backends,
+    as it is when no top-p is asked for."""
+    logits = torch.tensor([[100.0, 99.0, -10.0, 0.0], [100.0, 99.0, -10.0, 0.0]], device=DEVICE)
+    top_p = torch.tensor([1.0, 0.5], device=DEVICE)
+    for got in (apply_sampling_params_reference(logits, top_p=top_p),
+                apply_sampling_params_triton(logits, top_p=top_p)):
+        assert torch.equal(got[0], logits[0])
+        assert torch.isinf(got[1]).tolist() == [False, True, True, True]
+
+
 def test_sampling_entry_point_dispatches(monkeypatch):
     logits = torch.randn(3, 50, device=DEVICE)
     top_k = torch.full((3,), 4, device=DEVICE)

@@ -42,5 +42,6 @@ def apply_sampling_params_reference(
         cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
         remove = cumulative <= (1 - top_p.float())[:, None]
         remove[:, -1] = False
+        remove &= (top_p < 1)[:, None]  # top_p = 1 keeps all, tokens whose probability underflows to 0 included
         scores = scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
     return scores
