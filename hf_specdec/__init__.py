@@ -9,11 +9,15 @@ from .compat import UnsupportedModelError
 from .eagle_convert import convert_eagle
 from .engine import SpeculativeEngine
 from .generation import SpeculativeGenerateOutput, register_generation_strategy, resolve_speculator
+from .head_convert import HeadCheckpointError, convert_head
 from .metrics import SpeculativeMetrics
 from .paged_cache import PagedKVCache
 from .pipeline import SpeculativeTextGenerationPipeline, register_pipeline
 from .quantization import QuantizationUnavailableError, QuantizedCheckpointError, load_draft
-from .speculators import DraftModelSpeculator, EagleCheckpointError, EagleSpeculator, NgramSpeculator, Speculator
+from .speculators import (
+    DraftModelSpeculator, EagleCheckpointError, EagleSpeculator, MedusaSpeculator, MlpSpeculator, NgramSpeculator,
+    Speculator,
+)
 from .tokenizers import TokenizerMismatchError, check_tokenizers_match
 from .train_eagle import TrainingSet, build_training_set, train_eagle_head
 from .types import DraftProposal, VerifyResult
@@ -31,5 +35,5 @@ __all__ = [
     "Speculator", "TokenizerMismatchError",
     "UnsupportedModelError", "VerifyResult", "check_tokenizers_match", "convert_eagle", "register_pipeline",
     "load_draft", "resolve_speculator", "TrainingSet", "build_training_set", "train_eagle_head",
-    "verify",
+    "verify", "HeadCheckpointError", "MedusaSpeculator", "MlpSpeculator", "convert_head",
 ]

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 
 from .demo.app import add_arguments as add_demo_arguments
+from .head_convert import CONFIG_NAME as HEAD_CONFIG_NAME
+from .head_convert import head_speculator_from_dir
 from .models import DEFAULT_MODEL, EMBEDDED_MODELS, load_causal_lm, load_model, load_tokenizer
 from .quantization import QUANTIZATIONS, load_draft
 from .speculators.eagle import EagleSpeculator
@@ -36,6 +38,8 @@ def _speculator(spec: str, target, target_tokenizer, quantization: str | None = 
         return "ngram"
     if (Path(spec) / EAGLE_CONFIG_NAME).is_file():  # a converted EAGLE head (hf-specdec convert-eagle)
         return EagleSpeculator.from_pretrained(spec)
+    if (Path(spec) / HEAD_CONFIG_NAME).is_file():  # a converted MLP speculator or Medusa head (convert-head)
+        return head_speculator_from_dir(spec)
     quantize = dict(quantization=quantization, target=target, tokenizer=target_tokenizer)
     if spec in EMBEDDED_MODELS:  # GGUF weights: load, then quantize a copy
         draft = load_draft(load_causal_lm(spec, dtype=target.dtype, device=target.device), **quantize)
@@ -162,6 +166,20 @@ def cmd_convert_eagle(args) -> int:
     return 0
 
 
+def cmd_convert_head(args) -> int:
+    """Converts a published EAGLE head, MLP speculator or Medusa heads into hf_specdec's format (layout detected)."""
+    from .head_convert import convert_head
+
+    options = {}
+    if args.aux_layers:
+        options = dict(aux_layers=[int(i) for i in args.aux_layers.split(",")],
+                       aux_layer_convention=args.aux_layer_convention)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    dst = convert_head(args.src, args.dst, target=args.target, dtype=dtype, **options)
+    print(f"wrote {dst}; use it with --speculator {dst} or the pipeline's assistant={str(dst)!r}")
+    return 0
+
+
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name, hub id or path")
     parser.add_argument("--device", default=None, help="where to run the model, e.g. cuda (default: cpu)")
@@ -226,6 +244,18 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                          help="cast the weights (default: keep the checkpoint's)")
     convert.set_defaults(func=cmd_convert_eagle)
+
+    head = sub.add_parser("convert-head", help="convert a published draft head, layout detected: EAGLE, MLP "
+                          "speculator (ibm-fms accelerator) or Medusa (see docs/eagle.md)")
+    head.add_argument("src", help="the head: a directory or hub id (*.safetensors, pytorch_model.bin or *.pt)")
+    head.add_argument("dst", help="output directory")
+    head.add_argument("--target", required=True, help="the target model (hub id or path) the head was trained for")
+    head.add_argument("--aux-layers", default=None, help="EAGLE-3 only: comma-separated target layers fc reads")
+    head.add_argument("--aux-layer-convention", default="input", choices=["input", "output"],
+                      help="EAGLE-3 only: the ids name each layer's input (vLLM, EAGLE) or output (SGLang)")
+    head.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                      help="cast the weights (default: keep the checkpoint's)")
+    head.set_defaults(func=cmd_convert_head)
 
     train = sub.add_parser("train-eagle", help="train an EAGLE head for a target on its own generations "
                            "(see docs/eagle.md)")

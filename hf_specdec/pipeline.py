@@ -5,8 +5,8 @@ from __future__ import annotations
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextGenerationPipeline
 from transformers.pipelines import PIPELINE_REGISTRY
 
-from .eagle_convert import eagle_speculator_from_dir
 from .generation import resolve_speculator
+from .head_convert import head_speculator_from_dir
 from .quantization import load_draft
 from .speculators.base import Speculator
 from .speculators.draft_model import DraftModelSpeculator
@@ -20,8 +20,8 @@ class SpeculativeTextGenerationPipeline(TextGenerationPipeline):
 
     Args:
         assistant (`str`, `PreTrainedModel` or `Speculator`): a draft model id or path (loaded on the target's
-            device and dtype), a directory holding an EAGLE head converted by `hf-specdec convert-eagle`, a draft
-            model, `"ngram"`, or a speculator object.
+            device and dtype), a directory holding a head (EAGLE, MLP speculator, Medusa) converted by
+            `hf-specdec convert-head`, a draft model, `"ngram"`, or a speculator object.
         assistant_tokenizer (*optional*): the draft's tokenizer; loaded beside the draft when `assistant` is an id or
             path. When known, it must match the target's tokenizer (`TokenizerMismatchError` otherwise).
         assistant_quantization (`str`, *optional*): quantize the draft as it loads: `"fp8"`, `"int8"`, `"nf4"` or
@@ -38,12 +38,12 @@ class SpeculativeTextGenerationPipeline(TextGenerationPipeline):
         self.speculator = self._load_assistant(assistant, assistant_tokenizer, assistant_quantization)
 
     def _load_assistant(self, assistant, assistant_tokenizer, quantization=None) -> Speculator:
-        eagle = eagle_speculator_from_dir(assistant)  # a converted EAGLE head directory
-        if eagle is not None:
+        head = head_speculator_from_dir(assistant)  # a converted EAGLE, MLP speculator or Medusa head directory
+        if head is not None:
             if quantization is not None:
-                raise ValueError("assistant_quantization= applies to draft models, not to EAGLE heads")
-            eagle.validate(self.model)
-            return eagle
+                raise ValueError("assistant_quantization= applies to draft models, not to draft heads")
+            head.validate(self.model)
+            return head
         if quantization is not None and (isinstance(assistant, Speculator) or assistant == "ngram"):
             raise ValueError(f"assistant_quantization={quantization!r} applies to draft models; the assistant "
                              f"{assistant!r} is not one")

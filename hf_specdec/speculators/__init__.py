@@ -4,6 +4,9 @@ from .base import Speculator
 from .draft_model import DraftModelSpeculator
 from .eagle import EagleSpeculator
 from .heads import EagleCheckpointError
+from .medusa import MedusaSpeculator
+from .mlp import MlpSpeculator
 from .ngram import NgramSpeculator
 
-__all__ = ["Speculator", "DraftModelSpeculator", "EagleCheckpointError", "EagleSpeculator", "NgramSpeculator"]
+__all__ = ["Speculator", "DraftModelSpeculator", "EagleCheckpointError", "EagleSpeculator", "MedusaSpeculator",
+           "MlpSpeculator", "NgramSpeculator"]
