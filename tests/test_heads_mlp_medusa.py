@@ -201,3 +201,126 @@ def test_k_beyond_the_heads_is_capped(tmp_path):
     assert torch.equal(out.sequences, target.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=12,
                                                       do_sample=False))
     assert 0 < metrics.num_draft_tokens <= 2 * 2 * metrics.num_steps
+
+
+def test_drafts_per_step_never_exceed_the_heads(tmp_path, monkeypatch):
+    from hf_specdec.speculators.medusa import FinalStateSpeculator
+
+    target = make_target()
+    spec = load(convert_reference(tmp_path, target, *mlp_reference(n_predict=2)))
+    widths = []
+    original = FinalStateSpeculator.propose
+
+    def recording(self, batch, k):
+        proposal = original(self, batch, k)
+        widths.append((k, proposal.k))
+        return proposal
+
+    monkeypatch.setattr(FinalStateSpeculator, "propose", recording)
+    input_ids, mask = ragged_batch(2)
+    out = speculate(target, spec, input_ids, mask, k=6, max_new_tokens=12)
+    assert torch.equal(out.sequences, target.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=12,
+                                                      do_sample=False))
+    assert out.speculative_metrics.num_draft_tokens > 0
+    assert max(w for _, w in widths) == 2 and max(k for k, _ in widths) == 6
+
+
+# --- exact wiring: the engine's draft logits equal the reference formulas, written out here ------------------------
+def _tied(tensors: dict, name: str) -> torch.Tensor:
+    """A reference tensor, falling back to the stage a tied checkpoint stores it under."""
+    if name in tensors:
+        return tensors[name]
+    group, index, leaf = name.removeprefix("speculator.").split(".")
+    return tensors[f"speculator.{group}.{1 if group == 'proj' else 0}.{leaf}"]
+
+
+def mlp_reference_logits(config, tensors, state, tokens):
+    """fms-extras' MLPSpeculator, one row: `state` `[emb_dim]`, `tokens[i]` the token stage i reads (one stage per
+    token)."""
+    t = {n: v.double() for n, v in tensors.items()}
+    n, inner = config["n_predict"], config["inner_dim"] or config["emb_dim"]
+    state_weight = 0.5 ** (0.5 / n)
+    emb_weight = math.sqrt(1 - state_weight ** 2)
+    if config["scale_input"]:
+        state = state * torch.rsqrt(state.pow(2).mean() + 1e-6) / math.sqrt(2)
+    out = []
+    for i in range(len(tokens)):
+        z = _tied(t, f"speculator.emb.{i}.weight")[tokens[i]] * (emb_weight * math.sqrt(inner / 2))
+        state = _tied(t, f"speculator.proj.{i}.weight") @ state * state_weight + z
+        state = state * torch.rsqrt(state.pow(2).mean() + 1e-6)
+        state = state * _tied(t, f"speculator.ln.{i}.weight") + _tied(t, f"speculator.ln.{i}.bias")
+        state = F.gelu(state)
+        out.append(_tied(t, f"speculator.head.{i}.weight") @ state)
+    return out
+
+
+def medusa_reference_logits(config, tensors, state):
+    """Medusa's heads, one row: head i = residual blocks x + SiLU(linear(x)), then its LM head."""
+    t = {n: v.double() if v.is_floating_point() else v for n, v in tensors.items()}
+    vllm = "num_heads" in config
+    heads = config["num_heads"] if vllm else config["medusa_num_heads"]
+    layers = config["num_hidden_layers"] if vllm else config["medusa_num_layers"]
+    out = []
+    for i in range(heads):
+        x = state
+        for j in range(layers):
+            pre = f"blocks.{i}.layers.{j}." if vllm else f"{i}.{j}.linear."
+            x = x + F.silu(t[pre + "weight"] @ x + t[pre + "bias"])
+        logits = (t[f"lm_heads.{i}.weight"] if vllm else t[f"{i}.{layers}.weight"]) @ x
+        if "token_map" in t:
+            full = torch.full((VOCAB,), float("-inf"), dtype=torch.float64)
+            full[t["token_map"]] = logits
+            logits = full
+        out.append(logits)
+    return out
+
+
+@pytest.mark.parametrize("variant", ["mlp", "mlp-tied-scaled-narrow", "medusa1", "vllm-medusa-truncated"])
+def test_draft_logits_equal_the_reference_forward(tmp_path, monkeypatch, variant):
+    """Stage i of a step at committed length L reads the target's final state at L - 2 and (MLP) the token at
+    L - 1, then its own drafts; ragged rows, checked against a plain forward of each row alone."""
+    from hf_specdec.speculators.medusa import FinalStateSpeculator
+
+    target = make_target()
+    config, tensors = VARIANTS[variant]()
+    spec = load(convert_reference(tmp_path, target, config, tensors))
+    head_class = type(spec.head)
+    calls, stages = [], []
+    original_stage, original_propose = head_class.stage, FinalStateSpeculator.propose
+
+    def stage(self, i, carry, token):
+        carry, logits = original_stage(self, i, carry, token)
+        stages.append(logits.clone())
+        return carry, logits
+
+    def propose(self, batch, k):
+        before = len(stages)
+        proposal = original_propose(self, batch, k)
+        calls.append((list(batch.active), [batch.lengths[r] for r in batch.active], proposal.token_ids.clone(),
+                      stages[before:]))
+        return proposal
+
+    monkeypatch.setattr(head_class, "stage", stage)
+    monkeypatch.setattr(FinalStateSpeculator, "propose", propose)
+    input_ids, mask = ragged_batch(2)
+    out = speculate(target, spec, input_ids, mask, k=3, max_new_tokens=12)
+    rows = [torch.cat([input_ids[r][mask[r] == 1], out.sequences[r, input_ids.shape[1]:]]) for r in range(2)]
+    with torch.no_grad():
+        states = [target(row[None], output_hidden_states=True).hidden_states[-1][0] for row in rows]
+    checked = 0
+    for active, lengths, drafts, logits in calls:
+        for index, (row, length) in enumerate(zip(active, lengths)):
+            if not logits:
+                continue
+            state = states[row][length - 2]
+            if variant.startswith("mlp"):
+                tokens = [rows[row][length - 1], *drafts[index].tolist()][:len(logits)]
+                expected = mlp_reference_logits(config, tensors, state, tokens)
+            else:
+                expected = medusa_reference_logits(config, tensors, state)
+            for i, stage_logits in enumerate(logits):
+                finite = torch.isfinite(expected[i])
+                assert torch.equal(finite, torch.isfinite(stage_logits[index]))
+                torch.testing.assert_close(stage_logits[index][finite], expected[i][finite], rtol=1e-6, atol=1e-6)
+                checked += 1
+    assert checked >= 6
