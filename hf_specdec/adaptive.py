@@ -1,72 +1,123 @@
 """Choosing k each step from the acceptance observed so far, so speculation pays for itself or switches off.
 
-Each row keeps an estimate `a` of the chance that its next draft token is accepted (a smoothed count of accepted
-over tried tokens). With k drafts a row then emits `1 + a + a^2 + ... + a^k` tokens on average. A forward costs a
-fixed part plus a part per token it processes (`token_cost_ratio` = per-token / fixed); at batch size B, verifying k
-drafts per row costs `1 + beta * k` plain steps with `beta = B r / (1 + B r)`, plus what drafting costs. So the larger
-the batch, the dearer each draft (the well-known loss of speculation at high batch sizes), and k shrinks with it. The step takes the k in
-`[0, max_k]` that maximises the batch's expected tokens per unit of cost; k = 0 is plain decoding. A row that stops
-drafting drifts back towards the prior, so speculation is tried again later instead of being switched off for good.
+Acceptance. Each proposal falls in one of its speculator's confidence classes (n-gram lookup: the length of the
+matched context; a model speculator: a single class). Per class the call keeps counts of drafts accepted and tried,
+pooled over its rows, and each row keeps its own. A row's chance `p` that its next draft is accepted is its own count
+shrunk towards the pooled one, which is shrunk towards the speculator's prior for the class. Counts decay each step,
+so estimates follow a row that moves between copying and free writing, and a row that stopped drafting drifts back
+towards the prior and is tried again later. With k drafts a row emits `1 + p + ... + p^k` tokens on average (fewer
+when it has fewer drafts to offer).
+
+Cost. A target forward of B rows of q tokens costs `fixed + per_row * B + per_token * (B q) ** exponent` (`StepCost`),
+so verifying k drafts costs `cost(B, k + 1) / cost(B, 1)` plain steps, plus what drafting costs. On a CPU the
+per-token part is large and concave (matrix products grow more efficient with more rows), on a GPU it is nearly
+free. The step takes the k in `[0, max_k]` that maximises the batch's expected tokens per unit of cost; k = 0 is
+plain decoding. Everything here is a static estimate on host tensors, never a timing, so seeded runs choose the same k
+and stay reproducible, and no step waits on the device.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-# Cost of one more token in a forward, relative to the forward's fixed cost. Measured on a 2-core CPU with
-# SmolLM2-135M at 240 tokens of context: 41 ms fixed + 7.3 ms per token (docs/benchmarks.md). Accelerators process
-# many tokens per forward almost for free: a small ratio.
-DEFAULT_TOKEN_COST_RATIO = {"cpu": 0.18, "cuda": 0.005}
+
+@dataclass(frozen=True)
+class StepCost:
+    """Wall time of one target forward of `rows` rows of `tokens` tokens each, in arbitrary units:
+    `fixed + per_row * rows + per_token * (rows * tokens) ** exponent`."""
+
+    fixed: float
+    per_row: float
+    per_token: float
+    exponent: float = 1.0
+
+    def __call__(self, rows: int, tokens: torch.Tensor) -> torch.Tensor:
+        return self.fixed + self.per_row * rows + self.per_token * (rows * tokens.double()) ** self.exponent
+
+    def relative(self, rows: int, tokens: torch.Tensor) -> torch.Tensor:
+        """Cost of forwards of `tokens` per row relative to a plain decode step (1 token per row)."""
+        return self(rows, tokens) / self(rows, torch.ones((), dtype=torch.float64))
+
+
+# Fitted (to within 17%) to 18 forwards of SmolLM2-135M at 240 tokens of context on a 2-core CPU, batch 1/4/16 and
+# 1-16 tokens per row (docs/benchmarks.md): weights stream once per forward, each row adds attention and bookkeeping,
+# and tokens are cheaper the more there are. On accelerators a forward of a few hundred tokens costs about as much as
+# one of a single token.
+DEFAULT_STEP_COST = {"cpu": StepCost(fixed=13.5, per_row=2.95, per_token=21.8, exponent=0.42),
+                     "cuda": StepCost(fixed=1.0, per_row=0.0, per_token=0.005)}
 
 
 class AdaptiveK:
-    """Per-row acceptance estimates and the k they imply, for one `generate` call's rows `0 .. num_rows - 1`.
+    """Acceptance estimates and the k they imply, for one `generate` call's rows `0 .. num_rows - 1`.
 
     Args:
         num_rows (`int`): rows in the batch.
         max_k (`int`): the largest k (`num_speculative_tokens`).
-        token_cost_ratio (`float`): a forward's cost per token relative to its fixed cost.
-        draft_cost_per_token (`float`): the speculator's cost of drafting one token, in the same unit.
-        prior (`float`): acceptance assumed before a row has drafted.
-        smoothing (`float`): weight of the newest step in the running estimate.
+        step_cost (`StepCost`): the target's forward cost model.
+        draft_cost_per_token (`float`): the speculator's cost of drafting one token relative to a one-token step.
+        priors (`tuple[float, ...]`): acceptance assumed per confidence class before any evidence.
+        strength (`float`): how many tried drafts the prior (for the pooled estimate) and the pooled estimate (for a
+            row's) weigh.
+        decay (`float`): factor applied to every count each step; older evidence fades.
     """
 
-    def __init__(self, num_rows: int, max_k: int, token_cost_ratio: float, draft_cost_per_token: float = 0.0,
-                 prior: float = 0.6, smoothing: float = 0.3):
+    def __init__(self, num_rows: int, max_k: int, step_cost: StepCost, draft_cost_per_token: float = 0.0,
+                 priors: tuple[float, ...] = (0.6,), strength: float = 2.0, decay: float = 0.9):
+        if not priors or not all(0.0 <= p < 1.0 for p in priors):
+            raise ValueError(f"acceptance priors must be in [0, 1), one per confidence class, got {priors!r}")
         self.max_k = max_k
-        self.token_cost_ratio = token_cost_ratio
-        # Drafting one token, relative to a one-token target step. A static estimate, not a timing, so that seeded
-        # runs choose the same k and stay reproducible.
+        self.step_cost = step_cost
+        # Drafting one token, relative to a one-token target step. A static estimate, like the step cost.
         self.draft_cost_per_token = draft_cost_per_token
-        self.prior = prior
-        self.smoothing = smoothing
-        self.acceptance = torch.full((num_rows,), prior, dtype=torch.float64)  # host tensor: no device syncs
+        self.priors = torch.tensor(priors, dtype=torch.float64)
+        self.strength = strength
+        self.decay = decay
+        classes = len(priors)
+        # Host tensors: the policy never touches the device.
+        self.accepted = torch.zeros(num_rows, classes, dtype=torch.float64)
+        self.tried = torch.zeros(num_rows, classes, dtype=torch.float64)
 
-    def choose(self, rows: list[int]) -> int:
-        """The k for this step's rows."""
+    def acceptance(self, rows: list[int], classes: list[int] | None = None) -> torch.Tensor:
+        """`[len(rows)]` each row's estimated chance that a draft of the given class is accepted."""
+        cls = torch.tensor(classes if classes is not None else [0] * len(rows), dtype=torch.long)
+        pooled = (self.accepted.sum(0) + self.strength * self.priors) / (self.tried.sum(0) + self.strength)
+        r = torch.tensor(rows, dtype=torch.long)
+        own_accepted, own_tried = self.accepted[r, cls], self.tried[r, cls]
+        return (own_accepted + self.strength * pooled[cls]) / (own_tried + self.strength)
+
+    def choose(self, rows: list[int], available: list[int] | None = None, classes: list[int] | None = None) -> int:
+        """The k for this step's rows.
+
+        Args:
+            rows: the active rows.
+            available: drafts each row can offer (known when proposals are made before k is chosen); `None` means
+                up to `max_k` each.
+            classes: each row's confidence class for this step's proposal; `None` means class 0.
+        """
         if self.max_k == 0 or not rows:
             return 0
-        rates = self.acceptance[rows]
+        rates = self.acceptance(rows, classes)
         ks = torch.arange(self.max_k + 1, dtype=torch.float64)
-        # Expected emitted tokens summed over rows for each k: sum over j = 0..k of rate^j.
-        expected = torch.cumsum(rates[:, None] ** ks[None, :], dim=1).sum(0)  # [max_k + 1]
-        cost = 1.0 + (self.verify_cost_per_token(len(rows)) + self.draft_cost_per_token) * ks
+        # Expected emitted tokens summed over rows for each k: sum over j = 0..min(k, available) of rate^j.
+        terms = rates[:, None] ** ks[None, :]
+        if available is not None:
+            terms = terms.masked_fill(ks[None, :] > torch.tensor(available, dtype=torch.float64)[:, None], 0.0)
+        expected = terms.cumsum(dim=1).sum(0)  # [max_k + 1]
+        cost = self.step_cost.relative(len(rows), ks + 1) + self.draft_cost_per_token * ks
         return int(torch.argmax(expected / cost))
 
-    def verify_cost_per_token(self, batch_size: int) -> float:
-        """Cost of verifying one more draft per row, relative to a plain decode step of the batch."""
-        per_batch = batch_size * self.token_cost_ratio
-        return per_batch / (1.0 + per_batch)
-
-    def update(self, rows: list[int], num_drafted: list[int], num_accepted: list[int]) -> None:
-        """Folds one step's outcome into each row's estimate."""
+    def update(self, rows: list[int], num_drafted: list[int], num_accepted: list[int],
+               classes: list[int] | None = None) -> None:
+        """Folds one step's outcome into the counts: each row's proposal was of class `classes[i]`."""
+        self.accepted.mul_(self.decay)
+        self.tried.mul_(self.decay)
         drafted = torch.tensor(num_drafted, dtype=torch.float64)
         accepted = torch.tensor(num_accepted, dtype=torch.float64)
-        rates = self.acceptance[rows]
         # Tokens tried: every accepted one, plus the rejected one when a row stopped before its last draft.
         tried = accepted + (accepted < drafted).double()
-        observed = accepted / tried.clamp(min=1)
-        updated = (1 - self.smoothing) * rates + self.smoothing * observed
-        # A row that did not draft gives no evidence: it drifts back to the prior, so it is tried again later.
-        idle = rates + 0.1 * (self.prior - rates)
-        self.acceptance[rows] = torch.where(drafted > 0, updated, idle)
+        r = torch.tensor(rows, dtype=torch.long)
+        cls = torch.tensor(classes if classes is not None else [0] * len(rows), dtype=torch.long)
+        self.accepted.index_put_((r, cls), accepted, accumulate=True)
+        self.tried.index_put_((r, cls), tried, accumulate=True)

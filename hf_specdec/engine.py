@@ -19,7 +19,7 @@ from contextlib import ExitStack
 
 import torch
 
-from .adaptive import DEFAULT_TOKEN_COST_RATIO, AdaptiveK
+from .adaptive import DEFAULT_STEP_COST, AdaptiveK, StepCost
 from .block_manager import OutOfBlocksError
 from .logits import LogitsProcessing
 from .metrics import SpeculativeMetrics, logger
@@ -41,12 +41,12 @@ class SpeculativeEngine:
         max_num_blocks (`int`, *optional*): cap on the target's KV pool; a batch that cannot fit is refused.
         schedule (`str`): `"adaptive"` picks k in `[0, num_speculative_tokens]` each step from the acceptance seen so
             far (see `adaptive.py`); `"constant"` always drafts `num_speculative_tokens`.
-        token_cost_ratio (`float`, *optional*): adaptive k's cost model: a forward's cost per token relative to its
-            fixed cost; defaults to a value measured for the model's device type.
+        step_cost (`StepCost`, *optional*): adaptive k's model of a target forward's cost; defaults to one measured
+            for the model's device type.
     """
 
     def __init__(self, model, speculator: Speculator, num_speculative_tokens: int, block_size: int = 16,
-                 max_num_blocks: int | None = None, schedule: str = "adaptive", token_cost_ratio: float | None = None):
+                 max_num_blocks: int | None = None, schedule: str = "adaptive", step_cost: StepCost | None = None):
         if schedule not in ("adaptive", "constant"):
             raise ValueError(f"speculative_schedule must be 'adaptive' or 'constant', got {schedule!r}")
         self.model = model
@@ -55,7 +55,7 @@ class SpeculativeEngine:
         self.block_size = block_size
         self.max_num_blocks = max_num_blocks
         self.schedule = schedule
-        self.token_cost_ratio = token_cost_ratio
+        self.step_cost = step_cost
 
     def generate(self, input_ids, attention_mask, max_new_tokens: int, do_sample: bool, logits_processor=None,
                  stopping_criteria=None, eos_token_ids=None, pad_token_id: int = 0, streamer=None):
@@ -75,10 +75,11 @@ class SpeculativeEngine:
         num_generated = [0] * len(batch.lengths)
         self._policy = None
         if self.schedule == "adaptive":
-            cost = self.token_cost_ratio
+            cost = self.step_cost
             if cost is None:
-                cost = DEFAULT_TOKEN_COST_RATIO.get(self.model.device.type, DEFAULT_TOKEN_COST_RATIO["cuda"])
-            self._policy = AdaptiveK(len(batch.lengths), self.k, cost, self.speculator.relative_cost(self.model))
+                cost = DEFAULT_STEP_COST.get(self.model.device.type, DEFAULT_STEP_COST["cuda"])
+            self._policy = AdaptiveK(len(batch.lengths), self.k, cost, self.speculator.relative_cost(self.model),
+                                     priors=self.speculator.confidence_priors)
         stop = StopRules(stopping_criteria, eos_token_ids)
         target = ModelRunner(self.model, block_size=self.block_size, max_num_blocks=self.max_num_blocks)
         with ExitStack() as stack:
@@ -107,7 +108,7 @@ class SpeculativeEngine:
         """One propose -> verify -> commit; returns tokens emitted per active row and the rows that finished."""
         rows, rows_t = list(batch.active), batch.active_tensor()
         t0 = time.perf_counter()
-        draft = self._propose(batch, budget)
+        draft, classes = self._propose(batch, budget)
         t1 = time.perf_counter()
         k = draft.k
         end = batch.end_cols(rows)  # [rows] first column after each row's committed tokens
@@ -159,22 +160,36 @@ class SpeculativeEngine:
         metrics.draft_time_s += t1 - t0
         metrics.verify_time_s += time.perf_counter() - t1
         if self._policy is not None:
-            self._policy.update(rows, num_drafted, num_accepted)
+            self._policy.update(rows, num_drafted, num_accepted, classes)
         return num_emit, [r for r, done in zip(rows, finished) if done]
 
-    def _propose(self, batch, budget) -> DraftProposal:
+    def _propose(self, batch, budget) -> tuple[DraftProposal, list[int] | None]:
+        """This step's drafts, and each row's confidence class when adaptive k used one."""
         # Never draft past a row's length budget: the last token a row may emit is always the target's own.
-        k = self._policy.choose(batch.active) if self._policy is not None else self.k
-        k_rows = [max(0, min(k, b - 1)) for b in budget]
-        draft = self.speculator.propose(batch, max(k_rows))  # called even for k = 0: speculators track rows
-        num_tokens = torch.minimum(draft.num_tokens, torch.tensor(k_rows, device=batch.device))
-        # Drop draft columns no row uses, so the verify forward is no wider than needed (this width must be known on
-        # the host to build the forward, hence one small transfer).
-        k = int(num_tokens.max())
+        limits = torch.tensor([max(0, b - 1) for b in budget], device=batch.device)
+        classes = None
+        if self._policy is not None and self.speculator.drafts_are_free:
+            # Proposals first, then k from what each row offers and how confident its proposal is.
+            draft = self.speculator.propose(batch, max(0, min(self.k, max(budget) - 1)))
+            offered = torch.minimum(draft.num_tokens, limits)
+            confidence = draft.confidence if draft.confidence is not None else torch.zeros_like(offered)
+            offered, classes = torch.stack([offered, confidence.to(offered.dtype)]).tolist()  # one small transfer
+            k = self._policy.choose(batch.active, offered, classes)
+            width = max(min(o, k) for o in offered)
+            num_tokens = torch.minimum(draft.num_tokens, limits.clamp(max=k))
+        else:
+            k = self._policy.choose(batch.active) if self._policy is not None else self.k
+            # Called even for k = 0: speculators track their rows.
+            draft = self.speculator.propose(batch, max(0, min(k, max(budget) - 1)))
+            num_tokens = torch.minimum(draft.num_tokens, limits.clamp(max=k))
+            # Drop draft columns no row uses, so the verify forward is no wider than needed (this width must be known
+            # on the host to build the forward, hence one small transfer).
+            width = int(num_tokens.max())
+        k = width
         token_ids = torch.where(torch.arange(k, device=batch.device) < num_tokens[:, None],
                                 draft.token_ids[:, :k], PAD_ID)
         probs = draft.probs[:, :k] if draft.probs is not None else None
-        return DraftProposal(token_ids, num_tokens, probs)
+        return DraftProposal(token_ids, num_tokens, probs), classes
 
     def _retire(self, batch, target, finished: list[int]) -> None:
         # Finished rows leave the batch at once: their blocks return to the pool and they cost no more compute.

@@ -24,11 +24,14 @@ class DraftProposal:
         num_tokens: `[rows]` int64 in `[0, k]`.
         probs: `[rows, k, vocab]` draft_probs the tokens were sampled from, or `None` for a deterministic speculator
             (each draft is a point mass).
+        confidence: `[rows]` int64 confidence class of each row's proposal, an index into the speculator's
+            `confidence_priors` (adaptive k keeps acceptance per class), or `None` for a single class.
     """
 
     token_ids: torch.Tensor
     num_tokens: torch.Tensor
     probs: torch.Tensor | None = None
+    confidence: torch.Tensor | None = None
 
     @property
     def k(self) -> int:

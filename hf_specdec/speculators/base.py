@@ -21,6 +21,11 @@ class Speculator:
     #: Which of the target's hidden states to pass (indices into transformers' `output_hidden_states` tuple: 0 is
     #: the embeddings, i the output of layer i - 1); read only when `needs_hidden_states`.
     hidden_state_layers: tuple[int, ...] = ()
+    #: Drafting costs next to nothing (a lookup, no model): the engine asks for `num_speculative_tokens` drafts each
+    #: step and then chooses how many to verify from what each row offers and its proposal's confidence class.
+    drafts_are_free: bool = False
+    #: Acceptance assumed for each confidence class (`DraftProposal.confidence`) before a call has any evidence.
+    confidence_priors: tuple[float, ...] = (0.6,)
 
     def begin(self, target, batch: SequenceBatch) -> None:
         """Prepares per-call state. `target` is the model being decoded."""

@@ -1,4 +1,4 @@
-"""Prompt lookup: propose the tokens that followed the latest earlier occurrence of each row's suffix."""
+"""Prompt lookup: propose what followed the earlier occurrence of each row's context that matches it the longest."""
 
 from __future__ import annotations
 
@@ -7,57 +7,74 @@ import torch
 from ..types import PAD_ID, DraftProposal, SequenceBatch
 from .base import Speculator
 
+# Confidence classes are the matched context length, capped here: beyond it, longer matches predict no better.
+_MAX_CLASS = 8
+
 
 class NgramSpeculator(Speculator):
     """N-gram prompt lookup, batched with tensor ops (no model, no cache).
 
-    For each row, finds the longest suffix of `max_ngram` down to `min_ngram` tokens that also occurs earlier in the
-    row (prompt and generated tokens), takes its latest such occurrence, and proposes up to `k` tokens that followed
-    it. Rows without a match propose nothing. Drafts are deterministic (point masses).
+    For each row, compares its last `max_ngram` tokens with the tokens before every earlier position of the row
+    (prompt and generated tokens) and takes the position whose preceding context matches the longest (the latest
+    among equals), if that match is at least `min_ngram` tokens long. It proposes up to `k` of the tokens that
+    followed. Rows without such a match propose nothing. Drafts are deterministic (point masses).
+
+    The match length is the proposal's confidence class: a row copying a passage matches many tokens and its drafts
+    are usually accepted, a two-token coincidence rarely is. Adaptive k keeps acceptance per class and verifies
+    only as many drafts as pay off (`adaptive.py`), so drafting is free and proposals are made before k is chosen.
 
     Args:
-        min_ngram (`int`): shortest suffix to match.
-        max_ngram (`int`): longest suffix to match.
+        min_ngram (`int`): shortest matched context that proposes.
+        max_ngram (`int`): longest context compared.
     """
 
-    def __init__(self, min_ngram: int = 2, max_ngram: int = 4):
+    drafts_are_free = True
+
+    def __init__(self, min_ngram: int = 2, max_ngram: int = 16):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"NgramSpeculator needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
+        # Prior acceptance by matched length m: longer matches are likelier to continue (m / (m + 1.5)).
+        self.confidence_priors = tuple(m / (m + 1.5) for m in range(min(max_ngram, _MAX_CLASS) + 1))
 
     def __repr__(self) -> str:
         return f"NgramSpeculator(min_ngram={self.min_ngram}, max_ngram={self.max_ngram})"
 
     def propose(self, batch: SequenceBatch, k: int) -> DraftProposal:
+        rows = batch.active_tensor()
         if k == 0:
             return DraftProposal.empty(len(batch.active), batch.device)
-        rows = batch.active_tensor()
         tokens = batch.token_ids[rows]  # [rows, width]
         first = batch.first_col[rows]
         end = batch.end_cols(batch.active)  # [rows] one past the last real token
-        continuation = torch.full_like(end, -1)  # column where the proposal starts, -1 if none yet
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            continuation = torch.where(continuation < 0, self._latest_match(tokens, first, end, n), continuation)
-        found = continuation >= 0
-        num_tokens = torch.where(found, (end - continuation).clamp(max=k), 0)
-        cols = continuation.clamp(min=0)[:, None] + torch.arange(k, device=tokens.device)[None, :]
-        in_draft = torch.arange(k, device=tokens.device)[None, :] < num_tokens[:, None]
-        token_ids = tokens.gather(1, cols.clamp(max=tokens.shape[1] - 1))
-        return DraftProposal(torch.where(in_draft, token_ids, PAD_ID), num_tokens)
+        position, length = self._longest_match(tokens, first, end)
+        found = length >= self.min_ngram
+        start = position + 1  # the proposal continues after the matched position
+        num_tokens = torch.where(found, (end - start).clamp(min=0, max=k), 0)
+        offsets = torch.arange(k, device=tokens.device)[None, :]
+        token_ids = tokens.gather(1, (start[:, None] + offsets).clamp(max=tokens.shape[1] - 1))
+        confidence = torch.where(found, length.clamp(max=len(self.confidence_priors) - 1), 0)
+        return DraftProposal(torch.where(offsets < num_tokens[:, None], token_ids, PAD_ID), num_tokens,
+                             confidence=confidence)
 
-    @staticmethod
-    def _latest_match(tokens, first, end, n):
-        """`[rows]` column right after the latest earlier occurrence of each row's last `n` tokens, or -1."""
-        width = tokens.shape[1]
-        if width < n + 1:
-            return torch.full_like(end, -1)
-        suffix_cols = (end - n)[:, None] + torch.arange(n, device=tokens.device)[None, :]
-        suffix = tokens.gather(1, suffix_cols.clamp(min=0))  # [rows, n]
-        windows = tokens.unfold(1, n, 1)  # [rows, width - n + 1, n]
-        starts = torch.arange(windows.shape[1], device=tokens.device)[None, :]
-        # A match must lie inside the row and end before the suffix's last token, so at least one token follows it.
-        valid = (starts >= first[:, None]) & (starts + n < end[:, None]) & (end[:, None] - n >= first[:, None])
-        hit = (windows == suffix[:, None, :]).all(-1) & valid
-        latest = torch.where(hit, starts, -1).max(-1).values
-        return torch.where(latest >= 0, latest + n, -1)
+    def _longest_match(self, tokens, first, end):
+        """`([rows], [rows])`: for each row the column whose preceding context best matches the row's last tokens
+        (aligned with its last token), and the match length (0 when nothing matches)."""
+        rows, width = tokens.shape
+        n = self.max_ngram
+        cols = torch.arange(width, device=tokens.device)
+        inside = cols[None, :] >= first[:, None]
+        # Tokens outside the row never match: -1 in the windows, -2 in the suffix.
+        masked = torch.where(inside, tokens, -1)
+        padded = torch.nn.functional.pad(masked, (n - 1, 0), value=-1)
+        windows = padded.unfold(1, n, 1).flip(-1)  # [rows, width, n]: windows[r, e, j] = token at column e - j
+        back = (end - 1)[:, None] - torch.arange(n, device=tokens.device)[None, :]  # the suffix, last token first
+        suffix = torch.where(back >= first[:, None], tokens.gather(1, back.clamp(min=0)), -2)
+        agree = (windows == suffix[:, None, :]).long().cumprod(-1).sum(-1)  # [rows, width] matched length
+        # Candidates end strictly before the row's last token (so something follows them) and inside the row.
+        valid = inside & (cols[None, :] < (end - 1)[:, None])
+        agree = torch.where(valid, agree, 0)
+        # Longest first, then latest.
+        best = (agree * width + cols[None, :]).argmax(-1)
+        return best, agree.gather(1, best[:, None]).squeeze(1)

@@ -1,0 +1,96 @@
+"""N-gram lookup: the longest matching context wins (the latest among equals), batched rows stay independent, and
+the match length comes back as the proposal's confidence class."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_specdec import NgramSpeculator
+from hf_specdec.types import PAD_ID, SequenceBatch
+
+
+def make_batch(rows: list[list[int]], extra: int = 3) -> SequenceBatch:
+    """Left-aligned like the engine's buffer: padding (-7, never a real id here) before each row, spare columns after."""
+    width = max(map(len, rows))
+    buffer = torch.full((len(rows), width + extra), -7, dtype=torch.long)
+    first = []
+    for i, r in enumerate(rows):
+        buffer[i, width - len(r): width] = torch.tensor(r)
+        first.append(width - len(r))
+    return SequenceBatch(buffer, torch.tensor(first), [len(r) for r in rows], list(range(len(rows))), width, False,
+                         None, 100)
+
+
+def brute_force(row: list[int], k: int, min_ngram: int, max_ngram: int) -> tuple[list[int], int]:
+    """Per-row spec in plain Python: the earlier position whose preceding context matches the row's end the longest
+    (latest among equals), its continuation, and the match length."""
+    best, best_len = None, 0
+    for e in range(len(row) - 1):  # e aligned with the last token; something must follow it
+        m = 0
+        while m < max_ngram and e - m >= 0 and row[e - m] == row[len(row) - 1 - m]:
+            m += 1
+        if m >= best_len and m > 0:
+            best, best_len = e, m
+    if best is None or best_len < min_ngram:
+        return [], 0
+    return row[best + 1: best + 1 + k], best_len
+
+
+def proposals(spec, rows, k):
+    draft = spec.propose(make_batch(rows), k)
+    out = []
+    for i in range(len(rows)):
+        n = int(draft.num_tokens[i])
+        assert (draft.token_ids[i, n:] == PAD_ID).all()
+        out.append((draft.token_ids[i, :n].tolist(), int(draft.confidence[i]) if n else 0))
+    return out
+
+
+def test_longest_context_beats_a_later_shorter_match():
+    # "1 2 3" appears early followed by 7 8; "2 3" appears later followed by 5. The row ends in "1 2 3".
+    row = [1, 2, 3, 7, 8, 9, 2, 3, 5, 6, 1, 2, 3]
+    (tokens, confidence), = proposals(NgramSpeculator(1, 8), [row], 4)
+    assert tokens == [7, 8, 9, 2]
+    assert confidence == 3
+
+
+def test_latest_wins_among_equal_matches():
+    row = [4, 1, 2, 9, 4, 1, 2, 8, 5, 1, 2]
+    (tokens, _), = proposals(NgramSpeculator(2, 8), [row], 2)
+    assert tokens == [8, 5]
+
+
+def test_short_matches_below_min_ngram_propose_nothing():
+    row = [1, 2, 3, 4, 9, 8, 7, 4]
+    assert proposals(NgramSpeculator(2, 8), [row], 4) == [([], 0)]
+    assert proposals(NgramSpeculator(1, 8), [row], 4) == [([9, 8, 7, 4], 1)]
+
+
+def test_padding_never_matches_and_rows_are_independent():
+    rows = [[5, 6, 5, 6], [1, 2, 3, 1, 2, 3, 4, 1, 2], [9]]
+    batched = proposals(NgramSpeculator(1, 8), rows, 3)
+    assert batched == [proposals(NgramSpeculator(1, 8), [r], 3)[0] for r in rows]
+    assert batched[2] == ([], 0)
+
+
+def test_confidence_is_capped_at_the_last_class():
+    row = list(range(20)) + list(range(15))
+    spec = NgramSpeculator(2, 16)
+    (tokens, confidence), = proposals(spec, [row], 3)
+    assert tokens == [15, 16, 17]
+    assert confidence == len(spec.confidence_priors) - 1
+    assert spec.drafts_are_free
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=30), min_size=1, max_size=4),
+       st.integers(1, 5), st.integers(1, 3), st.integers(0, 4))
+def test_matches_the_per_row_spec(rows, k, min_ngram, extra):
+    max_ngram = min_ngram + extra
+    spec = NgramSpeculator(min_ngram, max_ngram)
+    got = proposals(spec, rows, k)
+    for row, (tokens, confidence) in zip(rows, got):
+        want, length = brute_force(row, k, min_ngram, max_ngram)
+        assert tokens == want
+        if want:
+            assert confidence == min(length, len(spec.confidence_priors) - 1)
