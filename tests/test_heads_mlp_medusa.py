@@ -411,32 +411,61 @@ def test_fitted_head_accepts_and_the_wrong_state_drops_it(fitted, tmp_path, kind
     assert right > 3 * baseline
 
 
-@pytest.mark.parametrize("kind", ["mlp", "medusa"])
-def test_sampling_keeps_the_target_distribution(fitted, tmp_path, kind):
-    """The second token (drafted by a fitted head, then accepted or recovered) follows the target's exact marginal."""
-    target, sources = fitted
-    spec = load(convert_head(sources[kind], tmp_path / "ours", target=target))
-    prompt = torch.randint(2, VOCAB, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(5))
-    num_samples, temperature = 20000, 0.7
-    torch.manual_seed(0)
-    out = speculate(target, spec, prompt.expand(num_samples, -1), k=2, max_new_tokens=3, do_sample=True,
-                    temperature=temperature, top_k=0)
-    metrics = out.speculative_metrics
-    assert metrics.num_draft_tokens > 0 and 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens
-    with torch.no_grad():  # exact: sum over the first token of p(t1) p(t2 | t1)
-        first = torch.softmax(target(prompt).logits[0, -1] / temperature, -1)
-        both = torch.cat([prompt.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], dim=1)
-        second = torch.softmax(target(both).logits[:, -1] / temperature, -1)
-        exact = first @ second
-    empirical = torch.bincount(out.sequences[:, PROMPT_LEN + 1], minlength=VOCAB).double() / num_samples
-    tv = 0.5 * (empirical - exact).abs().sum().item()
-    # the same statistic for samples drawn from the exact distribution, for scale
+def total_variation(samples: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
+    """TV distance between `samples`' histogram and `probs`, and, for scale, the largest of 5 draws of the same size
+    from `probs` itself."""
+    def tv(draws):
+        return 0.5 * (torch.bincount(draws, minlength=VOCAB).double() / draws.numel() - probs).abs().sum().item()
+
     g = torch.Generator().manual_seed(1)
-    noise = max(0.5 * (torch.bincount(torch.multinomial(exact, num_samples, True, generator=g), minlength=VOCAB)
-                       .double() / num_samples - exact).abs().sum().item() for _ in range(5))
-    print(f"{kind}: acceptance {metrics.acceptance_rate:.2f}, total variation {tv:.4f}, largest of 5 exact-sample "
-          f"draws {noise:.4f}")
+    return tv(samples), max(tv(torch.multinomial(probs, samples.numel(), True, generator=g)) for _ in range(5))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "medusa"])
+def test_sampling_keeps_the_target_distribution(fitted, tmp_path, monkeypatch, kind):
+    """The second token (drafted by a fitted head, then accepted or recovered) follows the target's exact marginal,
+    and the drafts follow the draft_probs passed to the verifier."""
+    from hf_specdec.speculators.medusa import FinalStateSpeculator
+
+    target, sources = fitted
+    # The tiny target's distributions are nearly flat, so a head fitted to its argmax would be all but always
+    # rejected. Scaling its LM head keeps its argmax and hidden states (the heads still fit) and peaks its
+    # distributions, so that drafts are often accepted and often rejected.
+    peaked = make_target()
+    peaked.lm_head.weight.data *= 100
+    spec = load(convert_head(sources[kind], tmp_path / "ours", target=target))
+    proposals = []
+    original = FinalStateSpeculator.propose
+
+    def recording(self, batch, k):
+        proposal = original(self, batch, k)
+        proposals.append(proposal)
+        return proposal
+
+    monkeypatch.setattr(FinalStateSpeculator, "propose", recording)
+    prompt = torch.randint(2, VOCAB, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(5))
+    num_samples = 20000
+    torch.manual_seed(0)
+    out = speculate(peaked, spec, prompt.expand(num_samples, -1), k=2, max_new_tokens=3, do_sample=True, top_k=0)
+    metrics = out.speculative_metrics
+    assert metrics.num_draft_tokens > 0 and 0.1 < metrics.acceptance_rate < 0.9
+    with torch.no_grad():  # exact: sum over the first token of p(t1) p(t2 | t1)
+        first = torch.softmax(peaked(prompt).logits[0, -1], -1)
+        both = torch.cat([prompt.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], dim=1)
+        exact = first @ torch.softmax(peaked(both).logits[:, -1], -1)
+    tv, noise = total_variation(out.sequences[:, PROMPT_LEN + 1], exact)
+    # Rows that committed the same first token share the head's input (the prompt's last state and, for the MLP,
+    # that token), so their first drafts must be samples of one draft distribution: the one passed to the verifier.
+    drafted = proposals[1]
+    group = out.sequences[:, PROMPT_LEN] == out.sequences[:, PROMPT_LEN].mode().values
+    draft_probs = drafted.probs[group, 0]
+    assert torch.allclose(draft_probs, draft_probs[0].expand_as(draft_probs))
+    draft_tv, draft_noise = total_variation(drafted.token_ids[group, 0], draft_probs[0])
+    print(f"{kind}: acceptance {metrics.acceptance_rate:.2f}; second token: total variation {tv:.4f}, largest of 5 "
+          f"exact-sample draws {noise:.4f}; first drafts of {int(group.sum())} rows: {draft_tv:.4f} against "
+          f"{draft_noise:.4f}")
     assert tv < 1.5 * noise
+    assert draft_tv < 1.5 * draft_noise
 
 
 def test_sampling_is_seeded_deterministic(tmp_path):
