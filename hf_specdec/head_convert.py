@@ -166,7 +166,8 @@ def _convert_mlp(source_config, tensors, target_config, where):
     config = _config("mlp_speculator", section, target_config)
     if section["tie_weights"]:
         tensors = _untie(tensors, mlp.expected_tensors(config), where)
-    return config, tensors, names
+    prefix = "speculator." if any(n.startswith("speculator.") for n in names.values()) else ""
+    return config, tensors, {n: prefix + n for n in mlp.expected_tensors(config)} | names
 
 
 def _untie(tensors, expected, where):
@@ -225,7 +226,23 @@ def _convert_medusa(source_config, tensors, target_config, where):
     fc_bias = source_config.get("medusa_fc_bias", False) if vllm_style else True  # Medusa's ResBlock has a bias
     section = {"num_heads": int(num_heads), "num_layers": int(num_layers), "hidden_size": target_config.hidden_size,
                "fc_bias": bool(fc_bias), "shared_lm_head": shared, "draft_vocab_size": int(draft_vocab)}
-    return _config("medusa", section, target_config), converted, names
+    config = _config("medusa", section, target_config)
+    prefix = next((p for p in ("medusa_head.", "medusa_heads.") if any(n.startswith(p) for n in tensors)), "")
+    spelled = {ours: _medusa_source_name(ours, num_layers, vllm_style, prefix)
+               for ours in medusa.expected_tensors(config)}
+    return config, converted, spelled | names
+
+
+def _medusa_source_name(ours: str, num_layers: int, vllm_style: bool, prefix: str) -> str:
+    """How a reference checkpoint of this style spells one of our tensor names (for errors about missing ones)."""
+    parts = ours.split(".")
+    if ours == "draft_to_target":
+        return "token_map"
+    if parts[0] == "blocks":
+        return prefix + (f"blocks.{parts[1]}.layers.{parts[2]}.{parts[3]}" if vllm_style
+                         else f"{parts[1]}.{parts[2]}.linear.{parts[3]}")
+    index = parts[1] if parts[0] == "lm_heads" else "0"
+    return prefix + (f"lm_heads.{index}.weight" if vllm_style else f"{index}.{num_layers}.weight")
 
 
 def _medusa_name(name: str, num_layers: int, vllm_style: bool) -> str | None:
