@@ -358,9 +358,10 @@ def head_speculator_from_dir(path):
     if not isinstance(path, (str, Path)) or not Path(path).is_dir():
         return None
     if (Path(path) / CONFIG_NAME).is_file():
-        config = json.loads((Path(path) / CONFIG_NAME).read_text())
-        speculator_class = KINDS.get(config.get("kind"), (MlpSpeculator,))[0]
-        return speculator_class.from_pretrained(path)
+        kind = json.loads((Path(path) / CONFIG_NAME).read_text()).get("kind")
+        if kind not in KINDS:
+            load_head_dir(path)  # raises, naming what is wrong with the directory
+        return KINDS[kind][0].from_pretrained(path)
     eagle = eagle_speculator_from_dir(path)  # converted EAGLE heads; raises for unconverted ones
     if eagle is not None:
         return eagle

@@ -34,7 +34,9 @@ class FinalStateSpeculator(Speculator):
     """
 
     needs_hidden_states = True
-    kind = ""
+    #: Our format's kind (`head_config.json`) and the module class built from it; set by each subclass.
+    kind: str = ""
+    head_class: type[nn.Module]
 
     def __init__(self, head: nn.Module):
         self.head = head.eval()
