@@ -8,12 +8,12 @@ so estimates follow a row that moves between copying and free writing, and a row
 towards the prior and is tried again later. With k drafts a row emits `1 + p + ... + p^k` tokens on average (fewer
 when it has fewer drafts to offer).
 
-Cost. A target forward of B rows of q tokens costs `fixed + per_row * B + per_token * (B q) ** exponent` (`StepCost`),
-so verifying k drafts costs `cost(B, k + 1) / cost(B, 1)` plain steps, plus what drafting costs. On a CPU the
-per-token part is large and concave (matrix products grow more efficient with more rows), on a GPU it is nearly
-free. The step takes the k in `[0, max_k]` that maximises the batch's expected tokens per unit of cost; k = 0 is
-plain decoding. Everything here is a static estimate on host tensors, never a timing, so seeded runs choose the same k
-and stay reproducible, and no step waits on the device.
+Cost. A target forward of B rows of q tokens costs `per_row * B + curve(B q)` (`StepCost`), so verifying k drafts
+costs `cost(B, k + 1) / cost(B, 1)` plain steps, plus what drafting costs. On a CPU the curve climbs in steps as the
+matrix kernels change shape; on a GPU it is nearly flat. The step takes the k in `[0, max_k]` that maximises the
+batch's expected tokens per unit of cost; k = 0 is plain decoding. The default curves are static (measured once, not
+timed during a call), so seeded runs choose the same k and stay reproducible, and no step waits on the device;
+`StepCost.measure(model)` fits one to other hardware.
 """
 
 from __future__ import annotations
@@ -25,28 +25,108 @@ import torch
 
 @dataclass(frozen=True)
 class StepCost:
-    """Wall time of one target forward of `rows` rows of `tokens` tokens each, in arbitrary units:
-    `fixed + per_row * rows + per_token * (rows * tokens) ** exponent`."""
+    """Wall time of one target forward of `rows` rows of `tokens` tokens each, in milliseconds (or any unit):
+    `per_row * rows + curve(rows * tokens)`, where `curve` is piecewise linear through `points` (total tokens,
+    time), extended at its average rate. `StepCost.measure(model)` fits one to the machine at hand.
 
-    fixed: float
+    Args:
+        per_row (`float`): the cost each row adds (attention over its context, bookkeeping).
+        points (`tuple[tuple[float, float], ...]`): `(total tokens, time)` pairs, tokens ascending, times not
+            decreasing.
+    """
+
     per_row: float
-    per_token: float
-    exponent: float = 1.0
+    points: tuple[tuple[float, float], ...]
+
+    def __post_init__(self):
+        tokens = [n for n, _ in self.points]
+        times = [t for _, t in self.points]
+        if len(self.points) < 2 or tokens != sorted(set(tokens)) or times != sorted(times) or times[0] <= 0:
+            raise ValueError(f"StepCost needs at least two (tokens, time) points with tokens ascending and times "
+                             f"positive and not decreasing, got {self.points!r}")
 
     def __call__(self, rows: int, tokens: torch.Tensor) -> torch.Tensor:
-        return self.fixed + self.per_row * rows + self.per_token * (rows * tokens.double()) ** self.exponent
+        n = rows * tokens.double()
+        xs = torch.tensor([p[0] for p in self.points], dtype=torch.float64)
+        ys = torch.tensor([p[1] for p in self.points], dtype=torch.float64)
+        n = n.clamp(min=float(xs[0]))
+        i = (torch.searchsorted(xs, n) - 1).clamp(0, len(xs) - 2)
+        inside = ys[i] + (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i]) * (n - xs[i])
+        # Past the last point, time grows at the curve's average rate (its last segment may be flat).
+        beyond = ys[-1] + (ys[-1] - ys[0]) / (xs[-1] - xs[0]) * (n - xs[-1])
+        return self.per_row * rows + torch.where(n > xs[-1], beyond, inside)
 
     def relative(self, rows: int, tokens: torch.Tensor) -> torch.Tensor:
         """Cost of forwards of `tokens` per row relative to a plain decode step (1 token per row)."""
         return self(rows, tokens) / self(rows, torch.ones((), dtype=torch.float64))
 
+    @classmethod
+    def measure(cls, model, rows: tuple[int, ...] = (1, 4, 16), tokens: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16),
+                context: int = 256, repeats: int = 5) -> StepCost:
+        """Times target forwards through the paged KV cache (random token ids, `context` tokens cached per row) and
+        fits a `StepCost`: the per-row cost and the curve by least squares, then the curve made non-decreasing.
+        Takes a few seconds on a CPU; pass the result to `generate(..., speculative_step_cost=...)`."""
+        import time
 
-# Fitted (to within 17%) to 18 forwards of SmolLM2-135M at 240 tokens of context on a 2-core CPU, batch 1/4/16 and
-# 1-16 tokens per row (docs/benchmarks.md): weights stream once per forward, each row adds attention and bookkeeping,
-# and tokens are cheaper the more there are. On accelerators a forward of a few hundred tokens costs about as much as
-# one of a single token.
-DEFAULT_STEP_COST = {"cpu": StepCost(fixed=13.5, per_row=2.95, per_token=21.8, exponent=0.42),
-                     "cuda": StepCost(fixed=1.0, per_row=0.0, per_token=0.005)}
+        from .model_runner import ModelRunner, paged_attention
+
+        samples = []
+        vocab = model.config.get_text_config().vocab_size
+        with torch.no_grad(), paged_attention(model):
+            for b in rows:
+                runner = ModelRunner(model, num_blocks=b * (context + max(tokens)) // 16 + 2 * b + 1)
+                seqs = list(range(b))
+                for seq in seqs:
+                    runner.add_sequence(seq)
+                runner.forward(seqs, torch.randint(vocab, (b, context), device=model.device), [context] * b, 1)
+                for q in tokens:
+                    ids = torch.randint(vocab, (b, q), device=model.device)
+                    times = []
+                    for _ in range(repeats + 1):  # the first is a warm-up
+                        if model.device.type == "cuda":
+                            torch.cuda.synchronize()
+                        start = time.perf_counter()
+                        runner.forward(seqs, ids, [q] * b, q)
+                        if model.device.type == "cuda":
+                            torch.cuda.synchronize()
+                        times.append(time.perf_counter() - start)
+                        for seq in seqs:
+                            runner.rollback(seq, context)
+                    samples.append((b, b * q, 1000 * sorted(times[1:])[len(times[1:]) // 2]))
+        return cls.fit(samples)
+
+    @classmethod
+    def fit(cls, samples: list[tuple[int, int, float]]) -> StepCost:
+        """Fits a `StepCost` to `(rows, total tokens, time)` samples: `time = per_row * rows + curve[total]`."""
+        totals = sorted({n for _, n, _ in samples})
+        a = torch.zeros(len(samples), 1 + len(totals), dtype=torch.float64)
+        y = torch.tensor([t for _, _, t in samples], dtype=torch.float64)
+        for i, (b, n, _) in enumerate(samples):
+            a[i, 0] = b
+            a[i, 1 + totals.index(n)] = 1.0
+        # A light pull of the per-row cost towards 0 keeps the system solvable when no total was timed at two
+        # batch sizes.
+        ridge = torch.zeros(1, a.shape[1], dtype=torch.float64)
+        ridge[0, 0] = 1e-3
+        solution = torch.linalg.lstsq(torch.cat([a, ridge]), torch.cat([y, torch.zeros(1, dtype=torch.float64)]))
+        per_row = max(0.0, float(solution.solution[0]))
+        curve = torch.cummax(solution.solution[1:].clamp(min=1e-6), 0).values.tolist()
+        if len(totals) == 1:
+            totals, curve = totals + [totals[0] + 1], curve + curve
+        return cls(per_row=per_row, points=tuple(zip(map(float, totals), curve)))
+
+
+# Fitted with `StepCost.fit` to forwards timed on the development machine (2-core x86-64 CPU, SmolLM2-135M in
+# float32, 240 tokens of context, batch 1/4/16 and 1-16 tokens per row; `benchmarks/step_cost.py`, docs/benchmarks.md). On a CPU weights stream once per forward, each row adds its attention,
+# and the per-token part grows in steps as the matrix kernels change shape. On accelerators a forward of a few
+# hundred tokens costs about as much as one of a single token. Other hardware: measure, and pass the result to
+# `generate(..., speculative_step_cost=...)`.
+DEFAULT_STEP_COST = {
+    "cpu": StepCost(per_row=3.72, points=((1, 37.1), (2, 38.7), (3, 39.8), (4, 54.0), (6, 59.5), (8, 64.8),
+                                          (11, 78.1), (12, 82.6), (16, 82.6), (24, 93.9), (32, 93.9), (48, 102.4),
+                                          (64, 128.8), (96, 159.5))),
+    "cuda": StepCost(per_row=0.0, points=((1.0, 1.005), (1024.0, 6.12))),
+}
 
 
 class AdaptiveK:

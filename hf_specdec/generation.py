@@ -14,6 +14,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .adaptive import StepCost
 from .compat import check_model_supported
 from .engine import SpeculativeEngine
 from .metrics import SpeculativeMetrics
@@ -68,10 +69,11 @@ def _check_num_speculative_tokens(k) -> int:
 
 
 def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=None, speculative_schedule=None,
-                          **kwargs):
+                          speculative_step_cost=None, **kwargs):
     if speculator is None:
         for name, value in (("num_speculative_tokens", num_speculative_tokens),
-                            ("speculative_schedule", speculative_schedule)):
+                            ("speculative_schedule", speculative_schedule),
+                            ("speculative_step_cost", speculative_step_cost)):
             if value is not None:
                 raise ValueError(f"{name}= only applies together with speculator=")
         return _speculative_generate.original(self, *args, **kwargs)
@@ -81,6 +83,11 @@ def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=N
     if schedule not in ("adaptive", "constant"):
         raise ValueError(f"speculative_schedule must be 'adaptive' (k chosen each step, at most "
                          f"num_speculative_tokens) or 'constant', got {speculative_schedule!r}")
+    if speculative_step_cost is not None and not isinstance(speculative_step_cost, StepCost):
+        raise TypeError(f"speculative_step_cost must be a hf_specdec.StepCost (StepCost.measure(model) makes one), "
+                        f"got {type(speculative_step_cost).__name__}")
+    if speculative_step_cost is not None and schedule != "adaptive":
+        raise ValueError("speculative_step_cost= only applies to speculative_schedule='adaptive'")
     for name in _OWN_OPTIONS:
         if kwargs.get(name) is not None:
             raise ValueError(
@@ -105,14 +112,14 @@ def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=N
     streamer = kwargs.get("streamer")
 
     def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
-        return _decode(model, spec, k, schedule, input_ids, logits_processor, stopping_criteria, generation_config,
-                       streamer, model_kwargs)
+        return _decode(model, spec, k, schedule, speculative_step_cost, input_ids, logits_processor,
+                       stopping_criteria, generation_config, streamer, model_kwargs)
 
     return _speculative_generate.original(self, *args, custom_generate=decode, **kwargs)
 
 
-def _decode(model, speculator, k, schedule, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-            model_kwargs):
+def _decode(model, speculator, k, schedule, step_cost, input_ids, logits_processor, stopping_criteria,
+            generation_config, streamer, model_kwargs):
     config = generation_config
     if config.num_beams > 1:
         raise ValueError(f"speculative decoding does not support beam search (num_beams={config.num_beams}); "
@@ -140,7 +147,7 @@ def _decode(model, speculator, k, schedule, input_ids, logits_processor, stoppin
     eos = config._eos_token_tensor
     pad = config._pad_token_tensor
     pad_token_id = int(pad) if pad is not None else (int(eos.flatten()[0]) if eos is not None else 0)
-    engine = SpeculativeEngine(model, speculator, k, schedule=schedule)
+    engine = SpeculativeEngine(model, speculator, k, schedule=schedule, step_cost=step_cost)
     sequences, metrics = engine.generate(
         input_ids, model_kwargs.get("attention_mask"), max_new_tokens, config.do_sample, logits_processor,
         stopping_criteria, eos.flatten() if eos is not None else None, pad_token_id, streamer,

@@ -7,7 +7,7 @@ import torch
 from hf_specdec.adaptive import DEFAULT_STEP_COST, AdaptiveK, StepCost
 
 # A forward costs 1 + 0.18 per token: 5 drafts at batch 1 cost 1.6 plain steps.
-LINEAR = StepCost(fixed=1.0, per_row=0.0, per_token=0.18)
+LINEAR = StepCost(per_row=0.0, points=((1, 1.18), (2, 1.36)))
 
 
 def test_high_acceptance_drafts_the_most():
@@ -64,6 +64,28 @@ def test_step_cost_relative_to_a_plain_step():
     assert 1.2 < float(cpu.relative(1, torch.tensor(6.0))) < 1.8
 
 
+def test_fit_recovers_a_known_cost_and_refuses_bad_curves():
+    per_row, curve = 2.0, {1: 10.0, 2: 11.0, 4: 15.0, 8: 15.0, 16: 30.0, 32: 40.0}
+    samples = [(b, b * q, per_row * b + curve[b * q]) for b in (1, 2, 4) for q in (1, 2, 4, 8) if b * q in curve]
+    fitted = StepCost.fit(samples)
+    assert fitted.per_row == pytest.approx(per_row, abs=1e-3)
+    assert dict(fitted.points) == pytest.approx(curve, abs=1e-2)
+    assert float(fitted(2, torch.tensor(8.0))) == pytest.approx(4 + 30)
+    assert float(fitted(1, torch.tensor(3.0))) == pytest.approx(2 + 13)  # between points
+    assert float(fitted(1, torch.tensor(64.0))) == pytest.approx(2 + 40 + 30 / 31 * 32)  # past the last point
+    with pytest.raises(ValueError, match="not decreasing"):
+        StepCost(per_row=0.0, points=((1, 5.0), (2, 4.0)))
+
+
+def test_measure_times_a_real_model():
+    from conftest import make_model
+
+    cost = StepCost.measure(make_model("llama", dtype=torch.float32), rows=(1, 2), tokens=(1, 2, 4), context=16,
+                            repeats=1)
+    assert [n for n, _ in cost.points] == [1, 2, 4, 8]
+    assert cost.per_row >= 0 and all(t > 0 for _, t in cost.points)
+
+
 def test_offered_drafts_cap_the_expected_gain():
     """A row with 1 draft to offer gains nothing from k = 8; rows with none make k = 0."""
     policy = AdaptiveK(num_rows=1, max_k=8, step_cost=LINEAR, priors=(0.9,))
@@ -96,3 +118,23 @@ def test_rows_share_evidence_through_the_pooled_estimate():
 def test_priors_are_checked():
     with pytest.raises(ValueError, match="priors"):
         AdaptiveK(num_rows=1, max_k=4, step_cost=LINEAR, priors=(1.0,))
+
+
+def test_generate_takes_a_step_cost_and_refuses_a_wrong_one():
+    from conftest import make_model
+
+    model = make_model("llama")
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
+    expected = model.generate(ids, max_new_tokens=12, do_sample=False)
+    # Drafts free at any width: every offered draft is verified, and the output is still the target's own.
+    flat = StepCost(per_row=0.0, points=((1, 1.0), (1000, 1.0)))
+    out = model.generate(ids, max_new_tokens=12, do_sample=False, speculator="ngram", speculative_step_cost=flat,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    with pytest.raises(TypeError, match="StepCost"):
+        model.generate(ids, max_new_tokens=4, speculator="ngram", speculative_step_cost=0.18)
+    with pytest.raises(ValueError, match="adaptive"):
+        model.generate(ids, max_new_tokens=4, speculator="ngram", speculative_step_cost=flat,
+                       speculative_schedule="constant")
+    with pytest.raises(ValueError, match="only applies together with speculator"):
+        model.generate(ids, max_new_tokens=4, speculative_step_cost=flat)

@@ -30,7 +30,7 @@ class NgramSpeculator(Speculator):
 
     drafts_are_free = True
 
-    def __init__(self, min_ngram: int = 2, max_ngram: int = 16):
+    def __init__(self, min_ngram: int = 1, max_ngram: int = 16):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"NgramSpeculator needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.min_ngram = min_ngram
