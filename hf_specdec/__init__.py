@@ -4,6 +4,7 @@
 speculative decoding. Importing does no network access and writes no files.
 """
 
+from .adaptive import StepCost
 from .block_manager import BlockManager, OutOfBlocksError
 from .compat import UnsupportedModelError
 from .eagle_convert import convert_eagle
@@ -32,7 +33,7 @@ __all__ = [
     "BlockManager", "DraftModelSpeculator", "DraftProposal", "EagleCheckpointError", "EagleSpeculator",
     "NgramSpeculator", "OutOfBlocksError", "PagedKVCache", "QuantizationUnavailableError", "QuantizedCheckpointError",
     "SpeculativeEngine", "SpeculativeGenerateOutput", "SpeculativeMetrics", "SpeculativeTextGenerationPipeline",
-    "Speculator", "TokenizerMismatchError",
+    "Speculator", "StepCost", "TokenizerMismatchError",
     "UnsupportedModelError", "VerifyResult", "check_tokenizers_match", "convert_eagle", "register_pipeline",
     "load_draft", "resolve_speculator", "TrainingSet", "build_training_set", "train_eagle_head",
     "verify", "HeadCheckpointError", "MedusaSpeculator", "MlpSpeculator", "convert_head",
