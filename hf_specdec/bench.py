@@ -1,7 +1,9 @@
 """`hf-specdec bench`: plain generate, transformers' assisted generation and hf_specdec, side by side in one process.
 
-For every workload (grounded or open chat) and batch size, each configuration runs on the same prompts; repeats are
-interleaved across configurations so machine noise hits them alike, and medians are reported. Definitions:
+For every workload (grounded or open chat) and batch size, each configuration runs on the same prompts: at batch 1
+every prompt of the workload alone, one after the other (a sample is their summed time), at larger batches one
+ragged batch cycling through the prompts. Repeats are interleaved across configurations so machine noise hits them
+alike, and medians are reported. Definitions:
 - tokens/s: new tokens of the batch / end-to-end latency.
 - TTFT: latency of the same call with `max_new_tokens=1` (prefill + first token).
 - TPOT: (latency - TTFT) / (new tokens per row - 1).
@@ -93,16 +95,22 @@ def run_bench(model, tokenizer, speculators: dict, batch_sizes=(1, 4, 16), workl
     bar = tqdm(total=total, disable=not progress, desc="bench")
     results = []
     for workload, batch_size in plan:
-        prompts = [WORKLOADS[workload][i % len(WORKLOADS[workload])] for i in range(batch_size)]
-        inputs = chat_inputs(tokenizer, prompts).to(model.device)
+        prompts = WORKLOADS[workload]
+        if batch_size == 1:  # every prompt of the workload, one call each
+            groups = [chat_inputs(tokenizer, [p]).to(model.device) for p in prompts]
+        else:  # one ragged batch, prompts cycling through the workload
+            groups = [chat_inputs(tokenizer, [prompts[i % len(prompts)] for i in range(batch_size)]).to(model.device)]
         active = [c for c in configs if batch_size == 1 or not c.batch_one_only]
-        results += _measure(model, inputs, active, workload, batch_size, max_new_tokens, repeats, bar)
+        results += _measure(model, groups, active, workload, batch_size, max_new_tokens, repeats, bar)
     bar.close()
     return results
 
 
-def _measure(model, inputs, configs, workload, batch_size, max_new_tokens, repeats, bar) -> list[Result]:
-    def call(config, n):
+def _measure(model, groups, configs, workload, batch_size, max_new_tokens, repeats, bar) -> list[Result]:
+    """Times each configuration on `groups` (inputs run one after the other; a sample is their summed latency)."""
+    pad = model.generation_config.pad_token_id
+
+    def call(config, inputs, n):
         start = time.perf_counter()
         out = model.generate(**inputs, max_new_tokens=n, do_sample=False, return_dict_in_generate=True,
                              **config.kwargs)
@@ -114,39 +122,47 @@ def _measure(model, inputs, configs, workload, batch_size, max_new_tokens, repea
     ttfts = {c.name: [] for c in configs}
     outputs = {}
     for config in configs:  # warm-up, and TTFT's first sample
-        call(config, 4)
+        for inputs in groups:
+            call(config, inputs, 4)
         bar.update(1)
     for _ in range(repeats):
         for config in configs:
-            ttfts[config.name].append(call(config, 1)[0])
-            latency, out = call(config, max_new_tokens)
-            latencies[config.name].append(latency)
-            outputs[config.name] = out
+            ttfts[config.name].append(sum(call(config, inputs, 1)[0] for inputs in groups))
+            timed = [call(config, inputs, max_new_tokens) for inputs in groups]
+            latencies[config.name].append(sum(t for t, _ in timed))
+            outputs[config.name] = [out for _, out in timed]
             bar.update(1)
-    prompt_width = inputs["input_ids"].shape[1]
-    reference = outputs[configs[0].name].sequences
+    references = [out.sequences for out in outputs[configs[0].name]]
     base_latency = statistics.median(latencies[configs[0].name])
     results = []
     for config in configs:
-        out = outputs[config.name]
+        outs = outputs[config.name]
         latency, ttft = statistics.median(latencies[config.name]), statistics.median(ttfts[config.name])
-        per_row = out.sequences.shape[1] - prompt_width
-        new_tokens = int((out.sequences[:, prompt_width:] != model.generation_config.pad_token_id).sum()) \
-            if batch_size > 1 else per_row
-        result = Result(workload, batch_size, config.name, new_tokens / latency, ttft,
-                        (latency - ttft) / max(per_row - 1, 1), latency, new_tokens, base_latency / latency,
-                        torch.equal(out.sequences, reference))
-        metrics = getattr(out, "speculative_metrics", None)
-        if metrics is not None:
-            result.acceptance_rate = metrics.acceptance_rate
-            result.mean_acceptance_length = metrics.mean_acceptance_length
-            per_forward = metrics.num_emitted_tokens / max(metrics.num_steps * batch_size, 1)
-            drafted_per_forward = metrics.num_draft_tokens / max(metrics.num_steps * batch_size, 1)
+        widths = [inputs["input_ids"].shape[1] for inputs in groups]
+        per_row = [out.sequences.shape[1] - w for out, w in zip(outs, widths)]  # longest row of each call
+        new_tokens = sum(int((out.sequences[:, w:] != pad).sum()) if batch_size > 1 else n
+                         for out, w, n in zip(outs, widths, per_row))
+        result = Result(workload, batch_size, config.name, new_tokens / latency, ttft / len(groups),
+                        (latency - ttft) / max(sum(per_row) - len(groups), 1), latency, new_tokens,
+                        base_latency / latency,
+                        all(torch.equal(out.sequences, ref) for out, ref in zip(outs, references)))
+        metrics = [getattr(out, "speculative_metrics", None) for out in outs]
+        if metrics[0] is not None:
+            steps = sum(m.num_steps for m in metrics)
+            drafted = sum(m.num_draft_tokens for m in metrics)
+            accepted = sum(m.num_accepted_tokens for m in metrics)
+            drafts = sum(m.num_drafts for m in metrics)
+            emitted = sum(m.num_emitted_tokens for m in metrics)
+            result.acceptance_rate = accepted / drafted if drafted else 0.0
+            result.mean_acceptance_length = (1 + accepted / drafts) if drafts else 1.0
+            per_forward = emitted / max(steps * batch_size, 1)
+            drafted_per_forward = drafted / max(steps * batch_size, 1)
             result.tokens_per_target_forward = per_forward
             result.ideal_speedup = per_forward / (1 + config.draft_cost * drafted_per_forward)
             result.fraction_of_ideal = result.speedup / result.ideal_speedup
-            if metrics.num_draft_tokens:
-                result.draft_ms_per_token = 1000 * metrics.draft_time_s * batch_size / metrics.num_draft_tokens
+            if drafted:
+                draft_time = sum(m.draft_time_s for m in metrics)
+                result.draft_ms_per_token = 1000 * draft_time * batch_size / drafted
                 result.draft_to_target = result.draft_ms_per_token / (1000 * results[0].tpot_s)
         results.append(result)
     return results
