@@ -68,12 +68,13 @@ def mlp_reference(n_predict: int = 3, inner_dim: int = 0, tie: bool = False, sca
 
 
 def medusa_reference(num_heads: int = 3, num_layers: int = 1, style: str = "medusa1", seed: int = 0,
-                     truncated: torch.Tensor | None = None):
+                     truncated: torch.Tensor | None = None, shared_lm_head: bool = False):
     """Medusa heads in a reference layout.
 
     style: "medusa1" (`{i}.{j}.linear.*`, `{i}.{L}.weight`, as `medusa_lm_head.pt`), "medusa2" (the same under
     `medusa_head.`, beside base-model tensors) or "vllm" (`blocks.{i}.layers.{j}.*`, `lm_heads.{i}.weight`,
-    `token_map` when `truncated` gives the draft vocabulary's target ids).
+    `token_map` when `truncated` gives the draft vocabulary's target ids; one LM head, `lm_heads.0`, with
+    `shared_lm_head`, as vLLM's `original_lm_head`).
     """
     g = torch.Generator().manual_seed(seed)
     draft_vocab = VOCAB if truncated is None else truncated.shape[0]
@@ -94,6 +95,9 @@ def medusa_reference(num_heads: int = 3, num_layers: int = 1, style: str = "medu
                   "medusa_fc_bias": True, "truncated_vocab_size": None if truncated is None else draft_vocab}
         if truncated is not None:
             tensors["token_map"] = truncated.clone()
+        if shared_lm_head:
+            config["original_lm_head"] = True
+            tensors = {n: t for n, t in tensors.items() if not n.startswith("lm_heads.") or n == "lm_heads.0.weight"}
         return config, tensors
     config = {"medusa_num_heads": num_heads, "medusa_num_layers": num_layers,
               "base_model_name_or_path": "tiny-llama"}
@@ -139,6 +143,7 @@ VARIANTS = {
     "medusa1": lambda: medusa_reference(style="medusa1"),
     "medusa2-two-layers": lambda: medusa_reference(num_layers=2, style="medusa2"),
     "vllm-medusa-truncated": lambda: medusa_reference(style="vllm", truncated=torch.arange(4, VOCAB, 2)),
+    "vllm-medusa-shared-lm-head": lambda: medusa_reference(style="vllm", shared_lm_head=True),
 }
 
 
@@ -167,7 +172,7 @@ def test_every_tensor_round_trips(tmp_path, variant):
             elif parts[0] == "blocks":
                 expected[f"blocks.{parts[1]}.{parts[3]}.{parts[4]}"] = tensor
             elif parts[0] == "lm_heads":
-                expected[name] = tensor
+                expected["lm_head.weight" if config.get("original_lm_head") else name] = tensor
             elif parts[2] == "linear":
                 expected[f"blocks.{parts[0]}.{parts[1]}.{parts[3]}"] = tensor
             else:
@@ -264,7 +269,8 @@ def medusa_reference_logits(config, tensors, state):
         for j in range(layers):
             pre = f"blocks.{i}.layers.{j}." if vllm else f"{i}.{j}.linear."
             x = x + F.silu(t[pre + "weight"] @ x + t[pre + "bias"])
-        logits = (t[f"lm_heads.{i}.weight"] if vllm else t[f"{i}.{layers}.weight"]) @ x
+        lm = f"lm_heads.{0 if config.get('original_lm_head') else i}.weight" if vllm else f"{i}.{layers}.weight"
+        logits = t[lm] @ x
         if "token_map" in t:
             full = torch.full((VOCAB,), float("-inf"), dtype=torch.float64)
             full[t["token_map"]] = logits
@@ -273,7 +279,8 @@ def medusa_reference_logits(config, tensors, state):
     return out
 
 
-@pytest.mark.parametrize("variant", ["mlp", "mlp-tied-scaled-narrow", "medusa1", "vllm-medusa-truncated"])
+@pytest.mark.parametrize("variant", ["mlp", "mlp-tied-scaled-narrow", "medusa1", "vllm-medusa-truncated",
+                                     "vllm-medusa-shared-lm-head"])
 def test_draft_logits_equal_the_reference_forward(tmp_path, monkeypatch, variant):
     """Stage i of a step at committed length L reads the target's final state at L - 2 and (MLP) the token at
     L - 1, then its own drafts; ragged rows, checked against a plain forward of each row alone."""
