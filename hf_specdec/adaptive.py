@@ -11,7 +11,8 @@ when it has fewer drafts to offer).
 Cost. A target forward of B rows of q tokens costs `per_row * B + curve(B q)` (`StepCost`), so verifying k drafts
 costs `cost(B, k + 1) / cost(B, 1)` plain steps, plus what drafting costs. On a CPU the curve climbs in steps as the
 matrix kernels change shape; on a GPU it is nearly flat. The step takes the k in `[0, max_k]` that maximises the
-batch's expected tokens per unit of cost; k = 0 is plain decoding. The default curves are static (measured once, not
+batch's expected tokens per unit of cost, if that beats plain decoding (k = 0) by a margin (`min_gain`, 10%: the cost
+model leaves out verification work and context length, and a draft that only breaks even is not worth the risk). The default curves are static (measured once, not
 timed during a call), so seeded runs choose the same k and stay reproducible, and no step waits on the device;
 `StepCost.measure(model)` fits one to other hardware.
 """
@@ -141,10 +142,12 @@ class AdaptiveK:
         strength (`float`): how many tried drafts the prior (for the pooled estimate) and the pooled estimate (for a
             row's) weigh.
         decay (`float`): factor applied to every count each step; older evidence fades.
+        min_gain (`float`): drafting must promise at least this many times plain decoding's tokens per unit of cost,
+            a margin for what the cost model leaves out (verification, context length); below it k = 0.
     """
 
     def __init__(self, num_rows: int, max_k: int, step_cost: StepCost, draft_cost_per_token: float = 0.0,
-                 priors: tuple[float, ...] = (0.6,), strength: float = 2.0, decay: float = 0.9):
+                 priors: tuple[float, ...] = (0.6,), strength: float = 2.0, decay: float = 0.9, min_gain: float = 1.1):
         if not priors or not all(0.0 <= p < 1.0 for p in priors):
             raise ValueError(f"acceptance priors must be in [0, 1), one per confidence class, got {priors!r}")
         self.max_k = max_k
@@ -154,6 +157,7 @@ class AdaptiveK:
         self.priors = torch.tensor(priors, dtype=torch.float64)
         self.strength = strength
         self.decay = decay
+        self.min_gain = min_gain
         classes = len(priors)
         # Host tensors: the policy never touches the device.
         self.accepted = torch.zeros(num_rows, classes, dtype=torch.float64)
@@ -186,7 +190,9 @@ class AdaptiveK:
             terms = terms.masked_fill(ks[None, :] > torch.tensor(available, dtype=torch.float64)[:, None], 0.0)
         expected = terms.cumsum(dim=1).sum(0)  # [max_k + 1]
         cost = self.step_cost.relative(len(rows), ks + 1) + self.draft_cost_per_token * ks
-        return int(torch.argmax(expected / cost))
+        value = expected / cost
+        best = int(torch.argmax(value))
+        return best if value[best] >= self.min_gain * value[0] else 0
 
     def update(self, rows: list[int], num_drafted: list[int], num_accepted: list[int],
                classes: list[int] | None = None) -> None:

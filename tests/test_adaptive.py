@@ -138,3 +138,10 @@ def test_generate_takes_a_step_cost_and_refuses_a_wrong_one():
                        speculative_schedule="constant")
     with pytest.raises(ValueError, match="only applies together with speculator"):
         model.generate(ids, max_new_tokens=4, speculative_step_cost=flat)
+
+
+def test_a_gain_below_the_margin_does_not_draft():
+    """Free verification and 5% acceptance: drafting promises 1.05x, under the 10% margin; without it, it drafts."""
+    flat = StepCost(per_row=0.0, points=((1, 1.0), (1000, 1.0)))
+    assert AdaptiveK(num_rows=1, max_k=4, step_cost=flat, priors=(0.05,)).choose([0]) == 0
+    assert AdaptiveK(num_rows=1, max_k=4, step_cost=flat, priors=(0.05,), min_gain=1.0).choose([0]) > 0
