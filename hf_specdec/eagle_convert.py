@@ -93,17 +93,24 @@ def read_reference_tensors(src_dir: Path) -> dict[str, torch.Tensor]:
     files = sorted(src_dir.glob("pytorch_model*.bin"))
     if not files:
         raise EagleCheckpointError(f"{src_dir} has no model.safetensors or pytorch_model.bin")
+    return load_pickled_tensors(files)
+
+
+def load_pickled_tensors(files: list[Path], error_class: type[Exception] = EagleCheckpointError
+                         ) -> dict[str, torch.Tensor]:
+    """Tensors from `torch.save` files, read with `weights_only=True`: a pickle that would run code is refused."""
+    tensors: dict[str, torch.Tensor] = {}
     for file in files:
         try:
             tensors.update(torch.load(file, map_location="cpu", weights_only=True))
         except pickle.UnpicklingError as error:
-            raise EagleCheckpointError(
+            raise error_class(
                 f"refused to load {file}: it holds pickled objects other than tensors, which could run code "
                 f"({str(error).splitlines()[0]}); get the checkpoint as safetensors or from a source you trust"
             ) from error
         except (RuntimeError, EOFError, OSError) as error:
-            raise EagleCheckpointError(f"could not read {file} ({error}): the file is truncated or corrupt; "
-                                       "download it again") from error
+            raise error_class(f"could not read {file} ({error}): the file is truncated or corrupt; "
+                              "download it again") from error
     return tensors
 
 

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import json
 import logging
-import pickle
 import re
 from pathlib import Path
 
 import torch
 
 from .eagle_convert import (
-    _read_json, _resolve_source, _target_config, convert_eagle, eagle_speculator_from_dir, looks_like_reference_eagle,
-    read_reference_tensors,
+    _read_json, _resolve_source, _target_config, convert_eagle, eagle_speculator_from_dir, load_pickled_tensors,
+    looks_like_reference_eagle, read_reference_tensors,
 )
 from .speculators.heads import HIDDEN_STATES_CONVENTION, WEIGHTS_NAME, EagleCheckpointError
 from .speculators import medusa, mlp
@@ -116,19 +115,7 @@ def read_tensors(src_dir: Path) -> dict[str, torch.Tensor]:
     files = sorted(src_dir.glob("*.pt"))
     if not files:
         raise HeadCheckpointError(f"{src_dir} has no *.safetensors, pytorch_model*.bin or medusa_lm_head.pt")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            tensors.update(torch.load(file, map_location="cpu", weights_only=True))
-        except pickle.UnpicklingError as error:
-            raise HeadCheckpointError(
-                f"refused to load {file}: it holds pickled objects other than tensors, which could run code "
-                f"({str(error).splitlines()[0]}); get the checkpoint as safetensors or from a source you trust"
-            ) from error
-        except (RuntimeError, EOFError, OSError) as error:
-            raise HeadCheckpointError(f"could not read {file} ({error}): the file is truncated or corrupt; "
-                                      "download it again") from error
-    return tensors
+    return load_pickled_tensors(files, HeadCheckpointError)
 
 
 def _tensor_names(src_dir: Path) -> list[str]:

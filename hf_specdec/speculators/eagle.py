@@ -18,7 +18,7 @@ import torch
 from ..model_runner import ModelRunner, TargetHiddenStates
 from ..types import DraftProposal, SequenceBatch, gather_right_aligned
 from .base import Speculator, sample_or_argmax
-from .heads import EagleHead, load_eagle_dir
+from .heads import EagleHead, check_head_target, load_eagle_dir
 
 
 class EagleSpeculator(Speculator):
@@ -60,14 +60,7 @@ class EagleSpeculator(Speculator):
         return tuple(self.config["target_hidden_states"]["layers"])
 
     def validate(self, target) -> None:
-        text = target.config.get_text_config()
-        expected = self.config["target"]
-        for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
-            if getattr(text, key, None) != expected[key]:
-                raise ValueError(
-                    f"this EAGLE head was converted for a target with {key}={expected[key]}, but the target has "
-                    f"{key}={getattr(text, key, None)}; use the head trained for this target, or re-convert it with "
-                    "--target pointing at this model")
+        check_head_target(target, self.config["target"], "EAGLE")
         if self.head.version == 1 and target.get_output_embeddings() is None:
             raise ValueError("an EAGLE-1/2 head uses the target's LM head, but this target has none")
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..types import DraftProposal, SequenceBatch
 from .base import Speculator, sample_or_argmax
+from .heads import check_head_target
 
 
 class FinalStateSpeculator(Speculator):
@@ -68,14 +69,7 @@ class FinalStateSpeculator(Speculator):
         return cls(head)
 
     def validate(self, target) -> None:
-        text = target.config.get_text_config()
-        expected = self.config["target"]
-        for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
-            if getattr(text, key, None) != expected[key]:
-                raise ValueError(
-                    f"this {self.kind} head was converted for a target with {key}={expected[key]}, but the target "
-                    f"has {key}={getattr(text, key, None)}; use the head trained for this target, or re-convert it "
-                    "with --target pointing at this model")
+        check_head_target(target, self.config["target"], self.kind)
 
     def relative_cost(self, target) -> float:
         return self.head.stage_numel() / target.num_parameters()
