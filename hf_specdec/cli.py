@@ -187,6 +187,18 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model dtype (default: float32 for the embedded models, else the checkpoint's)")
 
 
+def _add_convert_arguments(parser, files: str, eagle3: str) -> None:
+    parser.add_argument("src", help=f"the head: a directory or hub id ({files})")
+    parser.add_argument("dst", help="output directory")
+    parser.add_argument("--target", required=True, help="the target model (hub id or path) the head was trained for")
+    parser.add_argument("--aux-layers", default=None, help=f"{eagle3}: comma-separated target layers fc reads "
+                        "(default: the head config's, else 2,L//2,L-3)")
+    parser.add_argument("--aux-layer-convention", default="input", choices=["input", "output"],
+                        help=f"{eagle3}: the ids name each layer's input (vLLM, EAGLE) or output (SGLang)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                        help="cast the weights (default: keep the checkpoint's)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-specdec", description="Speculative decoding for transformers models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -234,27 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     convert = sub.add_parser("convert-eagle", help="convert a published EAGLE-1/2 or EAGLE-3 head (see docs/eagle.md)")
-    convert.add_argument("src", help="the head: a directory or hub id (model.safetensors or pytorch_model.bin)")
-    convert.add_argument("dst", help="output directory")
-    convert.add_argument("--target", required=True, help="the target model (hub id or path) the head was trained for")
-    convert.add_argument("--aux-layers", default=None, help="EAGLE-3: comma-separated target layers fc reads "
-                         "(default: the head config's, else 2,L//2,L-3)")
-    convert.add_argument("--aux-layer-convention", default="input", choices=["input", "output"],
-                         help="EAGLE-3: the ids name each layer's input (vLLM, EAGLE) or output (SGLang)")
-    convert.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                         help="cast the weights (default: keep the checkpoint's)")
+    _add_convert_arguments(convert, "model.safetensors or pytorch_model.bin", "EAGLE-3")
     convert.set_defaults(func=cmd_convert_eagle)
 
     head = sub.add_parser("convert-head", help="convert a published draft head, layout detected: EAGLE, MLP "
                           "speculator (ibm-fms accelerator) or Medusa (see docs/eagle.md)")
-    head.add_argument("src", help="the head: a directory or hub id (*.safetensors, pytorch_model.bin or *.pt)")
-    head.add_argument("dst", help="output directory")
-    head.add_argument("--target", required=True, help="the target model (hub id or path) the head was trained for")
-    head.add_argument("--aux-layers", default=None, help="EAGLE-3 only: comma-separated target layers fc reads")
-    head.add_argument("--aux-layer-convention", default="input", choices=["input", "output"],
-                      help="EAGLE-3 only: the ids name each layer's input (vLLM, EAGLE) or output (SGLang)")
-    head.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                      help="cast the weights (default: keep the checkpoint's)")
+    _add_convert_arguments(head, "*.safetensors, pytorch_model.bin or *.pt", "EAGLE-3 only")
     head.set_defaults(func=cmd_convert_head)
 
     train = sub.add_parser("train-eagle", help="train an EAGLE head for a target on its own generations "
