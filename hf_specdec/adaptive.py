@@ -8,13 +8,14 @@ so estimates follow a row that moves between copying and free writing, and a row
 towards the prior and is tried again later. With k drafts a row emits `1 + p + ... + p^k` tokens on average (fewer
 when it has fewer drafts to offer).
 
-Cost. A target forward of B rows of q tokens costs `per_row * B + curve(B q)` (`StepCost`), so verifying k drafts
-costs `cost(B, k + 1) / cost(B, 1)` plain steps, plus what drafting costs. On a CPU the curve climbs in steps as the
-matrix kernels change shape; on a GPU it is nearly flat. The step takes the k in `[0, max_k]` that maximises the
-batch's expected tokens per unit of cost, if that beats plain decoding (k = 0) by a margin (`min_gain`, 10%: the cost
-model leaves out verification work and context length, and a draft that only breaks even is not worth the risk). The default curves are static (measured once, not
-timed during a call), so seeded runs choose the same k and stay reproducible, and no step waits on the device;
-`StepCost.measure(model)` fits one to other hardware.
+Cost. A target forward of B rows of q tokens over C cached tokens costs `per_row * B + per_context_token * C +
+curve(B q)` (`StepCost`), so verifying k drafts costs `cost(B, k + 1, C) / cost(B, 1, C)` plain steps, plus what
+drafting costs. On a CPU the curve climbs in steps as the matrix kernels change shape; on a GPU it is nearly flat.
+The step takes the k in `[0, max_k]` that maximises the batch's expected tokens per unit of cost, if that beats plain
+decoding (k = 0) by a margin (`min_gain`, 10%: the cost model leaves out verification work, and a draft that only
+breaks even is not worth the risk). The default curves are static (measured once, not timed during a call), so
+seeded runs choose the same k and stay reproducible, and no step waits on the device; `StepCost.measure(model)` fits
+one to other hardware.
 """
 
 from __future__ import annotations
@@ -26,18 +27,21 @@ import torch
 
 @dataclass(frozen=True)
 class StepCost:
-    """Wall time of one target forward of `rows` rows of `tokens` tokens each, in milliseconds (or any unit):
-    `per_row * rows + curve(rows * tokens)`, where `curve` is piecewise linear through `points` (total tokens,
-    time), extended at its average rate. `StepCost.measure(model)` fits one to the machine at hand.
+    """Wall time of one target forward of `rows` rows of `tokens` new tokens each over `context` cached tokens in
+    all, in milliseconds (or any unit): `per_row * rows + per_context_token * context + curve(rows * tokens)`, where
+    `curve` is piecewise linear through `points` (total tokens, time), extended at its average rate.
+    `StepCost.measure(model)` fits one to the machine at hand.
 
     Args:
-        per_row (`float`): the cost each row adds (attention over its context, bookkeeping).
+        per_row (`float`): the cost each row adds (bookkeeping, kernel launches).
         points (`tuple[tuple[float, float], ...]`): `(total tokens, time)` pairs, tokens ascending, times not
             decreasing.
+        per_context_token (`float`): the cost of each cached token attended to (summed over the rows).
     """
 
     per_row: float
     points: tuple[tuple[float, float], ...]
+    per_context_token: float = 0.0
 
     def __post_init__(self):
         tokens = [n for n, _ in self.points]
@@ -46,7 +50,7 @@ class StepCost:
             raise ValueError(f"StepCost needs at least two (tokens, time) points with tokens ascending and times "
                              f"positive and not decreasing, got {self.points!r}")
 
-    def __call__(self, rows: int, tokens: torch.Tensor) -> torch.Tensor:
+    def __call__(self, rows: int, tokens: torch.Tensor, context: float = 0.0) -> torch.Tensor:
         n = rows * tokens.double()
         xs = torch.tensor([p[0] for p in self.points], dtype=torch.float64)
         ys = torch.tensor([p[1] for p in self.points], dtype=torch.float64)
@@ -55,18 +59,19 @@ class StepCost:
         inside = ys[i] + (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i]) * (n - xs[i])
         # Past the last point, time grows at the curve's average rate (its last segment may be flat).
         beyond = ys[-1] + (ys[-1] - ys[0]) / (xs[-1] - xs[0]) * (n - xs[-1])
-        return self.per_row * rows + torch.where(n > xs[-1], beyond, inside)
+        return self.per_row * rows + self.per_context_token * context + torch.where(n > xs[-1], beyond, inside)
 
-    def relative(self, rows: int, tokens: torch.Tensor) -> torch.Tensor:
-        """Cost of forwards of `tokens` per row relative to a plain decode step (1 token per row)."""
-        return self(rows, tokens) / self(rows, torch.ones((), dtype=torch.float64))
+    def relative(self, rows: int, tokens: torch.Tensor, context: float = 0.0) -> torch.Tensor:
+        """Cost of forwards of `tokens` per row relative to a plain decode step (1 token per row), over `context`
+        cached tokens in all."""
+        return self(rows, tokens, context) / self(rows, torch.ones((), dtype=torch.float64), context)
 
     @classmethod
     def measure(cls, model, rows: tuple[int, ...] = (1, 4, 16), tokens: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16),
-                context: int = 256, repeats: int = 5) -> StepCost:
-        """Times target forwards through the paged KV cache (random token ids, `context` tokens cached per row) and
-        fits a `StepCost`: the per-row cost and the curve by least squares, then the curve made non-decreasing.
-        Takes a few seconds on a CPU; pass the result to `generate(..., speculative_step_cost=...)`."""
+                contexts: tuple[int, ...] = (64, 256), repeats: int = 5) -> StepCost:
+        """Times target forwards through the paged KV cache (random token ids, each of `contexts` tokens cached per
+        row) and fits a `StepCost` (`fit`). Takes under a minute on a CPU; pass the result to
+        `generate(..., speculative_step_cost=...)`."""
         import time
 
         from .model_runner import ModelRunner, paged_attention
@@ -74,7 +79,7 @@ class StepCost:
         samples = []
         vocab = model.config.get_text_config().vocab_size
         with torch.no_grad(), paged_attention(model):
-            for b in rows:
+            for b, context in ((b, c) for c in contexts for b in rows):
                 runner = ModelRunner(model, num_blocks=b * (context + max(tokens)) // 16 + 2 * b + 1)
                 seqs = list(range(b))
                 for seq in seqs:
@@ -93,39 +98,41 @@ class StepCost:
                         times.append(time.perf_counter() - start)
                         for seq in seqs:
                             runner.rollback(seq, context)
-                    samples.append((b, b * q, 1000 * sorted(times[1:])[len(times[1:]) // 2]))
+                    samples.append((b, b * q, b * context, 1000 * sorted(times[1:])[len(times[1:]) // 2]))
         return cls.fit(samples)
 
     @classmethod
-    def fit(cls, samples: list[tuple[int, int, float]]) -> StepCost:
-        """Fits a `StepCost` to `(rows, total tokens, time)` samples: `time = per_row * rows + curve[total]`."""
-        totals = sorted({n for _, n, _ in samples})
-        a = torch.zeros(len(samples), 1 + len(totals), dtype=torch.float64)
-        y = torch.tensor([t for _, _, t in samples], dtype=torch.float64)
-        for i, (b, n, _) in enumerate(samples):
-            a[i, 0] = b
-            a[i, 1 + totals.index(n)] = 1.0
-        # A light pull of the per-row cost towards 0 keeps the system solvable when no total was timed at two
-        # batch sizes.
-        ridge = torch.zeros(1, a.shape[1], dtype=torch.float64)
-        ridge[0, 0] = 1e-3
-        solution = torch.linalg.lstsq(torch.cat([a, ridge]), torch.cat([y, torch.zeros(1, dtype=torch.float64)]))
+    def fit(cls, samples: list[tuple[int, int, int, float]]) -> StepCost:
+        """Fits a `StepCost` to `(rows, total new tokens, total cached tokens, time)` samples by least squares
+        (`time = per_row * rows + per_context_token * cached + curve[total]`), then makes the curve non-decreasing."""
+        totals = sorted({n for _, n, _, _ in samples})
+        a = torch.zeros(len(samples), 2 + len(totals), dtype=torch.float64)
+        y = torch.tensor([t for *_, t in samples], dtype=torch.float64)
+        for i, (b, n, c, _) in enumerate(samples):
+            a[i, 0], a[i, 1] = b, c
+            a[i, 2 + totals.index(n)] = 1.0
+        # A light pull of the per-row and per-context costs towards 0 keeps the system solvable when no total was
+        # timed at two batch sizes or two context lengths.
+        ridge = torch.zeros(2, a.shape[1], dtype=torch.float64)
+        ridge[0, 0] = ridge[1, 1] = 1e-3
+        solution = torch.linalg.lstsq(torch.cat([a, ridge]), torch.cat([y, torch.zeros(2, dtype=torch.float64)]))
         per_row = max(0.0, float(solution.solution[0]))
-        curve = torch.cummax(solution.solution[1:].clamp(min=1e-6), 0).values.tolist()
+        per_context_token = max(0.0, float(solution.solution[1]))
+        curve = torch.cummax(solution.solution[2:].clamp(min=1e-6), 0).values.tolist()
         if len(totals) == 1:
             totals, curve = totals + [totals[0] + 1], curve + curve
-        return cls(per_row=per_row, points=tuple(zip(map(float, totals), curve)))
+        return cls(per_row=per_row, points=tuple(zip(map(float, totals), curve)), per_context_token=per_context_token)
 
 
-# Fitted with `StepCost.fit` to forwards timed on the development machine (2-core x86-64 CPU, SmolLM2-135M in
-# float32, 240 tokens of context, batch 1/4/16 and 1-16 tokens per row; `benchmarks/step_cost.py`, docs/benchmarks.md). On a CPU weights stream once per forward, each row adds its attention,
-# and the per-token part grows in steps as the matrix kernels change shape. On accelerators a forward of a few
-# hundred tokens costs about as much as one of a single token. Other hardware: measure, and pass the result to
-# `generate(..., speculative_step_cost=...)`.
+# Measured with `StepCost.measure` on the development machine (2-core x86-64 CPU, SmolLM2-135M in float32, batch
+# 1/4/16, 1-16 tokens per row, 64 and 256 tokens of context; `benchmarks/step_cost.py`, docs/benchmarks.md). On a
+# CPU the weights stream once per forward, each cached token adds attention work, and the per-token part grows in
+# steps as the matrix kernels change shape. On accelerators a forward of a few hundred tokens costs about as much as
+# one of a single token. Other hardware: measure, and pass the result to `generate(..., speculative_step_cost=...)`.
 DEFAULT_STEP_COST = {
-    "cpu": StepCost(per_row=3.72, points=((1, 37.1), (2, 38.7), (3, 39.8), (4, 54.0), (6, 59.5), (8, 64.8),
-                                          (11, 78.1), (12, 82.6), (16, 82.6), (24, 93.9), (32, 93.9), (48, 102.4),
-                                          (64, 128.8), (96, 159.5))),
+    "cpu": StepCost(per_row=0.0, per_context_token=0.00925, points=(
+        (1, 43.7), (2, 43.7), (3, 44.9), (4, 64.2), (6, 70.8), (8, 84.3), (12, 93.0), (16, 93.0), (24, 98.6),
+        (32, 111.3), (48, 133.4), (64, 161.3), (96, 208.5), (128, 229.0), (192, 302.7), (256, 391.5))),
     "cuda": StepCost(per_row=0.0, points=((1.0, 1.005), (1024.0, 6.12))),
 }
 
@@ -171,7 +178,8 @@ class AdaptiveK:
         own_accepted, own_tried = self.accepted[r, cls], self.tried[r, cls]
         return (own_accepted + self.strength * pooled[cls]) / (own_tried + self.strength)
 
-    def choose(self, rows: list[int], available: list[int] | None = None, classes: list[int] | None = None) -> int:
+    def choose(self, rows: list[int], available: list[int] | None = None, classes: list[int] | None = None,
+               context: float = 0.0) -> int:
         """The k for this step's rows.
 
         Args:
@@ -179,6 +187,7 @@ class AdaptiveK:
             available: drafts each row can offer (known when proposals are made before k is chosen); `None` means
                 up to `max_k` each.
             classes: each row's confidence class for this step's proposal; `None` means class 0.
+            context: tokens already in the rows' KV caches, summed (the step cost depends on it).
         """
         if self.max_k == 0 or not rows:
             return 0
@@ -189,7 +198,7 @@ class AdaptiveK:
         if available is not None:
             terms = terms.masked_fill(ks[None, :] > torch.tensor(available, dtype=torch.float64)[:, None], 0.0)
         expected = terms.cumsum(dim=1).sum(0)  # [max_k + 1]
-        cost = self.step_cost.relative(len(rows), ks + 1) + self.draft_cost_per_token * ks
+        cost = self.step_cost.relative(len(rows), ks + 1, context) + self.draft_cost_per_token * ks
         value = expected / cost
         best = int(torch.argmax(value))
         return best if value[best] >= self.min_gain * value[0] else 0

@@ -174,11 +174,13 @@ class SpeculativeEngine:
             offered = torch.minimum(draft.num_tokens, limits)
             confidence = draft.confidence if draft.confidence is not None else torch.zeros_like(offered)
             offered, classes = torch.stack([offered, confidence.to(offered.dtype)]).tolist()  # one small transfer
-            k = self._policy.choose(batch.active, offered, classes)
+            context = sum(batch.lengths[r] for r in batch.active)
+            k = self._policy.choose(batch.active, offered, classes, context)
             width = max(min(o, k) for o in offered)
             num_tokens = torch.minimum(draft.num_tokens, limits.clamp(max=k))
         else:
-            k = self._policy.choose(batch.active) if self._policy is not None else self.k
+            k = (self._policy.choose(batch.active, context=sum(batch.lengths[r] for r in batch.active))
+                 if self._policy is not None else self.k)
             # Called even for k = 0: speculators track their rows.
             draft = self.speculator.propose(batch, max(0, min(k, max(budget) - 1)))
             num_tokens = torch.minimum(draft.num_tokens, limits.clamp(max=k))
