@@ -168,19 +168,18 @@ class SpeculativeEngine:
         # Never draft past a row's length budget: the last token a row may emit is always the target's own.
         limits = torch.tensor([max(0, b - 1) for b in budget], device=batch.device)
         classes = None
+        context = sum(batch.lengths[r] for r in batch.active)  # cached tokens, for the step-cost model
         if self._policy is not None and self.speculator.drafts_are_free:
             # Proposals first, then k from what each row offers and how confident its proposal is.
             draft = self.speculator.propose(batch, max(0, min(self.k, max(budget) - 1)))
             offered = torch.minimum(draft.num_tokens, limits)
             confidence = draft.confidence if draft.confidence is not None else torch.zeros_like(offered)
             offered, classes = torch.stack([offered, confidence.to(offered.dtype)]).tolist()  # one small transfer
-            context = sum(batch.lengths[r] for r in batch.active)
             k = self._policy.choose(batch.active, offered, classes, context)
             width = max(min(o, k) for o in offered)
             num_tokens = torch.minimum(draft.num_tokens, limits.clamp(max=k))
         else:
-            k = (self._policy.choose(batch.active, context=sum(batch.lengths[r] for r in batch.active))
-                 if self._policy is not None else self.k)
+            k = self._policy.choose(batch.active, context=context) if self._policy is not None else self.k
             # Called even for k = 0: speculators track their rows.
             draft = self.speculator.propose(batch, max(0, min(k, max(budget) - 1)))
             num_tokens = torch.minimum(draft.num_tokens, limits.clamp(max=k))
