@@ -23,11 +23,12 @@ from .adaptive import DEFAULT_STEP_COST, AdaptiveK, StepCost
 from .block_manager import OutOfBlocksError
 from .logits import LogitsProcessing
 from .metrics import SpeculativeMetrics, logger
-from .model_runner import ModelRunner, committed_hidden_states, paged_attention
+from .model_runner import ModelRunner, TargetHiddenStates, committed_hidden_states, paged_attention
 from .speculators.base import Speculator
 from .stopping import StopRules
-from .types import PAD_ID, DraftProposal, SequenceBatch, gather_right_aligned
-from .verify import verify
+from .paged_cache import TreeAttention
+from .types import PAD_ID, DraftProposal, DraftTree, SequenceBatch, gather_right_aligned
+from .verify import verify, verify_tree
 
 
 class SpeculativeEngine:
@@ -43,12 +44,23 @@ class SpeculativeEngine:
             far (see `adaptive.py`); `"constant"` always drafts `num_speculative_tokens`.
         step_cost (`StepCost`, *optional*): adaptive k's model of a target forward's cost; defaults to one measured
             for the model's device type.
+        tree_nodes (`int`, *optional*): draft trees instead of chains: the speculator proposes up to this many nodes
+            per row, at most `num_speculative_tokens` deep, and one forward verifies them all (see `_tree_step`).
+            Trees use a fixed shape: `schedule` must be `"constant"`.
+        tree_branching (`int`): children a tree node may get (the speculator's top-k per expansion).
     """
 
     def __init__(self, model, speculator: Speculator, num_speculative_tokens: int, block_size: int = 16,
-                 max_num_blocks: int | None = None, schedule: str = "adaptive", step_cost: StepCost | None = None):
+                 max_num_blocks: int | None = None, schedule: str = "adaptive", step_cost: StepCost | None = None,
+                 tree_nodes: int | None = None, tree_branching: int = 4):
         if schedule not in ("adaptive", "constant"):
             raise ValueError(f"speculative_schedule must be 'adaptive' or 'constant', got {schedule!r}")
+        if tree_nodes is not None:
+            if schedule != "constant":
+                raise ValueError("draft trees have a fixed shape: use speculative_schedule='constant' with them")
+            if not speculator.supports_trees:
+                raise ValueError(f"{type(speculator).__name__} drafts chains only; drop speculative_tree_nodes= "
+                                 "(draft trees need an EagleSpeculator)")
         self.model = model
         self.speculator = speculator
         self.k = num_speculative_tokens
@@ -56,6 +68,8 @@ class SpeculativeEngine:
         self.max_num_blocks = max_num_blocks
         self.schedule = schedule
         self.step_cost = step_cost
+        self.tree_nodes = tree_nodes
+        self.tree_branching = tree_branching
 
     def generate(self, input_ids, attention_mask, max_new_tokens: int, do_sample: bool, logits_processor=None,
                  stopping_criteria=None, eos_token_ids=None, pad_token_id: int = 0, streamer=None):
@@ -106,6 +120,8 @@ class SpeculativeEngine:
 
     def _step(self, batch, target, stop, budget, metrics, pad_token_id) -> tuple[list[int], list[int]]:
         """One propose -> verify -> commit; returns tokens emitted per active row and the rows that finished."""
+        if self.tree_nodes is not None:
+            return self._tree_step(batch, target, stop, budget, metrics, pad_token_id)
         rows, rows_t = list(batch.active), batch.active_tensor()
         t0 = time.perf_counter()
         draft, classes = self._propose(batch, budget)
@@ -162,6 +178,106 @@ class SpeculativeEngine:
         if self._policy is not None:
             self._policy.update(rows, num_drafted, num_accepted, classes)
         return num_emit, [r for r, done in zip(rows, finished) if done]
+
+    def _tree_step(self, batch, target, stop, budget, metrics, pad_token_id) -> tuple[list[int], list[int]]:
+        """One step with draft trees.
+
+        The forward feeds each row's pending tokens and then its tree's n nodes, written to storage indices
+        `L .. L + n - 1` (L: the row's committed length) but positioned by depth (`L + depth - 1`), each attending to
+        the committed context and its own ancestors (`TreeAttention`). `verify_tree` walks the tree along the target's
+        picks. The accepted nodes' keys and values are then moved to storage `L, L + 1, ...`, where a chain would
+        have put them, and the cache is rolled back past them: later steps see an ordinary sequence.
+        """
+        rows, rows_t = list(batch.active), batch.active_tensor()
+        device = batch.device
+        t0 = time.perf_counter()
+        max_depth = max(0, min(self.k, max(budget) - 1))
+        tree = self.speculator.propose_tree(batch, max_depth, self.tree_nodes, self.tree_branching)
+        n = tree.num_nodes
+        if n == 0:
+            max_depth = 0
+        depths = tree.depths()
+        # Never draft past a row's length budget: the last token a row may emit is always the target's own.
+        limits = torch.tensor([max(0, b - 1) for b in budget], device=device)
+        tree = DraftTree(tree.token_ids, tree.parents, tree.valid & (depths <= limits[:, None]))
+        ancestors = tree.ancestors()
+        t1 = time.perf_counter()
+
+        cached = [target.length(r) for r in rows]
+        pending = [batch.lengths[r] - c for r, c in zip(rows, cached)]
+        width = max(pending)
+        pending_ids = gather_right_aligned(batch.token_ids, rows_t, batch.first_col[rows_t] + torch.tensor(
+            cached, device=device), torch.tensor(pending, device=device), width)
+        input_ids = torch.cat([pending_ids, torch.where(tree.valid, tree.token_ids, pad_token_id)], dim=1)
+        num_fed = [p + n for p in pending]
+        q = width + n
+        lengths = torch.tensor([batch.lengths[r] for r in rows], device=device)  # L: committed tokens per row
+        offset = torch.arange(q, device=device)[None, :] - (q - torch.tensor(num_fed, device=device))[:, None]
+        node_positions = lengths[:, None] + depths - 1
+        positions = torch.cat([torch.tensor(cached, device=device)[:, None] + offset[:, :width].clamp(min=0),
+                               node_positions], dim=1)
+        region_mask = torch.cat([ancestors.new_zeros(len(rows), width, n), ancestors], dim=1)
+        wants_states = self.speculator.needs_hidden_states
+        out = target.forward(rows, input_ids, num_fed, num_logits=n + 1, output_hidden_states=wants_states,
+                             tree=TreeAttention(lengths, positions, region_mask, node_positions))
+        logits = out.logits  # [rows, n + 1, vocab]: after the root (the last pending token), then after each node
+        end = batch.end_cols(rows)
+        scores = self._tree_scores(batch, rows_t, end, tree, depths, ancestors, logits)
+        result, path = verify_tree(scores, tree, batch.do_sample, max_depth)
+
+        output = result.output_token_ids  # [rows, max_depth + 1]
+        span = end[:, None] + torch.arange(max_depth + 1, device=device)
+        batch.token_ids[rows_t[:, None], span] = torch.where(output == PAD_ID, pad_token_id, output)
+        entries = torch.cat([torch.zeros_like(path[:, :1]), path + 1], dim=1).clamp(min=0)  # logits entry per output
+        path_scores = scores[torch.arange(len(rows), device=device)[:, None], entries]
+        num_emit, finished = stop.apply(batch.token_ids, rows_t, end, output, result.num_accepted + 1,
+                                        torch.tensor(budget, device=device), path_scores)
+        broken = ~torch.isfinite(logits).flatten(1).all(-1)
+        counts = torch.stack([num_emit.long(), result.num_accepted.long(), tree.valid.sum(-1), finished.long(),
+                              broken.long()])
+        # Pack the accepted path: the node at depth d moves from storage L + path[d] to L + d.
+        depth_index = torch.arange(max_depth, device=device)[None, :]
+        moves = (path >= 0) & (path != depth_index)
+        target.cache.move(rows, lengths[:, None] + path.clamp(min=0),
+                          torch.where(moves, lengths[:, None] + depth_index, -1))
+        num_emit, num_accepted, num_drafted, finished, broken = counts.tolist()  # the step's one host transfer
+        if any(broken):
+            raise FloatingPointError(
+                f"the target model produced NaN or inf logits for batch rows {[r for r, b in zip(rows, broken) if b]}; "
+                "float16 overflow is the usual cause: load the model in bfloat16 or float32, or check its weights"
+            )
+        for row, count, done in zip(rows, num_emit, finished):
+            batch.lengths[row] += count
+            if not done:  # the target's cache keeps every committed token but the last
+                target.rollback(row, batch.lengths[row] - 1)
+        if wants_states:
+            num_committed = [max(0, batch.lengths[r] - 1 - c) for r, c in zip(rows, cached)]
+            self.speculator.observe_hidden_states(_tree_hidden_states(
+                out.hidden_states, self.speculator.hidden_state_layers, rows, num_fed, pending, width, path,
+                cached, num_committed))
+        self.speculator.commit(batch, num_accepted)
+        metrics.record_step(num_drafted, num_accepted)
+        metrics.draft_time_s += t1 - t0
+        metrics.verify_time_s += time.perf_counter() - t1
+        return num_emit, [r for r, done in zip(rows, finished) if done]
+
+    @staticmethod
+    def _tree_scores(batch, rows_t, end, tree, depths, ancestors, logits):
+        """Processed scores `[rows, n + 1, vocab]`; entry i + 1 (node i) has the history committed tokens + the
+        path to node i, which logits processors that read `input_ids` get spelled out."""
+        rows, n = tree.token_ids.shape
+        flat = logits.reshape(-1, logits.shape[-1])
+        entry_rows = rows_t.repeat_interleave(n + 1)
+        if not batch.processing or batch.processing.history_free:
+            return batch.processing(batch.token_ids, entry_rows, end.repeat_interleave(n + 1), flat).view(
+                logits.shape)
+        history = batch.token_ids[rows_t][:, None].repeat(1, n + 1, 1)  # [rows, n + 1, width]
+        scratch = history.shape[-1] - 1  # the buffer's scratch column: non-ancestors write there
+        cols = torch.where(ancestors, (end[:, None] + depths - 1)[:, None, :], scratch)  # [rows, n, n]
+        history[:, 1:].scatter_(2, cols, torch.where(ancestors, tree.token_ids[:, None, :], 0))
+        lens = torch.cat([end[:, None], end[:, None] + depths], dim=1)
+        return batch.processing(history.flatten(0, 1), torch.arange(rows * (n + 1), device=flat.device),
+                                lens.flatten(), flat, batch_rows=entry_rows).view(logits.shape)
 
     def _propose(self, batch, budget) -> tuple[DraftProposal, list[int] | None]:
         """This step's drafts, and each row's confidence class when adaptive k used one."""
@@ -239,3 +355,21 @@ class SpeculativeEngine:
         generated_count = torch.tensor(num_generated, device=generated.device)
         keep = torch.arange(longest, device=generated.device)[None, :] < generated_count[:, None]
         return torch.cat([input_ids, torch.where(keep, generated, pad_token_id)], dim=1)
+
+
+def _tree_hidden_states(hidden_states, layers, rows, num_fed, pending, width, path, start_positions,
+                        num_committed) -> TargetHiddenStates:
+    """The target's states of a tree step's newly committed tokens: each row's pending tokens, then its accepted
+    nodes (node i was fed at column `width + i`), right-aligned like `committed_hidden_states`."""
+    states = torch.cat([hidden_states[i] for i in layers], dim=-1) if len(layers) > 1 else hidden_states[layers[0]]
+    q, device = states.shape[1], states.device
+    out_width = max(max(num_committed), 1)
+    keep = torch.tensor(num_committed, device=device)
+    pend = torch.tensor(pending, device=device)
+    index = (torch.arange(out_width, device=device)[None, :] - (out_width - keep)[:, None]).clamp(min=0)
+    pending_cols = (q - torch.tensor(num_fed, device=device))[:, None] + index
+    node = path.gather(1, (index - pend[:, None]).clamp(min=0, max=max(path.shape[1] - 1, 0))) if path.shape[1] \
+        else torch.zeros_like(index)
+    cols = torch.where(index < pend[:, None], pending_cols, width + node.clamp(min=0))
+    picked = states[torch.arange(len(rows), device=device)[:, None], cols]
+    return TargetHiddenStates(picked, list(num_committed), list(start_positions), list(rows))

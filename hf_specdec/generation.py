@@ -24,6 +24,8 @@ from .speculators.ngram import NgramSpeculator
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 MAX_NUM_SPECULATIVE_TOKENS = 64
+MAX_TREE_NODES = 256
+DEFAULT_TREE_BRANCHING = 4
 # model_kwargs that transformers prepares on its own and our engine replaces (mask handled, positions recomputed).
 _PREPARED_MODEL_KWARGS = ("attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep",
                           "cache_position")
@@ -68,18 +70,38 @@ def _check_num_speculative_tokens(k) -> int:
     return k
 
 
+def _check_tree(nodes, branching, schedule) -> tuple[int | None, int]:
+    if nodes is None:
+        if branching is not None:
+            raise ValueError("speculative_tree_branching= only applies together with speculative_tree_nodes=")
+        return None, DEFAULT_TREE_BRANCHING
+    for name, value in (("speculative_tree_nodes", nodes), ("speculative_tree_branching", branching)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not
+                                  1 <= value <= MAX_TREE_NODES):
+            raise ValueError(f"{name} must be an int from 1 to {MAX_TREE_NODES}, got {value!r}")
+    if schedule == "adaptive":
+        raise ValueError("draft trees have a fixed shape: speculative_tree_nodes= goes with "
+                         "speculative_schedule='constant' (or leave speculative_schedule unset)")
+    return nodes, DEFAULT_TREE_BRANCHING if branching is None else branching
+
+
 def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=None, speculative_schedule=None,
-                          speculative_step_cost=None, **kwargs):
+                          speculative_step_cost=None, speculative_tree_nodes=None, speculative_tree_branching=None,
+                          **kwargs):
     if speculator is None:
         for name, value in (("num_speculative_tokens", num_speculative_tokens),
                             ("speculative_schedule", speculative_schedule),
-                            ("speculative_step_cost", speculative_step_cost)):
+                            ("speculative_step_cost", speculative_step_cost),
+                            ("speculative_tree_nodes", speculative_tree_nodes),
+                            ("speculative_tree_branching", speculative_tree_branching)):
             if value is not None:
                 raise ValueError(f"{name}= only applies together with speculator=")
         return _speculative_generate.original(self, *args, **kwargs)
     spec = resolve_speculator(speculator)
     k = _check_num_speculative_tokens(num_speculative_tokens)
-    schedule = speculative_schedule or "adaptive"
+    tree_nodes, tree_branching = _check_tree(speculative_tree_nodes, speculative_tree_branching,
+                                             speculative_schedule)
+    schedule = speculative_schedule or ("adaptive" if tree_nodes is None else "constant")
     if schedule not in ("adaptive", "constant"):
         raise ValueError(f"speculative_schedule must be 'adaptive' (k chosen each step, at most "
                          f"num_speculative_tokens) or 'constant', got {speculative_schedule!r}")
@@ -95,6 +117,9 @@ def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=N
             )
     check_model_supported(self, role="target model")
     spec.validate(self)
+    if tree_nodes is not None and not spec.supports_trees:
+        raise ValueError(f"{type(spec).__name__} drafts chains only; drop speculative_tree_nodes= (draft trees need "
+                         "an EagleSpeculator)")
     tokenizer, assistant_tokenizer = kwargs.get("tokenizer"), kwargs.pop("assistant_tokenizer", None)
     if assistant_tokenizer is not None:
         from .tokenizers import check_tokenizers_match
@@ -113,13 +138,13 @@ def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=N
 
     def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
         return _decode(model, spec, k, schedule, speculative_step_cost, input_ids, logits_processor,
-                       stopping_criteria, generation_config, streamer, model_kwargs)
+                       stopping_criteria, generation_config, streamer, model_kwargs, (tree_nodes, tree_branching))
 
     return _speculative_generate.original(self, *args, custom_generate=decode, **kwargs)
 
 
 def _decode(model, speculator, k, schedule, step_cost, input_ids, logits_processor, stopping_criteria,
-            generation_config, streamer, model_kwargs):
+            generation_config, streamer, model_kwargs, tree=(None, DEFAULT_TREE_BRANCHING)):
     config = generation_config
     if config.num_beams > 1:
         raise ValueError(f"speculative decoding does not support beam search (num_beams={config.num_beams}); "
@@ -147,7 +172,8 @@ def _decode(model, speculator, k, schedule, step_cost, input_ids, logits_process
     eos = config._eos_token_tensor
     pad = config._pad_token_tensor
     pad_token_id = int(pad) if pad is not None else (int(eos.flatten()[0]) if eos is not None else 0)
-    engine = SpeculativeEngine(model, speculator, k, schedule=schedule, step_cost=step_cost)
+    engine = SpeculativeEngine(model, speculator, k, schedule=schedule, step_cost=step_cost, tree_nodes=tree[0],
+                               tree_branching=tree[1])
     sequences, metrics = engine.generate(
         input_ids, model_kwargs.get("attention_mask"), max_new_tokens, config.do_sample, logits_processor,
         stopping_criteria, eos.flatten() if eos is not None else None, pad_token_id, streamer,

@@ -62,9 +62,10 @@ class LogitsProcessing:
         return len(self.processors) > 0
 
     def __call__(self, token_ids: torch.Tensor, rows: torch.Tensor, history_lens: torch.Tensor,
-                 scores: torch.Tensor) -> torch.Tensor:
-        """Processes `scores` `[n, vocab]`; entry t belongs to buffer row `rows[t]` with history
-        `token_ids[rows[t], :history_lens[t]]`. Returns new float32 scores `[n, vocab]`."""
+                 scores: torch.Tensor, batch_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Processes `scores` `[n, vocab]`; entry t has history `token_ids[rows[t], :history_lens[t]]` and belongs to
+        row `batch_rows[t]` of the call's batch (default: `rows[t]`, when `token_ids` is the batch's own buffer).
+        Returns new float32 scores `[n, vocab]`."""
         scores = scores.float()
         if not self.processors:
             return scores
@@ -72,12 +73,28 @@ class LogitsProcessing:
             return apply_sampling_params(scores, *self._params(len(scores), scores.device), backend="triton")
         if self.history_free:
             return self.processors(token_ids[rows, :1], scores)
+        batch_rows = rows if batch_rows is None else batch_rows
         out = scores.clone()
         lens = history_lens.tolist()
         for length in sorted(set(lens)):
             idx = torch.tensor([t for t, n in enumerate(lens) if n == length], device=scores.device)
-            out[idx] = self.processors(token_ids[rows[idx], :length], scores[idx])
+            out[idx] = self._call(token_ids[rows[idx], :length], scores[idx], batch_rows[idx])
         return out
+
+    def _call(self, input_ids: torch.Tensor, scores: torch.Tensor, batch_rows: torch.Tensor) -> torch.Tensor:
+        # A group holds any subset of the batch's rows, in any order, so settings given per batch row (the
+        # repetition penalty's per-row prompt padding, say) are indexed to match for the call.
+        saved = []
+        for p in self.processors:
+            per_row = getattr(p, "prompt_ignore_length", None)
+            if isinstance(per_row, torch.Tensor) and per_row.ndim == 1:
+                saved.append((p, per_row))
+                p.prompt_ignore_length = per_row.to(batch_rows.device)[batch_rows]
+        try:
+            return self.processors(input_ids, scores)
+        finally:
+            for p, per_row in saved:
+                p.prompt_ignore_length = per_row
 
     def _params(self, n: int, device) -> tuple:
         key = (n, str(device))

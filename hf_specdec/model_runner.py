@@ -39,18 +39,19 @@ class ModelRunner:
         self.num_forwards = 0
 
     def forward(self, seq_ids: list[int], input_ids: torch.Tensor, num_tokens: list[int], num_logits: int,
-                output_hidden_states: bool = False, **model_kwargs):
+                output_hidden_states: bool = False, tree=None, **model_kwargs):
         """Appends `num_tokens[i]` tokens to row `seq_ids[i]` and returns the model output.
 
         Args:
             input_ids: `[rows, q]` right-aligned tokens (row i's are its last `num_tokens[i]` columns).
             num_logits: how many trailing positions need logits.
+            tree (`TreeAttention`, *optional*): the step feeds draft-tree nodes (see `paged_cache.TreeAttention`).
             model_kwargs: passed on to the model (a draft head's input features, say).
         Returns:
             The model output; `logits` is `[rows, num_logits, vocab]`.
         """
         starts = self.cache.reserve(seq_ids, num_tokens)
-        plan = self.cache.plan_step(seq_ids, starts, num_tokens, self.device)
+        plan = self.cache.plan_step(seq_ids, starts, num_tokens, self.device, tree)
         self.num_forwards += 1
         return self.model(
             input_ids=input_ids,

@@ -24,11 +24,32 @@ from transformers.cache_utils import Cache
 
 from .block_manager import BlockManager
 from .kernels._backend import resolve_backend
-from .kernels.paged_attention.reference import attend, attention_mask, context_slots, slots_of
+from .kernels.paged_attention.reference import attend, attention_mask, context_slots, slots_of, tree_attention_mask
 
 ATTENTION_NAME = "hf_specdec_paged"
 PLAN_KWARG = "hf_specdec_plan"
 SCRATCH_SLOT = 0  # slot 0 of reserved block 0
+
+
+@dataclass
+class TreeAttention:
+    """A step that feeds draft-tree nodes. Each row's context ends with a tree region: entries written from storage
+    index `region_start` on (this step's and any earlier step's not yet rolled back), one per tree node, where
+    several nodes share a position. A query attends to the committed context and to the region entries its mask
+    allows (its ancestors and itself).
+
+    Attributes:
+        region_start: `[rows]` storage index of each row's first region entry.
+        query_positions: `[rows, q]` position of each query (rotary embeddings), which differs from its storage
+            index inside the region.
+        region_mask: `[rows, q, region]` bool, True where query j may see region entry e.
+        region_positions: `[rows, region]` position of each region entry (sliding windows compare positions).
+    """
+
+    region_start: torch.Tensor
+    query_positions: torch.Tensor
+    region_mask: torch.Tensor
+    region_positions: torch.Tensor
 
 
 @dataclass
@@ -53,13 +74,22 @@ class StepPlan:
     context_lens: torch.Tensor
     backend: str = "torch"
     context_slots: torch.Tensor | None = None
+    tree: TreeAttention | None = None
+    query_slots: torch.Tensor | None = None  # [rows, q] storage index of each query, when a tree makes it differ
     _masks: dict = field(default_factory=dict)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """`[rows, 1, q, num_context]` boolean mask: True where a query may attend (torch backend)."""
         key = sliding_window or 0
         if key not in self._masks:
-            self._masks[key] = attention_mask(self.query_positions, self.context_slots.shape[1], sliding_window)
+            num_context = self.context_slots.shape[1]
+            if self.tree is None:
+                self._masks[key] = attention_mask(self.query_positions, num_context, sliding_window)
+            else:
+                tree = self.tree
+                self._masks[key] = tree_attention_mask(self.query_slots, self.query_positions, num_context,
+                                                       tree.region_start, tree.region_mask, tree.region_positions,
+                                                       sliding_window)
         return self._masks[key]
 
 
@@ -126,8 +156,12 @@ class PagedKVCache(Cache):
                 pools[layer] = torch.cat([pool, pool.new_zeros((extra, *pool.shape[1:]))])
 
     # --- one forward step ----------------------------------------------------------------------------------------
-    def plan_step(self, seq_ids: list[int], starts: list[int], num_tokens: list[int], device) -> StepPlan:
-        """Builds the plan for a step in which row i writes `num_tokens[i]` tokens from position `starts[i]`."""
+    def plan_step(self, seq_ids: list[int], starts: list[int], num_tokens: list[int], device,
+                  tree: TreeAttention | None = None) -> StepPlan:
+        """Builds the plan for a step in which row i writes `num_tokens[i]` tokens from storage index `starts[i]`.
+
+        Without `tree` storage index and position agree. With one, queries take `tree.query_positions` and attend by
+        its masks; such steps use the torch backend (the triton kernel masks by position only)."""
         bs = self.block_size
         q = max(num_tokens)
         tables = [self.manager.block_table(s) for s in seq_ids]
@@ -142,13 +176,37 @@ class PagedKVCache(Cache):
         query_positions = starts_t[:, None] + offset.clamp(min=0)
 
         write_slots = torch.where(is_token, slots_of(block_tables, query_positions, bs), SCRATCH_SLOT)
-        backend = resolve_backend(self.kernel_backend, device)
+        backend = resolve_backend(self.kernel_backend, device) if tree is None else "torch"
         slots = None
         if backend == "torch":
             num_context = int(max(s + n for s, n in zip(starts, num_tokens)))
             slots = context_slots(block_tables, context_lens, num_context, bs, pad_slot=SCRATCH_SLOT)
-        self.plan = StepPlan(write_slots.reshape(-1), block_tables, bs, query_positions, context_lens, backend, slots)
+        if tree is None:
+            self.plan = StepPlan(write_slots.reshape(-1), block_tables, bs, query_positions, context_lens, backend,
+                                 slots)
+        else:
+            self.plan = StepPlan(write_slots.reshape(-1), block_tables, bs, tree.query_positions, context_lens,
+                                 backend, slots, tree, query_positions)
         return self.plan
+
+    def move(self, seq_ids: list[int], sources: torch.Tensor, destinations: torch.Tensor) -> None:
+        """Copies, in every layer, row i's keys and values at storage index `sources[i, j]` to `destinations[i, j]`
+        (`[rows, m]`; a negative destination skips the entry). All sources are read before anything is written.
+        Used to pack an accepted tree path into consecutive positions; both indices must lie within each row's
+        reserved length."""
+        if not self.key_pools or sources.numel() == 0:
+            return
+        device = next(iter(self.key_pools.values())).device
+        tables = [self.manager.block_table(s) for s in seq_ids]
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
+        skip = destinations < 0
+        src = torch.where(skip, SCRATCH_SLOT, slots_of(block_tables, sources.clamp(min=0), self.block_size))
+        dst = torch.where(skip, SCRATCH_SLOT, slots_of(block_tables, destinations.clamp(min=0), self.block_size))
+        src, dst = src.flatten(), dst.flatten()
+        for pools in (self.key_pools, self.value_pools):
+            for pool in pools.values():
+                pool.index_copy_(0, dst, pool.index_select(0, src))
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Writes this step's keys/values `[rows, kv_heads, q, head_dim]`. Returns each row's gathered context

@@ -1,6 +1,7 @@
 """Trains EAGLE heads from the target itself: `hf_specdec.train_eagle_head` and `hf-specdec train-eagle`.
 
-The training set is self-distilled: the target continues prompts (a file, or the built-in set below), then one
+The training set is self-distilled: the target continues prompts (a file, or the built-in set of
+`hf_specdec.train_prompts`), then one
 teacher-forced pass over each sequence records the hidden states the head reads and the target's next-token argmax
 at every position. Entry p of the head reads the target's feature at p and the token at p + 1 and learns (a) the
 target's argmax at p + 1 (cross-entropy) and (b) to reproduce what its own input would be at p + 1 (the target's
@@ -23,37 +24,10 @@ import torch.nn.functional as F
 
 from .eagle_convert import _write
 from .speculators.heads import FORMAT, FORMAT_VERSION, HIDDEN_STATES_CONVENTION, EagleHead
+from .train_prompts import HAND_WRITTEN, built_in_prompts, max_prompts
 
 CHECKPOINT_NAME = "checkpoint.pt"
 TRAINING_SET_NAME = "training_set.pt"
-
-# Built-in prompts for self-distillation: varied open-chat requests (the benchmark's prompts are left out).
-PROMPTS = [
-    "Write a haiku about autumn leaves.", "Explain what a black hole is in two paragraphs.",
-    "Give me three tips for a job interview.", "How do I make a simple tomato pasta sauce?",
-    "Write a short poem about the sea at night.", "What is the difference between weather and climate?",
-    "Describe a busy market in a small town.", "Why is the sky blue?", "Write a thank-you note to a teacher.",
-    "What are the benefits of regular exercise?", "Explain photosynthesis to a child.",
-    "Tell me a fun fact about octopuses.", "How does a bicycle stay upright?",
-    "Write a short dialogue between a cat and a dog.", "What should I pack for a weekend camping trip?",
-    "Summarise the plot of Cinderella in a few sentences.", "Explain how vaccines work.",
-    "Give me a recipe for pancakes.", "What is machine learning, in simple words?",
-    "Write a limerick about a forgetful wizard.", "How can I save money on groceries?",
-    "Describe the water cycle.", "What are some ways to reduce stress?", "Explain what gravity does.",
-    "Write an email asking a colleague for a meeting next week.", "Why do we have seasons?",
-    "List five animals that live in the desert and one fact about each.", "How do plants grow from seeds?",
-    "Write the opening paragraph of a mystery novel.", "What is the capital of France and what is it known for?",
-    "Explain the rules of chess briefly.", "How do I write a good essay introduction?",
-    "What causes earthquakes?", "Describe your ideal weekend.", "Give advice to someone learning to cook.",
-    "Explain how the internet works in simple terms.", "Write a short speech for a friend's birthday.",
-    "What are the planets in our solar system?", "How do bees make honey?",
-    "Write a product description for a reusable water bottle.", "What is the history of the bicycle?",
-    "Explain why sleep is important.", "Tell a short story about a robot who learns to paint.",
-    "How do I start learning to play the guitar?", "What are good habits for healthy teeth?",
-    "Describe a sunrise over the mountains.", "Explain what a computer program is.",
-    "Give me ideas for a rainy day with kids.",
-]
-
 
 @dataclass
 class TrainingSet:
@@ -92,7 +66,8 @@ def default_layers(target, version: int) -> list[int]:
 @torch.no_grad()
 def build_training_set(target, prompt_ids: list[list[int]], layers: list[int], *, max_new_tokens: int = 128,
                        samples_per_prompt: int = 1, temperature: float = 0.7, batch_size: int = 8,
-                       eos_token_id: int | None = None, seed: int = 0) -> TrainingSet:
+                       eos_token_id: int | None = None, seed: int = 0, progress: bool = False,
+                       feature_dtype: torch.dtype = torch.float32) -> TrainingSet:
     """Continues each prompt with the target (greedy first, then `samples_per_prompt - 1` sampled continuations)
     and records, in one teacher-forced pass per sequence, the hidden states `layers` and the target's argmax.
 
@@ -100,27 +75,32 @@ def build_training_set(target, prompt_ids: list[list[int]], layers: list[int], *
         prompt_ids (`list[list[int]]`): tokenised prompts (with the chat template applied, when there is one).
         layers (`list[int]`): `output_hidden_states` indices the head reads (see `default_layers`).
         eos_token_id (`int`, *optional*): a continuation is cut after it.
+        progress (`bool`): show a progress bar over the generation batches.
+        feature_dtype (`torch.dtype`): how the features are stored (`torch.bfloat16` halves the memory of a large
+            set; training computes in float32 either way).
     """
     if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
         raise ValueError("build_training_set needs at least one prompt, and no empty prompt")
     sequences = []
-    for sample_index in range(samples_per_prompt):  # greedy first, then sampled continuations
+    prompt_ids = sorted(prompt_ids, key=len)  # batches of similar length waste less padding
+    chunks = [(sample_index, start) for sample_index in range(samples_per_prompt)  # greedy first, then sampled
+              for start in range(0, len(prompt_ids), batch_size)]
+    for sample_index, start in _progress(chunks, progress, "self-distill", "batch"):
         sample = sample_index > 0
-        for start in range(0, len(prompt_ids), batch_size):
-            chunk = prompt_ids[start:start + batch_size]
-            width = max(len(p) for p in chunk)
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device=target.device)
-            mask = (torch.arange(width, device=ids.device)[None] >= torch.tensor(
-                [width - len(p) for p in chunk], device=ids.device)[:, None]).long()
-            torch.manual_seed(seed + 1000 * sample_index + start)
-            out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                  do_sample=sample, temperature=temperature if sample else None, top_k=None,
-                                  top_p=None, pad_token_id=0 if eos_token_id is None else eos_token_id)
-            for prompt, row in zip(chunk, out):
-                new = row[width:].tolist()
-                if eos_token_id is not None and eos_token_id in new:
-                    new = new[:new.index(eos_token_id) + 1]
-                sequences.append(prompt + new)
+        chunk = prompt_ids[start:start + batch_size]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device=target.device)
+        mask = (torch.arange(width, device=ids.device)[None] >= torch.tensor(
+            [width - len(p) for p in chunk], device=ids.device)[:, None]).long()
+        torch.manual_seed(seed + 1000 * sample_index + start)
+        out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                              do_sample=sample, temperature=temperature if sample else None, top_k=None,
+                              top_p=None, pad_token_id=0 if eos_token_id is None else eos_token_id)
+        for prompt, row in zip(chunk, out):
+            new = row[width:].tolist()
+            if eos_token_id is not None and eos_token_id in new:
+                new = new[:new.index(eos_token_id) + 1]
+            sequences.append(prompt + new)
     max_len = max(len(s) for s in sequences)
     token_ids = torch.zeros(len(sequences), max_len, dtype=torch.long)
     lengths = torch.tensor([len(s) for s in sequences])
@@ -131,7 +111,7 @@ def build_training_set(target, prompt_ids: list[list[int]], layers: list[int], *
         ids = token_ids[start:start + batch_size].to(target.device)
         mask = (torch.arange(max_len)[None] < lengths[start:start + batch_size, None]).long().to(target.device)
         out = target(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-        features.append(torch.cat([out.hidden_states[i] for i in layers], dim=-1).float().cpu())
+        features.append(torch.cat([out.hidden_states[i] for i in layers], dim=-1).to(feature_dtype).cpu())
         labels.append(out.logits.argmax(-1).cpu().masked_fill(mask.cpu() == 0, -100))
     return TrainingSet(token_ids, lengths, torch.cat(features), torch.cat(labels), list(layers))
 
@@ -290,11 +270,12 @@ def train_eagle_head(target, data: TrainingSet, out_dir: str | Path, *, version:
     try:
         for p, _ in frozen:
             p.requires_grad_(False)
-        bar = _progress(range(start, steps), progress, start, steps)
+        bar = _progress(range(start, steps), progress, "train-eagle", "step", start, steps)
         for step in bar:
             rows = _batch_indices(len(data.lengths), batch_size, seed, step)
             width = int(data.lengths[rows].max())
             batch = [t[rows][:, :width].to(device) for t in (data.token_ids, data.features, data.labels)]
+            batch[1] = batch[1].float()
             for group in optimizer.param_groups:
                 group["lr"] = _learning_rate(lr, step, steps)
             loss = eagle_loss(head, batch[0], data.lengths[rows].to(device), batch[1], batch[2], num_unroll,
@@ -334,12 +315,12 @@ def _accelerator():
     return Accelerator()
 
 
-def _progress(steps: range, enabled: bool, start: int, total: int):
+def _progress(items, enabled: bool, desc: str, unit: str, start: int = 0, total: int | None = None):
     if not enabled:
-        return steps
+        return items
     from tqdm.auto import tqdm
 
-    return tqdm(steps, initial=start, total=total, desc="train-eagle", unit="step")
+    return tqdm(items, initial=start, total=len(items) + start if total is None else total, desc=desc, unit=unit)
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -374,7 +355,9 @@ def add_arguments(parser) -> None:
     source.add_argument("--data", default=None, help="prompts file: one per line (.txt) or {\"prompt\": ...} "
                         "lines (.jsonl)")
     source.add_argument("--self-distill", type=int, default=None, metavar="N",
-                        help=f"use N of the {len(PROMPTS)} built-in prompts (default: all)")
+                        help=f"use the first N of the built-in prompts: {len(HAND_WRITTEN)} hand-written, then requests "
+                        f"composed from task forms and subjects, {max_prompts()} in all (default: the hand-written "
+                        f"{len(HAND_WRITTEN)})")
     parser.add_argument("--version", type=int, default=3, choices=[1, 3], help="EAGLE-1/2 or EAGLE-3 head")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -389,6 +372,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-resume", action="store_true", help="start over even if --out holds a checkpoint")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--data-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="the target's dtype while it builds the training set (bfloat16: several times faster "
+                        "on GPUs and on CPUs with AMX; the head then learns from the bfloat16 target's states)")
 
 
 def cmd_train_eagle(args) -> int:
@@ -410,18 +396,21 @@ def cmd_train_eagle(args) -> int:
         if args.data:
             prompts = read_prompts(args.data)
         else:
-            count = args.self_distill or len(PROMPTS)
-            if not 1 <= count <= len(PROMPTS):
-                raise SystemExit(f"--self-distill {count}: choose 1 to {len(PROMPTS)} built-in prompts, or give "
+            count = args.self_distill or len(HAND_WRITTEN)
+            if not 1 <= count <= max_prompts():
+                raise SystemExit(f"--self-distill {count}: choose 1 to {max_prompts()} built-in prompts, or give "
                                  "your own with --data FILE (more samples per prompt: --samples-per-prompt)")
-            prompts = PROMPTS[:count]
+            prompts = built_in_prompts(count, seed=args.seed)
         print(f"generating {len(prompts) * args.samples_per_prompt} training sequences with {args.target} ...")
+        dtype = target.dtype
+        target.to(getattr(torch, args.data_dtype))
         data = build_training_set(target, tokenize_prompts(tokenizer, prompts), default_layers(target, args.version),
                                   max_new_tokens=args.max_new_tokens, samples_per_prompt=args.samples_per_prompt,
                                   batch_size=args.generation_batch_size, eos_token_id=tokenizer.eos_token_id,
-                                  seed=args.seed)
+                                  seed=args.seed, progress=True, feature_dtype=torch.bfloat16)
         out.mkdir(parents=True, exist_ok=True)
         data.save(data_file)
+        target.to(dtype)
         print(f"training set: {len(data.lengths)} sequences, {int(data.lengths.sum())} tokens, "
               f"{time.perf_counter() - start:.0f} s")
     try:

@@ -44,6 +44,50 @@ class DraftProposal:
 
 
 @dataclass
+class DraftTree:
+    """A batch of draft trees, one per row, all with the same node count (unused nodes are invalid). The root is the
+    row's last committed token; a path from the root is one candidate continuation.
+
+    Attributes:
+        token_ids: `[rows, n]` int64 node tokens.
+        parents: `[rows, n]` int64 parent of each node: a node index, or -1 for the root. Parents come before their
+            children (`parents[:, i] < i`), so index order is a topological order.
+        valid: `[rows, n]` bool; an invalid node is never accepted (nor are its descendants).
+    """
+
+    token_ids: torch.Tensor
+    parents: torch.Tensor
+    valid: torch.Tensor
+
+    @classmethod
+    def empty(cls, rows: int, device) -> DraftTree:
+        none = torch.zeros((rows, 0), dtype=torch.long, device=device)
+        return cls(none, none.clone(), none.bool())
+
+    @property
+    def num_nodes(self) -> int:
+        return self.token_ids.shape[1]
+
+    def depths(self) -> torch.Tensor:
+        """`[rows, n]` depth of each node (children of the root: 1)."""
+        depth = torch.zeros_like(self.parents)
+        for i in range(self.num_nodes):  # parents come first, so one pass in index order suffices
+            parent = self.parents[:, i]
+            depth[:, i] = torch.where(parent >= 0, depth.gather(1, parent.clamp(min=0)[:, None])[:, 0] + 1, 1)
+        return depth
+
+    def ancestors(self) -> torch.Tensor:
+        """`[rows, n, n]` bool: `[r, i, j]` is True when node j is node i or one of its ancestors."""
+        rows, n = self.parents.shape
+        eye = torch.eye(n, dtype=torch.bool, device=self.parents.device).expand(rows, n, n).clone()
+        for i in range(n):
+            parent = self.parents[:, i]
+            inherited = eye[torch.arange(rows, device=parent.device), parent.clamp(min=0)] & (parent >= 0)[:, None]
+            eye[:, i] |= inherited
+        return eye
+
+
+@dataclass
 class VerifyResult:
     """What the verifier keeps of a step.
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .kernels.rejection_sample import rejection_sample, sample_with_noise
-from .types import DraftProposal, VerifyResult
+from .types import PAD_ID, DraftProposal, DraftTree, VerifyResult
 
 
 def verify(target_logits: torch.Tensor, draft: DraftProposal, do_sample: bool,
@@ -38,6 +38,53 @@ def verify(target_logits: torch.Tensor, draft: DraftProposal, do_sample: bool,
     output, num_accepted = rejection_sample(draft.token_ids, draft.num_tokens, target_probs, draft.probs,
                                             is_greedy=not do_sample, generator=generator, backend=backend)
     return VerifyResult(output, num_accepted)
+
+
+def verify_tree(target_logits: torch.Tensor, tree: DraftTree, do_sample: bool, max_depth: int, generator: torch.Generator | None = None) -> tuple[VerifyResult, torch.Tensor]:
+    """Verifies draft trees: walks each row's tree from the root along the target's own choices.
+
+    At every node the target picks its token (argmax, or a sample from its processed distribution); if a valid child
+    carries that token the walk moves there and the child is accepted, otherwise the picked token is the recovered
+    token (the bonus token after a leaf) and the walk ends. The output is the target's own greedy continuation, or a
+    sample of exactly its distribution: each emitted token is the target's pick given the tokens before it, and the
+    tree, fixed before the target's randomness is drawn, only decides how many picks one forward checks. (A
+    deterministic tree node is a point-mass draft: accepting it with probability `p(token)`, else renormalising
+    without it and trying its next sibling, is the same as this walk.)
+
+    Args:
+        target_logits: `[rows, n + 1, vocab]` processed float32 logits: entry 0 after the root, entry i + 1 after
+            node i.
+        tree: the drafts.
+        max_depth: at least the depth of the deepest valid node (the walk takes this many steps at most).
+    Returns:
+        `(VerifyResult, path)`: output `[rows, max_depth + 1]` (accepted node tokens, then the recovered or bonus
+        token, `PAD_ID` after), accepted counts `[rows]`, and `path` `[rows, max_depth]`, the accepted node at each
+        depth (-1 past the accepted ones).
+    """
+    rows = target_logits.shape[0]
+    device = target_logits.device
+    if do_sample:
+        picks = sample_unnormalized(torch.softmax(target_logits, dim=-1).flatten(0, 1), generator).view(rows, -1)
+    else:
+        picks = target_logits.argmax(-1)  # [rows, n + 1]
+    parent_entry = tree.parents + 1  # the logits entry of each node's parent (0: the root)
+    current = torch.zeros(rows, dtype=torch.long, device=device)  # logits entry of the node the walk is at
+    alive = torch.ones(rows, dtype=torch.bool, device=device)
+    output = torch.full((rows, max_depth + 1), PAD_ID, dtype=torch.long, device=device)
+    path = torch.full((rows, max_depth), -1, dtype=torch.long, device=device)
+    num_accepted = torch.zeros(rows, dtype=torch.long, device=device)
+    for depth in range(max_depth + 1):
+        pick = picks.gather(1, current[:, None])[:, 0]
+        output[:, depth] = torch.where(alive, pick, PAD_ID)
+        if depth == max_depth:
+            break
+        match = tree.valid & (parent_entry == current[:, None]) & (tree.token_ids == pick[:, None])
+        alive &= match.any(-1)
+        child = match.long().argmax(-1)  # the first matching child
+        path[:, depth] = torch.where(alive, child, -1)
+        num_accepted += alive.long()
+        current = torch.where(alive, child + 1, current)
+    return VerifyResult(output, num_accepted), path
 
 
 def sample_unnormalized(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

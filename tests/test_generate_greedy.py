@@ -201,3 +201,19 @@ def test_num_return_sequences_with_sampling_gives_independent_rows():
     assert out.shape == (6, 28)
     assert torch.equal(out[:3, :16], input_ids[:1].expand(3, -1))
     assert len({tuple(r) for r in out[:3, 16:].tolist()}) > 1  # samples differ
+
+
+def test_repetition_penalty_per_row_prompt_lengths_after_rows_finish():
+    """transformers gives the repetition penalty each row's prompt padding as a per-row tensor; once a row stops
+    early the engine's groups are a subset of the batch, and each must get its own rows' values."""
+    model = ARCHITECTURES["llama"]().eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    input_ids, mask = ragged_batch(rows=3, width=10, seed=4)
+    plain = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                           repetition_penalty=1.8)
+    for row in range(3):  # each row in turn stops early
+        eos = int(plain[row, -8])
+        kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, repetition_penalty=1.8, eos_token_id=eos)
+        expected = model.generate(input_ids=input_ids, **kwargs)
+        assert torch.equal(model.generate(input_ids=input_ids, speculator="ngram", **kwargs), expected)

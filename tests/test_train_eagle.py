@@ -147,4 +147,4 @@ def test_cli_trains_resumes_and_writes_a_loadable_head(tmp_path, capsys):
     assert torch.equal(out, target.generate(input_ids=input_ids, max_new_tokens=10, do_sample=False))
     with pytest.raises(SystemExit, match="choose 1 to"):
         main(["train-eagle", "--target", str(tmp_path / "target"), "--out", str(tmp_path / "x"),
-              "--self-distill", "999"])
+              "--self-distill", "99999"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..types import DraftProposal, SequenceBatch
+from ..types import DraftProposal, DraftTree, SequenceBatch
 from ..verify import sample_unnormalized
 
 
@@ -24,6 +24,8 @@ class Speculator:
     #: Drafting costs next to nothing (a lookup, no model): the engine asks for `num_speculative_tokens` drafts each
     #: step and then chooses how many to verify from what each row offers and its proposal's confidence class.
     drafts_are_free: bool = False
+    #: `propose_tree` is implemented: the engine can verify draft trees (`generate(..., speculative_tree_nodes=N)`).
+    supports_trees: bool = False
     #: Acceptance assumed for each confidence class (`DraftProposal.confidence`) before a call has any evidence.
     confidence_priors: tuple[float, ...] = (0.6,)
 
@@ -33,6 +35,11 @@ class Speculator:
     def propose(self, batch: SequenceBatch, k: int) -> DraftProposal:
         """Returns up to `k` drafts for each row of `batch.active` (in that order)."""
         raise NotImplementedError
+
+    def propose_tree(self, batch: SequenceBatch, depth: int, num_nodes: int, branching: int) -> DraftTree:
+        """Returns a draft tree per row of `batch.active`: at most `num_nodes` nodes, none deeper than `depth`, a
+        node having at most `branching` children. Only speculators with `supports_trees` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} does not draft trees")
 
     def observe_hidden_states(self, hidden) -> None:
         """Called after each verify, before `commit`, when `needs_hidden_states`: the target's hidden states at

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from ..model_runner import ModelRunner, TargetHiddenStates
-from ..types import DraftProposal, SequenceBatch, gather_right_aligned
+from ..paged_cache import TreeAttention
+from ..types import DraftProposal, DraftTree, SequenceBatch, gather_right_aligned
 from .base import Speculator, sample_or_argmax
 from .heads import EagleHead, check_head_target, load_eagle_dir
 
@@ -33,6 +34,7 @@ class EagleSpeculator(Speculator):
     """
 
     needs_hidden_states = True
+    supports_trees = True
 
     def __init__(self, head: EagleHead, block_size: int = 16):
         self.head = head.eval()
@@ -89,19 +91,10 @@ class EagleSpeculator(Speculator):
         if k == 0 or self._pending is None:  # nothing to draft from yet (first step): keep the states for later
             return DraftProposal.empty(len(rows), batch.device)
         rows_t = batch.active_tensor()
-        features, num_states, starts = _select_rows(self._pending, rows)
-        features = features[:, features.shape[1] - max(num_states):]  # rows that left may have been the widest
-        self._pending = None
         runner = self._runner
-        if any(runner.length(r) != s for r, s in zip(rows, starts)):
-            raise RuntimeError("EAGLE head cache out of step with the target's states; this is a bug in hf_specdec")
-        # Entry p pairs the target's feature at p with the token at p + 1.
-        token_ids = gather_right_aligned(batch.token_ids, rows_t, batch.first_col[rows_t] + torch.tensor(
-            starts, device=batch.device) + 1, torch.tensor(num_states, device=batch.device), features.shape[1])
-        self._real_lengths = [s + n for s, n in zip(starts, num_states)]
+        hidden = self._catch_up(batch, rows, rows_t)
         end = batch.end_cols(rows)  # column of the first draft
         tokens, probs = [], []
-        hidden = runner.forward(rows, token_ids, num_states, num_logits=1, features=features, from_target=True)
         for j in range(k):
             last = hidden[:, -1]  # right-aligned: every row's newest entry
             logits = self.head.logits(last, batch.target_vocab_size)
@@ -116,6 +109,93 @@ class EagleSpeculator(Speculator):
         draft_probs = torch.stack(probs, dim=1) if batch.do_sample else None
         return DraftProposal(torch.stack(tokens, dim=1), torch.full((len(rows),), k, device=batch.device),
                              draft_probs)
+
+    @torch.no_grad()
+    def propose_tree(self, batch: SequenceBatch, depth: int, num_nodes: int, branching: int) -> DraftTree:
+        """EAGLE-2's dynamic draft tree, per row: the root's `branching` most likely tokens are the first nodes;
+        each further level feeds the current frontier (the `branching` nodes of highest path probability, with
+        attention to their own ancestors only) through the head at once and adds each one's `branching` most likely
+        children; the tree keeps the `num_nodes` nodes of highest path probability over all levels. A node's path
+        probability is at most its parent's, so the kept set contains every kept node's ancestors. `depth` head
+        forwards in all, as for a chain of `depth` drafts."""
+        rows = list(batch.active)
+        self._rows, self._real_lengths = rows, None
+        if depth == 0 or self._pending is None:
+            return DraftTree.empty(len(rows), batch.device)
+        rows_t = batch.active_tensor()
+        device = batch.device
+        last = self._catch_up(batch, rows, rows_t)[:, -1]  # [rows, hidden]
+        num_rows, width = len(rows), branching
+        vocab = batch.target_vocab_size
+        real = torch.tensor(self._real_lengths, device=device)
+        log_probs = torch.log_softmax(self.head.logits(last, vocab).float(), dim=-1)
+        scores, tokens = log_probs.topk(width, dim=-1)  # the first level: [rows, width]
+        cand_tokens, cand_scores = [tokens], [scores]
+        cand_parents = [torch.full_like(tokens, -1)]
+        frontier = torch.arange(width, device=device).expand(num_rows, -1)  # candidate index of each frontier node
+        frontier_scores, frontier_in = scores, last[:, None].expand(-1, width, -1)
+        num_entries = width * (depth - 1)  # head entries the frontiers add
+        entry_ancestors = torch.zeros(num_rows, num_entries, num_entries, dtype=torch.bool, device=device)
+        entry_positions = torch.zeros(num_rows, num_entries, dtype=torch.long, device=device)
+        entry_of_candidate = torch.full((num_rows, width + (depth - 1) * width * width), -1, dtype=torch.long,
+                                        device=device)
+        entry_hidden = None
+        rows_index = torch.arange(num_rows, device=device)[:, None]
+        num_candidates = width
+        for level in range(1, depth):  # feed the level's frontier, add its children (level + 1)
+            first = (level - 1) * width
+            fed = slice(first, first + width)
+            parents = torch.cat(cand_parents, dim=1).gather(1, frontier)  # candidate index or -1 (the root)
+            parent_entry = entry_of_candidate.gather(1, parents.clamp(min=0))
+            own = torch.zeros(num_rows, width, num_entries, dtype=torch.bool, device=device)
+            own[:, torch.arange(width, device=device), first + torch.arange(width, device=device)] = True
+            inherited = entry_ancestors[rows_index, parent_entry.clamp(min=0)] & (parents >= 0)[:, :, None]
+            entry_ancestors[:, fed] = own | inherited
+            entry_positions[:, fed] = (real + level - 1)[:, None]
+            entry_of_candidate.scatter_(1, frontier, first + torch.arange(width, device=device).expand(num_rows, -1))
+            if level > 1:
+                frontier_in = entry_hidden[rows_index, parent_entry]
+            seen = first + width
+            tree = TreeAttention(real, entry_positions[:, first:seen], entry_ancestors[:, fed, :seen],
+                                 entry_positions[:, :seen])
+            tokens = torch.cat(cand_tokens, dim=1).gather(1, frontier)
+            out = self._runner.forward(rows, tokens, [width] * num_rows, num_logits=width, features=frontier_in,
+                                       from_target=False, tree=tree)  # [rows, width, hidden]
+            entry_hidden = out if entry_hidden is None else torch.cat([entry_hidden, out], dim=1)
+            log_probs = torch.log_softmax(self.head.logits(out, vocab).float(), dim=-1)
+            child_scores, child_tokens = log_probs.topk(width, dim=-1)  # [rows, width, width]
+            child_scores = (frontier_scores[:, :, None] + child_scores).flatten(1)
+            cand_tokens.append(child_tokens.flatten(1))
+            cand_scores.append(child_scores)
+            cand_parents.append(frontier[:, :, None].expand(-1, -1, width).flatten(1))
+            frontier_scores, best = child_scores.topk(width, dim=-1)
+            frontier = num_candidates + best
+            num_candidates += width * width
+        all_scores = torch.cat(cand_scores, dim=1)
+        keep = min(num_nodes, num_candidates)
+        order = torch.sort(all_scores, dim=-1, descending=True, stable=True).indices[:, :keep]
+        chosen = order.sort(dim=-1).values  # candidate order is topological
+        slot = torch.full((num_rows, num_candidates), -1, dtype=torch.long, device=device)
+        slot.scatter_(1, chosen, torch.arange(keep, device=device).expand(num_rows, -1))
+        parents = torch.cat(cand_parents, dim=1).gather(1, chosen)
+        parents = torch.where(parents >= 0, slot.gather(1, parents.clamp(min=0)), -1)
+        return DraftTree(torch.cat(cand_tokens, dim=1).gather(1, chosen), parents,
+                         torch.ones(num_rows, keep, dtype=torch.bool, device=device))
+
+    def _catch_up(self, batch: SequenceBatch, rows: list[int], rows_t: torch.Tensor) -> torch.Tensor:
+        """Feeds the committed tokens whose target states arrived since the last step; returns the head's outputs
+        `[rows, q, hidden]` (right-aligned: column -1 is every row's newest entry)."""
+        features, num_states, starts = _select_rows(self._pending, rows)
+        features = features[:, features.shape[1] - max(num_states):]  # rows that left may have been the widest
+        self._pending = None
+        runner = self._runner
+        if any(runner.length(r) != s for r, s in zip(rows, starts)):
+            raise RuntimeError("EAGLE head cache out of step with the target's states; this is a bug in hf_specdec")
+        # Entry p pairs the target's feature at p with the token at p + 1.
+        token_ids = gather_right_aligned(batch.token_ids, rows_t, batch.first_col[rows_t] + torch.tensor(
+            starts, device=batch.device) + 1, torch.tensor(num_states, device=batch.device), features.shape[1])
+        self._real_lengths = [s + n for s, n in zip(starts, num_states)]
+        return runner.forward(rows, token_ids, num_states, num_logits=1, features=features, from_target=True)
 
     def commit(self, batch: SequenceBatch, num_accepted: list[int]) -> None:
         # Entries built from the head's own outputs go; the next step rebuilds them from the target's real states.

@@ -40,6 +40,36 @@ def attention_mask(query_positions: torch.Tensor, num_context: int, sliding_wind
     return allowed[:, None]
 
 
+def tree_attention_mask(query_slots: torch.Tensor, query_positions: torch.Tensor, num_context: int,
+                        region_start: torch.Tensor, region_mask: torch.Tensor, region_positions: torch.Tensor,
+                        sliding_window: int | None) -> torch.Tensor:
+    """`[rows, 1, q, num_context]` bool mask for a step that feeds draft-tree nodes.
+
+    A row's context is laid out in storage order: its committed tokens at storage indices `< region_start`, where
+    storage index and position agree, then the tree region, whose entries hold tree nodes (several share a position,
+    one per depth). A query sees every committed entry up to its own storage index `query_slots` (causal), and in the
+    region exactly the entries `region_mask` allows (its ancestors and itself). Sliding windows compare positions.
+
+    Args:
+        query_slots: `[rows, q]` storage index of each query; query_positions: `[rows, q]` its position.
+        region_start: `[rows]`; region_mask: `[rows, q, region]` bool; region_positions: `[rows, region]`.
+    """
+    rows, q = query_slots.shape
+    region = region_mask.shape[-1]
+    context = torch.arange(num_context, device=query_slots.device)[None, :].expand(rows, -1)  # [rows, ctx]
+    rel = context - region_start[:, None]
+    committed = rel < 0
+    in_region = ~committed & (rel < region)
+    rel = rel.clamp(0, max(region - 1, 0))
+    allowed = committed[:, None, :] & (context[:, None, :] <= query_slots[:, :, None])
+    if region:
+        allowed |= in_region[:, None, :] & region_mask.gather(2, rel[:, None, :].expand(rows, q, -1))
+    if sliding_window:
+        key_positions = torch.where(in_region, region_positions.gather(1, rel) if region else context, context)
+        allowed &= key_positions[:, None, :] > query_positions[:, :, None] - sliding_window
+    return allowed[:, None]
+
+
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float | None,
            softcap: float | None) -> torch.Tensor:
     """Masked attention over gathered contexts `[rows, kv_heads, num_context, head_dim]`; returns `[rows, q, heads,
