@@ -61,7 +61,7 @@ class Result:
 
 
 def build_configs(model, speculators: dict, k: int, draft_costs: dict, schedule: str = "adaptive",
-                  assisted: bool = True) -> list[Config]:
+                  assisted: bool = True, trees: tuple = (), tree_depth: int = 5) -> list[Config]:
     configs = [Config("plain generate")]
     if assisted:
         configs.append(Config("transformers prompt lookup", dict(prompt_lookup_num_tokens=k), batch_one_only=True))
@@ -73,15 +73,22 @@ def build_configs(model, speculators: dict, k: int, draft_costs: dict, schedule:
         configs.append(Config(f"hf_specdec {name}", dict(speculator=spec, num_speculative_tokens=k,
                                                          speculative_schedule=schedule),
                               draft_cost=draft_costs.get(name, 0.0)))
+        for nodes, branching in trees if getattr(spec, "supports_trees", False) else ():
+            configs.append(Config(f"hf_specdec {name} tree {nodes}x{branching} depth {tree_depth}", dict(
+                speculator=spec, num_speculative_tokens=tree_depth, speculative_tree_nodes=nodes,
+                speculative_tree_branching=branching), draft_cost=draft_costs.get(name, 0.0)))
     return configs
 
 
 def run_bench(model, tokenizer, speculators: dict, batch_sizes=(1, 4, 16), workloads=("grounded", "open_chat"),
               max_new_tokens: int = 128, k: int = 10, repeats: int = 3, progress: bool = True,
-              schedule: str = "adaptive", assisted: bool = True) -> list[Result]:
+              schedule: str = "adaptive", assisted: bool = True, trees: tuple = (),
+              tree_depth: int = 5) -> list[Result]:
     """Runs every configuration; returns one `Result` per (workload, batch size, configuration).
 
     `schedule` is hf_specdec's `speculative_schedule`; `assisted=False` leaves out transformers' own speculation.
+    `trees`: `(nodes, branching)` draft-tree shapes, each also run, `tree_depth` deep, by every speculator that
+    drafts trees.
     """
     from tqdm.auto import tqdm
 
@@ -89,7 +96,7 @@ def run_bench(model, tokenizer, speculators: dict, batch_sizes=(1, 4, 16), workl
         n: s.relative_cost(model) if isinstance(s, Speculator) else s.num_parameters() / model.num_parameters()
         for n, s in speculators.items() if not isinstance(s, str)
     }
-    configs = build_configs(model, speculators, k, draft_costs, schedule, assisted)
+    configs = build_configs(model, speculators, k, draft_costs, schedule, assisted, trees, tree_depth)
     plan = [(w, b) for w in workloads for b in batch_sizes]
     total = sum(len([c for c in configs if b == 1 or not c.batch_one_only]) for _, b in plan) * (repeats + 1)
     bar = tqdm(total=total, disable=not progress, desc="bench")

@@ -72,6 +72,12 @@ def cmd_run(args) -> int:
     inputs = chat_inputs(tokenizer, [args.prompt or GROUNDED["repeat_summarise"]]).to(model.device)
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     speculative = dict(speculator=_speculator(args.speculator, model, tokenizer), num_speculative_tokens=args.k)
+    if args.tree:
+        shapes = _tree_shapes(args.tree)
+        if len(shapes) != 1:
+            raise SystemExit(f"--tree {args.tree!r}: give one shape NODESxBRANCHING, e.g. 16x4")
+        (nodes, branching), = shapes
+        speculative.update(speculative_tree_nodes=nodes, speculative_tree_branching=branching)
 
     def timed(**kwargs):
         start = time.perf_counter()
@@ -93,7 +99,8 @@ def cmd_run(args) -> int:
     metrics = spec.speculative_metrics
     print(text)
     print("-" * 80)
-    print(f"model {args.model}, speculator {args.speculator}, k={args.k}, {new_tokens} new tokens, "
+    print(f"model {args.model}, speculator {args.speculator}, k={args.k}"
+          f"{f', tree {args.tree}' if args.tree else ''}, {new_tokens} new tokens, "
           f"median of {args.repeats}")
     print(f"plain generate:       {plain_tps:6.1f} tokens/s")
     print(f"speculative generate: {spec_tps:6.1f} tokens/s   speedup {spec_tps / plain_tps:.2f}x")
@@ -135,16 +142,31 @@ def cmd_bench(args) -> int:
         for quantization in _quantizations(args.draft_quantization) if name != "ngram" else [None]:
             label = name if quantization is None else f"{name} [{quantization}]"
             speculators[label] = _speculator(name, model, tokenizer, quantization)
+    trees = _tree_shapes(args.trees)
+    if trees and not any(getattr(s, "supports_trees", False) for s in speculators.values()):
+        raise SystemExit("--trees needs a speculator that drafts trees (an EAGLE head directory in --speculators)")
     results = run_bench(model, tokenizer, speculators, [int(b) for b in args.batch_sizes.split(",")],
                         args.workloads.split(","), args.max_new_tokens, args.k, args.repeats,
-                        schedule=args.schedule, assisted=not args.no_assisted)
-    meta = {"model": args.model, "speculators": list(speculators), "k": args.k, "max_new_tokens": args.max_new_tokens,
+                        schedule=args.schedule, assisted=not args.no_assisted, trees=trees,
+                        tree_depth=args.tree_depth)
+    meta = {"model": args.model, "speculators": list(speculators), "k": args.k, "trees": args.trees,
+            "tree_depth": args.tree_depth, "max_new_tokens": args.max_new_tokens,
             "repeats": args.repeats, "schedule": args.schedule, "command": "hf-specdec bench " + " ".join(sys.argv[2:]),
             **environment()}
     save(results, args.out, args.plot, meta)
     print(table(results))
     print(f"\nwrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
     return 0
+
+
+def _tree_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    shapes = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        nodes, _, branching = item.partition("x")
+        if not (nodes.isdigit() and branching.isdigit() and int(nodes) > 0 and int(branching) > 0):
+            raise SystemExit(f"--trees {text!r}: give NODESxBRANCHING shapes, comma-separated, e.g. 16x4,32x4")
+        shapes.append((int(nodes), int(branching)))
+    return tuple(shapes)
 
 
 def cmd_demo(args) -> int:
@@ -211,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--repeats", type=int, default=3, help="timed repeats; medians are reported")
     run.add_argument("--prompt", default=None, help="user prompt (default: a repeat-then-summarise task)")
     run.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    run.add_argument("--tree", default=None, metavar="NODESxBRANCHING",
+                     help="draft trees of this shape (EAGLE heads), -k deep, e.g. 16x4")
     run.set_defaults(func=cmd_run)
 
     bench = sub.add_parser("bench", help="benchmark plain, transformers-assisted and hf_specdec generation")
@@ -229,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--schedule", default="adaptive", choices=["adaptive", "constant"],
                        help="speculative_schedule: choose k per step, or always draft k")
     bench.add_argument("--no-assisted", action="store_true", help="leave out transformers' own assisted generation")
+    bench.add_argument("--trees", default="", help="draft-tree shapes NODESxBRANCHING, comma-separated (e.g. "
+                       "16x4,32x4): each also runs with every speculator that drafts trees (EAGLE heads)")
+    bench.add_argument("--tree-depth", type=int, default=5, help="num_speculative_tokens (the depth) of --trees runs")
     bench.set_defaults(func=cmd_bench)
 
     gen = sub.add_parser("generate", help="stream one prompt's speculative generation")

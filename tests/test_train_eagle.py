@@ -148,3 +148,19 @@ def test_cli_trains_resumes_and_writes_a_loadable_head(tmp_path, capsys):
     with pytest.raises(SystemExit, match="choose 1 to"):
         main(["train-eagle", "--target", str(tmp_path / "target"), "--out", str(tmp_path / "x"),
               "--self-distill", "99999"])
+
+
+def test_built_in_prompt_set_is_large_varied_and_leaves_the_benchmark_out():
+    from hf_specdec.train_prompts import HAND_WRITTEN, built_in_prompts, max_prompts
+    from hf_specdec.workloads import GROUNDED, OPEN_CHAT
+
+    assert built_in_prompts() == HAND_WRITTEN
+    prompts = built_in_prompts(max_prompts())
+    assert len(prompts) == len(set(prompts)) > 5000  # no repeats
+    assert prompts[:len(HAND_WRITTEN)] == HAND_WRITTEN  # the hand-written ones first, then composed requests
+    assert built_in_prompts(100) == prompts[:100] and built_in_prompts(100, seed=1) != built_in_prompts(100)
+    benchmark = [p.lower() for p in [*GROUNDED.values(), *OPEN_CHAT.values()]]
+    for word in ("lighthouse", "rainbow", "studying", "calder bay"):
+        assert any(word in b for b in benchmark) and not any(word in p.lower() for p in prompts)
+    with pytest.raises(ValueError, match="--data FILE"):
+        built_in_prompts(max_prompts() + 1)
