@@ -219,7 +219,7 @@ class SpeculativeEngine:
         region_mask = torch.cat([ancestors.new_zeros(len(rows), width, n), ancestors], dim=1)
         wants_states = self.speculator.needs_hidden_states
         out = target.forward(rows, input_ids, num_fed, num_logits=n + 1, output_hidden_states=wants_states,
-                             tree=TreeAttention(lengths, positions, region_mask, node_positions))
+                             tree=TreeAttention(lengths, positions, region_mask, node_positions) if n else None)
         logits = out.logits  # [rows, n + 1, vocab]: after the root (the last pending token), then after each node
         end = batch.end_cols(rows)
         scores = self._tree_scores(batch, rows_t, end, tree, depths, ancestors, logits)

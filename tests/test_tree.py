@@ -275,3 +275,20 @@ def test_tree_options_are_checked(fitted_heads):
         target.generate(input_ids, max_new_tokens=4, speculator=spec, speculative_tree_branching=2)
     with pytest.raises(ValueError, match="only applies together with speculator"):
         target.generate(input_ids, max_new_tokens=4, speculative_tree_nodes=4)
+
+
+def test_pipeline_passes_tree_options(fitted_heads):
+    from conftest import make_tokenizer, word_prompt
+    from transformers import pipeline
+
+    target, spec = fitted_heads[1]
+    tokenizer = make_tokenizer()
+    stock = pipeline("text-generation", model=target, tokenizer=tokenizer)
+    ours = pipeline("speculative-text-generation", model=target, tokenizer=tokenizer, assistant=spec)
+    greedy = dict(max_new_tokens=12, do_sample=False)
+    for seed, length in ((1, 9), (2, 5)):
+        prompt = word_prompt(seed, length)
+        assert ours(prompt, num_speculative_tokens=3, speculative_tree_nodes=6, speculative_tree_branching=2,
+                    **greedy) == stock(prompt, **greedy)
+    with pytest.raises(ValueError, match="fixed shape"):
+        ours(word_prompt(1, 9), speculative_tree_nodes=6, speculative_schedule="adaptive", **greedy)
