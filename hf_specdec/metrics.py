@@ -14,9 +14,11 @@ class SpeculativeMetrics:
 
     Attributes:
         num_drafts: (row, step) pairs in which the speculator proposed at least one token.
-        num_draft_tokens: draft tokens proposed.
+        num_draft_tokens: draft tokens proposed (with draft trees: tree nodes, so `acceptance_rate` is per node and
+            `mean_acceptance_length` is the figure to compare with chains).
         num_accepted_tokens: draft tokens the verifier accepted.
-        accepted_per_position: `[i]` = drafts with at least `i + 1` accepted tokens.
+        accepted_per_position: `[i]` = drafts with at least `i + 1` accepted tokens (with trees: reaching depth
+            `i + 1`).
         num_steps: verify steps (target forwards) of the decode loop.
         num_emitted_tokens: tokens added to the outputs.
         draft_time_s / verify_time_s / total_time_s: wall time in proposing, verifying (target forward, logits
