@@ -153,19 +153,9 @@ class SpeculativeEngine:
         broken = ~torch.isfinite(logits).flatten(1).all(-1)
         if draft.probs is not None:
             broken |= ~torch.isfinite(draft.probs).flatten(1).all(-1)
-        counts = torch.stack([num_emit.long(), result.num_accepted.long(), draft.num_tokens.long(), finished.long(),
-                              broken.long()])
-        num_emit, num_accepted, num_drafted, finished, broken = counts.tolist()  # the step's one host transfer
-        if any(broken):
-            raise FloatingPointError(
-                f"{'the target or draft model' if draft.probs is not None else 'the target model'} produced NaN or "
-                f"inf logits for batch rows {[r for r, b in zip(rows, broken) if b]}; float16 overflow is the usual "
-                "cause: load the model in bfloat16 or float32, or check its weights"
-            )
-        for row, n, done in zip(rows, num_emit, finished):
-            batch.lengths[row] += n
-            if not done:  # the target's cache keeps every committed token but the last
-                target.rollback(row, batch.lengths[row] - 1)
+        num_emit, num_accepted, num_drafted, finished = self._commit(
+            batch, target, rows, [num_emit, result.num_accepted, draft.num_tokens, finished, broken],
+            "the target or draft model" if draft.probs is not None else "the target model")
         if wants_states:
             # Only tokens now committed have valid states: every one but the newest (its state comes next step).
             num_committed = [max(0, batch.lengths[r] - 1 - c) for r, c in zip(rows, cached)]
@@ -233,23 +223,13 @@ class SpeculativeEngine:
         num_emit, finished = stop.apply(batch.token_ids, rows_t, end, output, result.num_accepted + 1,
                                         torch.tensor(budget, device=device), path_scores)
         broken = ~torch.isfinite(logits).flatten(1).all(-1)
-        counts = torch.stack([num_emit.long(), result.num_accepted.long(), tree.valid.sum(-1), finished.long(),
-                              broken.long()])
+        counts = [num_emit, result.num_accepted, tree.valid.sum(-1), finished, broken]
         # Pack the accepted path: the node at depth d moves from storage L + path[d] to L + d.
         depth_index = torch.arange(max_depth, device=device)[None, :]
         moves = (path >= 0) & (path != depth_index)
         target.cache.move(rows, lengths[:, None] + path.clamp(min=0),
                           torch.where(moves, lengths[:, None] + depth_index, -1))
-        num_emit, num_accepted, num_drafted, finished, broken = counts.tolist()  # the step's one host transfer
-        if any(broken):
-            raise FloatingPointError(
-                f"the target model produced NaN or inf logits for batch rows {[r for r, b in zip(rows, broken) if b]}; "
-                "float16 overflow is the usual cause: load the model in bfloat16 or float32, or check its weights"
-            )
-        for row, count, done in zip(rows, num_emit, finished):
-            batch.lengths[row] += count
-            if not done:  # the target's cache keeps every committed token but the last
-                target.rollback(row, batch.lengths[row] - 1)
+        num_emit, num_accepted, num_drafted, finished = self._commit(batch, target, rows, counts, "the target model")
         if wants_states:
             num_committed = [max(0, batch.lengths[r] - 1 - c) for r, c in zip(rows, cached)]
             self.speculator.observe_hidden_states(_tree_hidden_states(
@@ -260,6 +240,23 @@ class SpeculativeEngine:
         metrics.draft_time_s += t1 - t0
         metrics.verify_time_s += time.perf_counter() - t1
         return num_emit, [r for r, done in zip(rows, finished) if done]
+
+    @staticmethod
+    def _commit(batch, target, rows, counts, producer) -> tuple[list[int], ...]:
+        """The step's one host transfer (`counts`: emitted, accepted, drafted, finished, broken per row); refuses
+        NaN/inf logits (they would silently become arbitrary tokens), then extends each row and rolls the target's
+        cache back to every committed token but the last. Returns the first four as lists."""
+        num_emit, num_accepted, num_drafted, finished, broken = torch.stack([c.long() for c in counts]).tolist()
+        if any(broken):
+            raise FloatingPointError(
+                f"{producer} produced NaN or inf logits for batch rows {[r for r, b in zip(rows, broken) if b]}; "
+                "float16 overflow is the usual cause: load the model in bfloat16 or float32, or check its weights"
+            )
+        for row, count, done in zip(rows, num_emit, finished):
+            batch.lengths[row] += count
+            if not done:
+                target.rollback(row, batch.lengths[row] - 1)
+        return num_emit, num_accepted, num_drafted, finished
 
     @staticmethod
     def _tree_scores(batch, rows_t, end, tree, depths, ancestors, logits):

@@ -292,3 +292,14 @@ def test_pipeline_passes_tree_options(fitted_heads):
                     **greedy) == stock(prompt, **greedy)
     with pytest.raises(ValueError, match="fixed shape"):
         ours(word_prompt(1, 9), speculative_tree_nodes=6, speculative_schedule="adaptive", **greedy)
+
+
+def test_nan_logits_in_a_tree_step_are_refused(fitted_heads):
+    import copy
+
+    target, spec = fitted_heads[1]
+    broken = copy.deepcopy(target)
+    with torch.no_grad():
+        broken.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="the target model produced NaN or inf logits for batch rows"):
+        tree_generate(broken, spec, torch.tensor([[2, 3, 4, 5]]), nodes=4, branching=2, k=2)
