@@ -102,3 +102,15 @@ def word_prompt(seed: int, length: int) -> str:
     g = torch.Generator().manual_seed(seed)
     phrase = [f"w{i}" for i in torch.randint(4, VOCAB, (4,), generator=g).tolist()]
     return " ".join((phrase * length)[:length])
+
+
+@pytest.fixture(scope="session")
+def fitted_eagle_heads(tmp_path_factory):
+    """EAGLE heads fitted to tiny targets (`test_eagle.fit_reference`), in the reference layout: `{1: (target,
+    dir), 3: (target, dir)}`. Fitting takes a while, so every module shares one."""
+    from test_eagle import fit_reference, make_target
+
+    root = tmp_path_factory.mktemp("fitted")
+    target1, target3 = make_target(num_layers=2), make_target(num_layers=4, seed=1)
+    return {1: (target1, fit_reference(root / "v1", target1, 1, [2])),
+            3: (target3, fit_reference(root / "v3", target3, 3, [1, 2, 3]))}

@@ -281,12 +281,9 @@ def acceptance(target, spec) -> float:
     return out.speculative_metrics.acceptance_rate
 
 
-@pytest.fixture(scope="module")
-def fitted(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fitted")
-    target1, target3 = make_target(num_layers=2), make_target(num_layers=4, seed=1)
-    return {1: (target1, fit_reference(root / "v1", target1, 1, [2])),
-            3: (target3, fit_reference(root / "v3", target3, 3, [1, 2, 3]))}
+@pytest.fixture
+def fitted(fitted_eagle_heads):
+    return fitted_eagle_heads  # session-scoped in conftest.py: fitted once, shared with test_tree.py
 
 
 def test_fitted_eagle1_head_accepts_and_miswiring_drops_it(fitted, tmp_path):

@@ -8,7 +8,7 @@ import torch
 from conftest import VOCAB, ragged_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_eagle import convert, fit_reference, make_target
+from test_eagle import convert, make_target
 from test_generate_sampling import SAMPLES, SETTINGS, exact_joint, peaky_model, tv
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
@@ -140,14 +140,12 @@ def test_sampled_tree_walk_emits_the_target_distribution():
 
 # --- the engine ---------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def fitted_heads(tmp_path_factory):
+def fitted_heads(fitted_eagle_heads, tmp_path_factory):
     root = tmp_path_factory.mktemp("tree-heads")
-    target1, target3 = make_target(num_layers=2), make_target(num_layers=4, seed=1)
-    return {1: (target1, EagleSpeculator.from_pretrained(convert_eagle(
-                fit_reference(root / "v1", target1, 1, [2]), root / "v1-ours", target=target1))),
-            3: (target3, EagleSpeculator.from_pretrained(convert_eagle(
-                fit_reference(root / "v3", target3, 3, [1, 2, 3]), root / "v3-ours", target=target3,
-                aux_layers=[1, 2, 3])))}
+    (target1, src1), (target3, src3) = fitted_eagle_heads[1], fitted_eagle_heads[3]
+    return {1: (target1, EagleSpeculator.from_pretrained(convert_eagle(src1, root / "v1", target=target1))),
+            3: (target3, EagleSpeculator.from_pretrained(convert_eagle(src3, root / "v3", target=target3,
+                                                                       aux_layers=[1, 2, 3])))}
 
 
 def tree_generate(target, spec, input_ids, attention_mask=None, nodes=8, branching=3, k=4, max_new_tokens=24,
