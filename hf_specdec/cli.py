@@ -73,7 +73,7 @@ def cmd_run(args) -> int:
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     speculative = dict(speculator=_speculator(args.speculator, model, tokenizer), num_speculative_tokens=args.k)
     if args.tree:
-        shapes = _tree_shapes(args.tree)
+        shapes = _tree_shapes(args.tree, "--tree")
         if len(shapes) != 1:
             raise SystemExit(f"--tree {args.tree!r}: give one shape NODESxBRANCHING, e.g. 16x4")
         (nodes, branching), = shapes
@@ -159,12 +159,12 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def _tree_shapes(text: str) -> tuple[tuple[int, int], ...]:
+def _tree_shapes(text: str, option: str = "--trees") -> tuple[tuple[int, int], ...]:
     shapes = []
     for item in filter(None, (t.strip() for t in text.split(","))):
         nodes, _, branching = item.partition("x")
         if not (nodes.isdigit() and branching.isdigit() and int(nodes) > 0 and int(branching) > 0):
-            raise SystemExit(f"--trees {text!r}: give NODESxBRANCHING shapes, comma-separated, e.g. 16x4,32x4")
+            raise SystemExit(f"{option} {text!r}: give NODESxBRANCHING shapes, comma-separated, e.g. 16x4,32x4")
         shapes.append((int(nodes), int(branching)))
     return tuple(shapes)
 

@@ -186,11 +186,11 @@ class SpeculativeEngine:
         n = tree.num_nodes
         if n == 0:
             max_depth = 0
-        depths = tree.depths()
+        ancestors = tree.ancestors(max(max_depth, 1))  # the speculator drafts no deeper than max_depth
+        depths = ancestors.sum(-1)
         # Never draft past a row's length budget: the last token a row may emit is always the target's own.
         limits = torch.tensor([max(0, b - 1) for b in budget], device=device)
         tree = DraftTree(tree.token_ids, tree.parents, tree.valid & (depths <= limits[:, None]))
-        ancestors = tree.ancestors()
         t1 = time.perf_counter()
 
         cached = [target.length(r) for r in rows]
@@ -218,8 +218,10 @@ class SpeculativeEngine:
         output = result.output_token_ids  # [rows, max_depth + 1]
         span = end[:, None] + torch.arange(max_depth + 1, device=device)
         batch.token_ids[rows_t[:, None], span] = torch.where(output == PAD_ID, pad_token_id, output)
-        entries = torch.cat([torch.zeros_like(path[:, :1]), path + 1], dim=1).clamp(min=0)  # logits entry per output
-        path_scores = scores[torch.arange(len(rows), device=device)[:, None], entries]
+        path_scores = None
+        if stop.custom:  # custom criteria get the scores that produced each output token
+            entries = torch.cat([torch.zeros_like(path[:, :1]), path + 1], dim=1).clamp(min=0)
+            path_scores = scores[torch.arange(len(rows), device=device)[:, None], entries]
         num_emit, finished = stop.apply(batch.token_ids, rows_t, end, output, result.num_accepted + 1,
                                         torch.tensor(budget, device=device), path_scores)
         broken = ~torch.isfinite(logits).flatten(1).all(-1)
@@ -227,7 +229,7 @@ class SpeculativeEngine:
         # Pack the accepted path: the node at depth d moves from storage L + path[d] to L + d.
         depth_index = torch.arange(max_depth, device=device)[None, :]
         moves = (path >= 0) & (path != depth_index)
-        target.cache.move(rows, lengths[:, None] + path.clamp(min=0),
+        target.cache.move(target.cache.plan.block_tables, lengths[:, None] + path.clamp(min=0),
                           torch.where(moves, lengths[:, None] + depth_index, -1))
         num_emit, num_accepted, num_drafted, finished = self._commit(batch, target, rows, counts, "the target model")
         if wants_states:
@@ -318,7 +320,8 @@ class SpeculativeEngine:
         # Refuse before starting, so a batch that cannot fit never leaves other rows half-generated.
         if self.max_num_blocks is None:
             return
-        worst = sum(-(-(n + max_new_tokens + self.k) // self.block_size) for n in prompt_lengths)
+        extra = max(self.k, self.tree_nodes or 0)  # a step's drafts are written before they are verified
+        worst = sum(-(-(n + max_new_tokens + extra) // self.block_size) for n in prompt_lengths)
         if worst > self.max_num_blocks - 1:
             raise OutOfBlocksError(
                 f"this batch may need {worst} KV blocks of {self.block_size} tokens but the pool is capped at "

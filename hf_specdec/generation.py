@@ -79,10 +79,13 @@ def _check_tree(nodes, branching, schedule) -> tuple[int | None, int]:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not
                                   1 <= value <= MAX_TREE_NODES):
             raise ValueError(f"{name} must be an int from 1 to {MAX_TREE_NODES}, got {value!r}")
+    if branching is not None and branching > nodes:
+        raise ValueError(f"speculative_tree_branching={branching} is more children than the tree's "
+                         f"speculative_tree_nodes={nodes}; keep branching at most the node count (4 to 10 is usual)")
     if schedule == "adaptive":
         raise ValueError("draft trees have a fixed shape: speculative_tree_nodes= goes with "
                          "speculative_schedule='constant' (or leave speculative_schedule unset)")
-    return nodes, DEFAULT_TREE_BRANCHING if branching is None else branching
+    return nodes, min(DEFAULT_TREE_BRANCHING, nodes) if branching is None else branching
 
 
 def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=None, speculative_schedule=None,

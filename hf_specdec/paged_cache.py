@@ -189,17 +189,13 @@ class PagedKVCache(Cache):
                                  backend, slots, tree, query_positions)
         return self.plan
 
-    def move(self, seq_ids: list[int], sources: torch.Tensor, destinations: torch.Tensor) -> None:
+    def move(self, block_tables: torch.Tensor, sources: torch.Tensor, destinations: torch.Tensor) -> None:
         """Copies, in every layer, row i's keys and values at storage index `sources[i, j]` to `destinations[i, j]`
         (`[rows, m]`; a negative destination skips the entry). All sources are read before anything is written.
         Used to pack an accepted tree path into consecutive positions; both indices must lie within each row's
-        reserved length."""
+        reserved length, and `block_tables` (`[rows, max_blocks]`, e.g. the last step plan's) must be current."""
         if not self.key_pools or sources.numel() == 0:
             return
-        device = next(iter(self.key_pools.values())).device
-        tables = [self.manager.block_table(s) for s in seq_ids]
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
         skip = destinations < 0
         src = torch.where(skip, SCRATCH_SLOT, slots_of(block_tables, sources.clamp(min=0), self.block_size))
         dst = torch.where(skip, SCRATCH_SLOT, slots_of(block_tables, destinations.clamp(min=0), self.block_size))

@@ -68,23 +68,24 @@ class DraftTree:
     def num_nodes(self) -> int:
         return self.token_ids.shape[1]
 
-    def depths(self) -> torch.Tensor:
-        """`[rows, n]` depth of each node (children of the root: 1)."""
-        depth = torch.zeros_like(self.parents)
-        for i in range(self.num_nodes):  # parents come first, so one pass in index order suffices
-            parent = self.parents[:, i]
-            depth[:, i] = torch.where(parent >= 0, depth.gather(1, parent.clamp(min=0)[:, None])[:, 0] + 1, 1)
-        return depth
+    def depths(self, max_depth: int | None = None) -> torch.Tensor:
+        """`[rows, n]` depth of each node (children of the root: 1). `max_depth` bounds the work: the deepest node
+        may be no deeper (default: n)."""
+        return self.ancestors(max_depth).sum(-1)
 
-    def ancestors(self) -> torch.Tensor:
-        """`[rows, n, n]` bool: `[r, i, j]` is True when node j is node i or one of its ancestors."""
+    def ancestors(self, max_depth: int | None = None) -> torch.Tensor:
+        """`[rows, n, n]` bool: `[r, i, j]` is True when node j is node i or one of its ancestors. Pointer jumping,
+        one step per level: `max_depth - 1` rounds (default: n - 1)."""
         rows, n = self.parents.shape
-        eye = torch.eye(n, dtype=torch.bool, device=self.parents.device).expand(rows, n, n).clone()
-        for i in range(n):
-            parent = self.parents[:, i]
-            inherited = eye[torch.arange(rows, device=parent.device), parent.clamp(min=0)] & (parent >= 0)[:, None]
-            eye[:, i] |= inherited
-        return eye
+        device = self.parents.device
+        found = torch.eye(n, dtype=torch.bool, device=device).expand(rows, n, n).clone()
+        current = self.parents
+        for _ in range((n if max_depth is None else max_depth) - 1):
+            has = current >= 0
+            index = current.clamp(min=0)[:, :, None]
+            found.scatter_(2, index, found.gather(2, index) | has[:, :, None])
+            current = torch.where(has, self.parents.gather(1, current.clamp(min=0)), -1)
+        return found
 
 
 @dataclass

@@ -63,10 +63,7 @@ def verify_tree(target_logits: torch.Tensor, tree: DraftTree, do_sample: bool, m
     """
     rows = target_logits.shape[0]
     device = target_logits.device
-    if do_sample:
-        picks = sample_unnormalized(torch.softmax(target_logits, dim=-1).flatten(0, 1), generator).view(rows, -1)
-    else:
-        picks = target_logits.argmax(-1)  # [rows, n + 1]
+    rows_index = torch.arange(rows, device=device)
     parent_entry = tree.parents + 1  # the logits entry of each node's parent (0: the root)
     current = torch.zeros(rows, dtype=torch.long, device=device)  # logits entry of the node the walk is at
     alive = torch.ones(rows, dtype=torch.bool, device=device)
@@ -74,7 +71,8 @@ def verify_tree(target_logits: torch.Tensor, tree: DraftTree, do_sample: bool, m
     path = torch.full((rows, max_depth), -1, dtype=torch.long, device=device)
     num_accepted = torch.zeros(rows, dtype=torch.long, device=device)
     for depth in range(max_depth + 1):
-        pick = picks.gather(1, current[:, None])[:, 0]
+        here = target_logits[rows_index, current]  # [rows, vocab]: only the nodes the walk reaches are drawn for
+        pick = sample_unnormalized(torch.softmax(here, dim=-1), generator) if do_sample else here.argmax(-1)
         output[:, depth] = torch.where(alive, pick, PAD_ID)
         if depth == max_depth:
             break

@@ -223,30 +223,32 @@ def test_eos_and_length_budget_inside_a_tree(fitted_heads):
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_tree_sampling_matches_target_joint_distribution(tmp_path, setting):
-    """First three tokens (the second step verifies a tree of siblings under the root) follow the target exactly."""
+    """The first four sampled tokens follow the target exactly. The second step verifies a two-level tree (three
+    siblings under the root, children under them), so sibling order, deeper levels and the packing of an accepted
+    path all take part."""
     kwargs, warpers = SETTINGS[setting]
     target = peaky_model(0, sharpness=4.0)
     spec = EagleSpeculator.from_pretrained(convert(tmp_path, target, 1))
     prompt = torch.tensor([[1, 3, 4, 3, 4, 3]])
-    first_two = exact_joint(target, prompt, warpers).view(-1)
-    with torch.no_grad():  # third token given each (first, second) pair
-        pairs = torch.cartesian_prod(torch.arange(8), torch.arange(8))
-        ids = torch.cat([prompt.expand(64, -1), pairs], dim=1)
-        third = torch.softmax(warpers(ids, target(ids).logits[:, -1].float()), -1).double()
-    expected = (first_two[:, None] * third).flatten()
+    expected = exact_joint(target, prompt, warpers).view(8, 8)
+    with torch.no_grad():  # extend the exact joint one token at a time: p(t3 | t1 t2), then p(t4 | t1 t2 t3)
+        for length in (2, 3):
+            prefixes = torch.cartesian_prod(*[torch.arange(8)] * length)
+            ids = torch.cat([prompt.expand(len(prefixes), -1), prefixes], dim=1)
+            step = torch.softmax(warpers(ids, target(ids).logits[:, -1].float()), -1).double()
+            expected = expected[..., None] * step.view(*[8] * length, 8)
     torch.manual_seed(0)
-    out = target.generate(prompt.expand(SAMPLES, -1), max_new_tokens=3, do_sample=True, speculator=spec,
-                          num_speculative_tokens=2, speculative_tree_nodes=3, speculative_tree_branching=3,
+    out = target.generate(prompt.expand(SAMPLES, -1), max_new_tokens=4, do_sample=True, speculator=spec,
+                          num_speculative_tokens=3, speculative_tree_nodes=6, speculative_tree_branching=3,
                           return_dict_in_generate=True, **kwargs)
-    assert out.speculative_metrics.num_accepted_tokens > 0
-    seq = out.sequences[:, -3:]
-    expected = expected.view(8, 8, 8)
-    # The three pair marginals (64 outcomes each; the 512-outcome joint is too flat for 20k samples): expected TV
-    # noise about 0.02 at worst, as in test_generate_sampling.
-    for (a, b), marginal in (((0, 1), expected.sum(2)), ((1, 2), expected.sum(0)), ((0, 2), expected.sum(1))):
-        assert tv(seq[:, a] * 8 + seq[:, b], marginal.flatten()) < 0.045, (a, b)
     metrics = out.speculative_metrics
-    assert metrics.num_draft_tokens == 3 * metrics.num_drafts  # every tree had three sibling nodes
+    assert len(metrics.accepted_per_position) >= 2  # some rows accepted a path two nodes deep
+    seq = out.sequences[:, -4:]
+    # Pair marginals (64 outcomes each; the 4096-outcome joint is too flat for 20k samples): expected TV noise about
+    # 0.02 at worst, as in test_generate_sampling.
+    for a, b in ((0, 1), (1, 2), (2, 3), (1, 3), (0, 3)):
+        others = tuple(d for d in range(4) if d not in (a, b))
+        assert tv(seq[:, a] * 8 + seq[:, b], expected.sum(others).flatten()) < 0.045, (a, b)
 
 
 def test_tree_sampling_is_seeded_deterministic(fitted_heads):
@@ -269,6 +271,9 @@ def test_tree_options_are_checked(fitted_heads):
                         speculative_schedule="adaptive")
     with pytest.raises(ValueError, match="speculative_tree_nodes must be an int"):
         target.generate(input_ids, max_new_tokens=4, speculator=spec, speculative_tree_nodes=0)
+    with pytest.raises(ValueError, match="more children than the tree's speculative_tree_nodes=3"):
+        target.generate(input_ids, max_new_tokens=4, speculator=spec, speculative_tree_nodes=3,
+                        speculative_tree_branching=5)
     with pytest.raises(ValueError, match="only applies together with speculative_tree_nodes"):
         target.generate(input_ids, max_new_tokens=4, speculator=spec, speculative_tree_branching=2)
     with pytest.raises(ValueError, match="only applies together with speculator"):
@@ -293,11 +298,37 @@ def test_pipeline_passes_tree_options(fitted_heads):
 
 
 def test_nan_logits_in_a_tree_step_are_refused(fitted_heads):
-    import copy
-
+    """The NaN appears in the second forward, the first that verifies a tree (the first has no states to draft from)."""
     target, spec = fitted_heads[1]
-    broken = copy.deepcopy(target)
-    with torch.no_grad():
-        broken.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
-    with pytest.raises(FloatingPointError, match="the target model produced NaN or inf logits for batch rows"):
-        tree_generate(broken, spec, torch.tensor([[2, 3, 4, 5]]), nodes=4, branching=2, k=2)
+    calls = []
+
+    def poison(module, args, output):
+        calls.append(1)
+        return output.masked_fill(torch.ones_like(output, dtype=torch.bool), float("nan")) if len(calls) > 1 else output
+
+    handle = target.model.layers[0].mlp.register_forward_hook(poison)
+    try:
+        with pytest.raises(FloatingPointError, match="the target model produced NaN or inf logits for batch rows"):
+            tree_generate(target, spec, torch.tensor([[2, 3, 4, 5]]), nodes=4, branching=2, k=2)
+    finally:
+        handle.remove()
+    assert len(calls) == 2
+
+
+def test_sliding_window_target(tmp_path):
+    """A Mistral target whose window (8) is shorter than the sequence: tree nodes attend by position, not storage."""
+    from conftest import COMMON
+    from test_eagle import fit_reference
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(3)
+    target = MistralForCausalLM(MistralConfig(**COMMON, sliding_window=8)).double().eval()
+    target.generation_config.eos_token_id = None
+    target.generation_config.pad_token_id = 0
+    spec = EagleSpeculator.from_pretrained(convert_eagle(fit_reference(tmp_path / "src", target, 1, [2], steps=100),
+                                                         tmp_path / "ours", target=target))
+    input_ids, mask = ragged_batch(rows=3, width=12, seed=8)
+    expected = target.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    out = tree_generate(target, spec, input_ids, mask, nodes=12, branching=4, k=4, max_new_tokens=30)
+    assert torch.equal(out.sequences, expected)
+    assert len(out.speculative_metrics.accepted_per_position) >= 2

@@ -125,10 +125,21 @@ class EagleSpeculator(Speculator):
         rows_t = batch.active_tensor()
         device = batch.device
         last = self._catch_up(batch, rows, rows_t)[:, -1]  # [rows, hidden]
-        num_rows, width = len(rows), branching
         vocab = batch.target_vocab_size
+        num_rows, width = len(rows), min(branching, self.config.get("draft_vocab_size") or vocab, vocab)
         real = torch.tensor(self._real_lengths, device=device)
-        log_probs = torch.log_softmax(self.head.logits(last, vocab).float(), dim=-1)
+
+        def log_probs_of(hidden: torch.Tensor) -> torch.Tensor:
+            # Ranked by the call's history-free processors too (top-k, top-p, ...): no node on a token the target
+            # cannot emit. Filtered tokens score -inf; such nodes are kept invalid.
+            logits = self.head.logits(hidden, vocab).float()
+            if batch.processing.history_free:
+                flat = logits.reshape(-1, vocab)
+                logits = batch.processing(batch.token_ids, rows_t.repeat_interleave(len(flat) // num_rows),
+                                          None, flat).view(logits.shape)
+            return torch.log_softmax(logits, dim=-1)
+
+        log_probs = log_probs_of(last)
         scores, tokens = log_probs.topk(width, dim=-1)  # the first level: [rows, width]
         cand_tokens, cand_scores = [tokens], [scores]
         cand_parents = [torch.full_like(tokens, -1)]
@@ -162,7 +173,7 @@ class EagleSpeculator(Speculator):
             out = self._runner.forward(rows, tokens, [width] * num_rows, num_logits=width, features=frontier_in,
                                        from_target=False, tree=tree)  # [rows, width, hidden]
             entry_hidden = out if entry_hidden is None else torch.cat([entry_hidden, out], dim=1)
-            log_probs = torch.log_softmax(self.head.logits(out, vocab).float(), dim=-1)
+            log_probs = log_probs_of(out)
             child_scores, child_tokens = log_probs.topk(width, dim=-1)  # [rows, width, width]
             child_scores = (frontier_scores[:, :, None] + child_scores).flatten(1)
             cand_tokens.append(child_tokens.flatten(1))
@@ -180,7 +191,7 @@ class EagleSpeculator(Speculator):
         parents = torch.cat(cand_parents, dim=1).gather(1, chosen)
         parents = torch.where(parents >= 0, slot.gather(1, parents.clamp(min=0)), -1)
         return DraftTree(torch.cat(cand_tokens, dim=1).gather(1, chosen), parents,
-                         torch.ones(num_rows, keep, dtype=torch.bool, device=device))
+                         torch.isfinite(all_scores.gather(1, chosen)))
 
     def _catch_up(self, batch: SequenceBatch, rows: list[int], rows_t: torch.Tensor) -> torch.Tensor:
         """Feeds the committed tokens whose target states arrived since the last step; returns the head's outputs
