@@ -1,0 +1,58 @@
+"""Teacher-forced agreement of an EAGLE head with its target: for each prompt the target continues greedily (64
+tokens), then one forward gives its hidden states and argmax at every position, and the head, run over the whole
+sequence, predicts each next argmax from the target's own states. The share it gets right is an upper bound on the
+first draft's acceptance. Prompt groups: ones the head was trained on, unseen ones from the same built-in set, and
+the benchmark's workloads. No timing.
+
+    python benchmarks/head_agreement.py HEAD_DIR [--trained N]   (N: the --self-distill count it was trained with)
+"""
+import argparse
+
+import torch
+
+from hf_specdec import EagleSpeculator
+from hf_specdec.models import load_model
+from hf_specdec.paged_cache import ATTENTION_NAME
+from hf_specdec.train_eagle import tokenize_prompts
+from hf_specdec.train_prompts import built_in_prompts, max_prompts
+from hf_specdec.workloads import GROUNDED, OPEN_CHAT
+
+parser = argparse.ArgumentParser()
+parser.add_argument("head")
+parser.add_argument("--trained", type=int, default=3000, help="how many built-in prompts the head was trained on")
+parser.add_argument("--new-tokens", type=int, default=64)
+args = parser.parse_args()
+
+model, tokenizer = load_model()
+head = EagleSpeculator.from_pretrained(args.head).head
+head.bind(model)
+layers = head.config["target_hidden_states"]["layers"]
+head.layer.self_attn.config._attn_implementation = "sdpa"  # plain causal attention over whole sequences
+
+
+@torch.no_grad()
+def agreement(prompts: list[str]) -> float:
+    scores = []
+    for ids in tokenize_prompts(tokenizer, prompts):
+        seq = model.generate(torch.tensor([ids]), max_new_tokens=args.new_tokens, do_sample=False)
+        out = model(seq, output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+        labels = out.logits.argmax(-1)
+        positions = torch.arange(seq.shape[1] - 1)[None]
+        # Entry p reads the state at p and the token at p + 1 and predicts the target's argmax at p + 1.
+        hidden = head(seq[:, 1:], positions, None, features[:, :-1])
+        predicted = head.logits(hidden, model.config.vocab_size).argmax(-1)
+        start = len(ids) - 1  # the entry reading the first generated token
+        scores.append((predicted[0, start:] == labels[0, start + 1:]).float().mean().item())
+    return sum(scores) / len(scores)
+
+
+groups = {
+    "trained built-in prompts": built_in_prompts(args.trained)[-6:],
+    "unseen built-in prompts": built_in_prompts(max_prompts())[-6:],
+    "benchmark open chat": list(OPEN_CHAT.values()),
+    "benchmark grounded": list(GROUNDED.values()),
+}
+for name, prompts in groups.items():
+    print(f"{name:28s} top-1 agreement {agreement(prompts):.3f} ({len(prompts)} prompts)")
+head.layer.self_attn.config._attn_implementation = ATTENTION_NAME
