@@ -73,6 +73,9 @@ def cmd_run(args) -> int:
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     speculative = dict(speculator=_speculator(args.speculator, model, tokenizer), num_speculative_tokens=args.k)
     if args.tree:
+        if not getattr(speculative["speculator"], "supports_trees", False):
+            raise SystemExit(f"--tree needs an EAGLE head directory in --speculator; {args.speculator!r} drafts "
+                             "chains only (drop --tree)")
         shapes = _tree_shapes(args.tree, "--tree")
         if len(shapes) != 1:
             raise SystemExit(f"--tree {args.tree!r}: give one shape NODESxBRANCHING, e.g. 16x4")

@@ -332,3 +332,28 @@ def test_sliding_window_target(tmp_path):
     out = tree_generate(target, spec, input_ids, mask, nodes=12, branching=4, k=4, max_new_tokens=30)
     assert torch.equal(out.sequences, expected)
     assert len(out.speculative_metrics.accepted_per_position) >= 2
+
+
+def test_cli_runs_trees_and_explains_bad_shapes(fitted_eagle_heads, tmp_path, capsys):
+    import copy
+
+    from conftest import make_tokenizer
+
+    from hf_specdec.cli import _tree_shapes, main
+
+    assert _tree_shapes("16x4, 6x2") == ((16, 4), (6, 2)) and _tree_shapes("") == ()
+    for bad in ("16", "16x", "0x4", "4x2x1"):
+        with pytest.raises(SystemExit, match="NODESxBRANCHING"):
+            _tree_shapes(bad)
+    target, source = fitted_eagle_heads[1]
+    model_dir, head_dir = tmp_path / "target", tmp_path / "head"
+    copy.deepcopy(target).float().save_pretrained(model_dir)
+    make_tokenizer().save_pretrained(model_dir)
+    convert_eagle(source, head_dir, target=str(model_dir))
+    args = ["run", "--model", str(model_dir), "--max-new-tokens", "12", "--repeats", "1", "-k", "3",
+            "--prompt", "one two three"]
+    assert main([*args, "--speculator", str(head_dir), "--tree", "6x2"]) == 0
+    out = capsys.readouterr().out
+    assert "tree 6x2" in out and "output identical to plain greedy generate: True" in out
+    with pytest.raises(SystemExit, match="drafts chains only"):
+        main([*args, "--speculator", "ngram", "--tree", "6x2"])
