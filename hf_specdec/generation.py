@@ -120,9 +120,6 @@ def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=N
             )
     check_model_supported(self, role="target model")
     spec.validate(self)
-    if tree_nodes is not None and not spec.supports_trees:
-        raise ValueError(f"{type(spec).__name__} drafts chains only; drop speculative_tree_nodes= (draft trees need "
-                         "an EagleSpeculator)")
     tokenizer, assistant_tokenizer = kwargs.get("tokenizer"), kwargs.pop("assistant_tokenizer", None)
     if assistant_tokenizer is not None:
         from .tokenizers import check_tokenizers_match
