@@ -1,10 +1,11 @@
-"""EAGLE speculator: chain drafting with an EAGLE-1/2 or EAGLE-3 head that reads the target's hidden states.
+"""EAGLE speculator: chain or tree drafting with an EAGLE-1/2 or EAGLE-3 head that reads the target's hidden states.
 
 An entry of the head's sequence pairs the target's feature at position p with the token at p + 1; the head's output
 there stands in for the target's feature at p + 1, so its logits predict the token at p + 2. Each step the head first
 catches up on the committed tokens whose target features the last verify pass produced (one forward, ragged rows),
 which yields the first draft, then feeds its own outputs back for the next k - 1 drafts. Entries built from its own
-outputs are rolled back after verification: the next step recomputes them from the target's real features. The
+outputs are rolled back after verification: the next step recomputes them from the target's real features.
+`propose_tree` grows an EAGLE-2 dynamic tree instead of a chain (its entries attend to their own ancestors). The
 head's keys and values live in a `PagedKVCache` run by a `ModelRunner`, like a draft model's. The head modules and
 our checkpoint format are in `heads.py`.
 """
