@@ -114,3 +114,16 @@ def fitted_eagle_heads(tmp_path_factory):
     target1, target3 = make_target(num_layers=2), make_target(num_layers=4, seed=1)
     return {1: (target1, fit_reference(root / "v1", target1, 1, [2])),
             3: (target3, fit_reference(root / "v3", target3, 3, [1, 2, 3]))}
+
+
+def assert_seeded_sampling_is_reproducible(run) -> None:
+    """`run(**kwargs)` calls a speculative `generate` (with `return_dict_in_generate=True`) plus `kwargs`. The same
+    seed must give the same sequences, another seed other ones, and drafts must have been proposed."""
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        runs.append(run(do_sample=True, temperature=0.8, top_k=20))
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    assert runs[0].speculative_metrics.num_draft_tokens > 0
+    torch.manual_seed(8)
+    assert not torch.equal(run(do_sample=True).sequences, runs[0].sequences)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import COMMON, VOCAB, ragged_batch
+from conftest import COMMON, VOCAB, assert_seeded_sampling_is_reproducible, ragged_batch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_specdec
@@ -204,14 +204,7 @@ def test_sampling_is_seeded_deterministic(tmp_path):
     target = make_target(num_layers=4)
     spec = EagleSpeculator.from_pretrained(convert(tmp_path, target, 3))
     input_ids, mask = ragged_batch(3)
-    runs = []
-    for _ in range(2):
-        torch.manual_seed(7)
-        runs.append(speculate(target, spec, input_ids, mask, do_sample=True, temperature=0.8, top_k=20))
-    assert torch.equal(runs[0].sequences, runs[1].sequences)
-    assert runs[0].speculative_metrics.num_draft_tokens > 0
-    torch.manual_seed(8)
-    assert not torch.equal(speculate(target, spec, input_ids, mask, do_sample=True).sequences, runs[0].sequences)
+    assert_seeded_sampling_is_reproducible(lambda **kwargs: speculate(target, spec, input_ids, mask, **kwargs))
 
 
 # --- a fitted head: real acceptance, lost when miswired --------------------------------------------------------------
