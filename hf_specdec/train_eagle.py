@@ -373,8 +373,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-resume", action="store_true", help="start over even if --out holds a checkpoint")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--data-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="the target's dtype while it builds the training set (bfloat16: several times faster "
-                        "on GPUs and on CPUs with AMX; the head then learns from the bfloat16 target's states)")
+                        help="the target's dtype while it builds the training set (bfloat16: about twice as fast "
+                        "on CPUs with AMX, faster on GPUs; the head then learns from the bfloat16 target's states)")
 
 
 def cmd_train_eagle(args) -> int:
