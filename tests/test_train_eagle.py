@@ -58,11 +58,12 @@ def test_training_set_holds_the_targets_own_continuations_and_states(target, dat
     assert torch.equal(data1.labels[:, 5:-1], data1.token_ids[:, 6:])
 
 
-@pytest.mark.parametrize("version", [1, 3])
-def test_training_reduces_loss_and_raises_acceptance(tmp_path, target, data1, version):
+@pytest.mark.parametrize("version,mixed_precision", [(1, "no"), (3, "no"), (3, "bf16")])
+def test_training_reduces_loss_and_raises_acceptance(tmp_path, target, data1, version, mixed_precision):
     data = data1 if version == 1 else build_training_set(target, prompts(32, 1), default_layers(target, 3),
                                                          max_new_tokens=24)
-    kwargs = dict(version=version, batch_size=16, lr=1e-2, draft_vocab_size=64, progress=False)
+    kwargs = dict(version=version, batch_size=16, lr=1e-2, draft_vocab_size=64, progress=False,
+                  mixed_precision=mixed_precision)
     config, draft_to_target = head_config_for(target, data, version, draft_vocab_size=64)
     untrained = acceptance(target, EagleSpeculator.from_pretrained(
         save_head(new_head(target, config, draft_to_target), tmp_path / "untrained")))
@@ -101,6 +102,60 @@ def test_resumed_run_equals_an_uninterrupted_one(tmp_path, target, data1, monkey
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 
+def ragged_prompts(num: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, VOCAB, (int(w),), generator=g).tolist() for w in torch.randint(2, 9, (num,), generator=g)]
+
+
+def by_prompt(data: TrainingSet) -> dict[int, tuple]:
+    """Each sequence by the prompt it continues: tokens, features and labels without padding."""
+    return {int(i): (data.token_ids[s, :n].tolist(), data.features[s, :n], data.labels[s, :n].tolist())
+            for s, (i, n) in enumerate(zip(data.prompt_index, data.lengths))}
+
+
+def assert_same_sequences(a: TrainingSet, b: TrainingSet) -> None:
+    a, b = by_prompt(a), by_prompt(b)
+    assert a.keys() == b.keys()
+    for i in a:
+        assert a[i][0] == b[i][0] and a[i][2] == b[i][2]
+        torch.testing.assert_close(a[i][1], b[i][1])
+
+
+def test_training_set_built_in_parts_resumes_extends_and_checks_its_recipe(tmp_path, target, monkeypatch):
+    """Parts of 3 prompts: an interrupted build resumes at its first unfinished part, a larger prompt list adds
+    only its new prompts, a shorter one takes the stored subset; the result holds the same sequences as one build
+    of all prompts. Other settings or other prompts are refused."""
+    ids, layers = ragged_prompts(10, 3), default_layers(target, 3)
+    recipe, kwargs = {"max_new_tokens": 5}, dict(max_new_tokens=5, batch_size=4)
+    whole = build_training_set(target, ids, layers, **kwargs)
+    assert sorted(whole.prompt_index.tolist()) == list(range(10))
+    assert [len(ids[i]) for i in whole.prompt_index] == sorted(len(p) for p in ids)  # built shortest first
+    built, build = [], te.build_training_set
+
+    def counting(target, prompt_ids, *args, **kw):
+        built.append(len(prompt_ids))
+        if len(built) == 2:
+            raise KeyboardInterrupt
+        return build(target, prompt_ids, *args, **kw)
+
+    monkeypatch.setattr(te, "build_training_set", counting)
+    with pytest.raises(KeyboardInterrupt):
+        te.build_in_parts(target, ids[:7], layers, tmp_path, recipe, part_size=3, **kwargs)
+    first = te.build_in_parts(target, ids[:7], layers, tmp_path, recipe, part_size=3, **kwargs)
+    assert built == [3, 3, 3, 1]  # the first part was kept
+    assert sorted(first.prompt_index.tolist()) == list(range(7))
+    extended = te.build_in_parts(target, ids, layers, tmp_path, recipe, part_size=3, **kwargs)
+    assert built == [3, 3, 3, 1, 3]
+    assert_same_sequences(extended, whole)
+    subset = te.build_in_parts(target, ids[:5], layers, tmp_path, recipe, part_size=3, **kwargs)
+    assert built[-1] == 3 and sorted(subset.prompt_index.tolist()) == list(range(5))
+    assert int(subset.lengths.max()) == subset.token_ids.shape[1]
+    with pytest.raises(ValueError, match=r"other settings \(max_new_tokens: \[5\] there, \[6\] now\).*--no-resume"):
+        te.build_in_parts(target, ids, layers, tmp_path, {"max_new_tokens": 6}, part_size=3, **kwargs)
+    with pytest.raises(ValueError, match="other prompts \\(prompt 4 differs\\)"):
+        te.build_in_parts(target, ids[:4] + ids[5:], layers, tmp_path, recipe, part_size=3, **kwargs)
+
+
 def test_data_order_is_seeded_and_covers_every_sequence():
     epoch = torch.cat([te._batch_indices(20, 5, seed=3, step=s) for s in range(4)])
     assert sorted(epoch.tolist()) == list(range(20))
@@ -113,6 +168,8 @@ def test_bad_input_is_explained(tmp_path, target, data1):
         train_eagle_head(target, TrainingSet(**{**vars(data1), "layers": [1]}), tmp_path / "a", version=1, steps=1)
     with pytest.raises(ValueError, match="version must be 1"):
         train_eagle_head(target, data1, tmp_path / "a", version=2, steps=1)
+    with pytest.raises(ValueError, match="mixed_precision must be 'no' or 'bf16'"):
+        train_eagle_head(target, data1, tmp_path / "a", version=1, steps=1, mixed_precision="fp8")
     train_eagle_head(target, data1, tmp_path / "b", version=1, steps=2, progress=False)
     with pytest.raises(ValueError, match="another head or training set.*--no-resume"):
         train_eagle_head(target, data1, tmp_path / "b", version=1, steps=2, intermediate_size=16, progress=False)
