@@ -28,6 +28,7 @@ from .eagle_convert import (
     looks_like_reference_eagle, read_reference_tensors,
 )
 from .speculators.heads import HIDDEN_STATES_CONVENTION, WEIGHTS_NAME, EagleCheckpointError
+from .speculators.heads import check_tensors as check_head_tensors
 from .speculators import medusa, mlp
 from .speculators.medusa import MedusaSpeculator
 from .speculators.mlp import MlpSpeculator
@@ -269,30 +270,11 @@ def _config(kind: str, section: dict, target_config) -> dict:
 def check_tensors(tensors: dict[str, torch.Tensor], config: dict, where: str,
                   source_names: dict[str, str] | None = None) -> None:
     """Raises `HeadCheckpointError` naming (as the checkpoint spells it) the first missing, unexpected,
-    misshapen, mistyped or non-finite tensor."""
-    expected = KINDS[config["kind"]][1](config)
-    source_names = source_names or {}
-    missing = sorted(source_names.get(n, n) for n in set(expected) - set(tensors))
-    if missing:
-        raise HeadCheckpointError(f"{where}: missing tensor(s) {missing} for a {config['kind']} head with this "
-                                  "config; the checkpoint is incomplete or of another layout")
-    extra = sorted(source_names.get(n, n) for n in set(tensors) - set(expected))
-    if extra:
-        raise HeadCheckpointError(f"{where}: unexpected tensor(s) {extra} for a {config['kind']} head with this "
-                                  "config; this layout is not supported (or the config does not match the weights)")
-    for ours, shape in expected.items():
-        tensor, name = tensors[ours], source_names.get(ours, ours)
-        if tuple(tensor.shape) != shape:
-            raise HeadCheckpointError(
-                f"{where}: tensor {name!r} has shape {tuple(tensor.shape)} but {shape} was expected for a target "
-                f"with hidden size {config['target']['hidden_size']} and vocabulary {config['target']['vocab_size']}"
-                " and this config; the head was made for another target model (or the file is corrupt)")
-        is_int = ours == "draft_to_target"
-        if tensor.is_floating_point() == is_int or tensor.dtype == torch.bool:
-            raise HeadCheckpointError(f"{where}: tensor {name!r} has dtype {tensor.dtype}; a "
-                                      f"{'n integer' if is_int else ' floating-point'} tensor was expected")
-        if not is_int and not torch.isfinite(tensor).all():
-            raise HeadCheckpointError(f"{where}: tensor {name!r} holds NaN or inf values; the checkpoint is corrupt")
+    misshapen, mistyped or non-finite tensor (the EAGLE checker, with this kind's tensors)."""
+    expected = {name: (shape, "int" if name == "draft_to_target" else "float")
+                for name, shape in KINDS[config["kind"]][1](config).items()}
+    check_head_tensors(tensors, config, where, source_names, expected=expected,
+                       what=f"a {config['kind']} head with this config", error=HeadCheckpointError)
 
 
 def load_head_dir(path: str | Path, kind: str | None = None) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -89,34 +89,40 @@ def expected_tensors(config: dict) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def check_tensors(tensors: dict[str, torch.Tensor], config: dict, where: str,
-                  source_names: dict[str, str] | None = None) -> None:
-    """Raises `EagleCheckpointError` naming the first missing, unexpected, misshapen or mistyped tensor.
+                  source_names: dict[str, str] | None = None, *,
+                  expected: dict[str, tuple[tuple[int, ...], str]] | None = None, what: str | None = None,
+                  error: type[EagleCheckpointError] = EagleCheckpointError) -> None:
+    """Raises `error` naming the first missing, unexpected, misshapen, mistyped or non-finite tensor. The one
+    checker of every head format: EAGLE by default, other kinds through `expected`, `what` and `error`.
 
     Args:
         source_names (`dict`, *optional*): our name -> the checkpoint's, so errors name what the user has.
+        expected (`dict`, *optional*): name -> (shape, "float" | "int"); default: an EAGLE head's for `config`.
+        what (`str`, *optional*): the head, as errors describe it (default: "an EAGLE-N head").
     """
-    expected = expected_tensors(config)
+    expected = expected_tensors(config) if expected is None else expected
+    what = what or f"an EAGLE-{config['eagle_version']} head"
     source_names = source_names or {}
-    missing = sorted(set(expected) - set(tensors))
+    missing = sorted(source_names.get(n, n) for n in set(expected) - set(tensors))
     if missing:
-        raise EagleCheckpointError(f"{where}: missing tensor(s) {missing}; the checkpoint is incomplete or of "
-                                   "another layout (re-download or re-convert it)")
+        raise error(f"{where}: missing tensor(s) {missing} for {what}; the checkpoint is incomplete or of another "
+                    "layout (re-download or re-convert it)")
     extra = sorted(source_names.get(n, n) for n in set(tensors) - set(expected))
     if extra:
-        raise EagleCheckpointError(f"{where}: unexpected tensor(s) {extra} for an EAGLE-{config['eagle_version']} "
-                                   "head; this layout is not supported")
+        raise error(f"{where}: unexpected tensor(s) {extra} for {what}; this layout is not supported (or the "
+                    "config does not match the weights)")
     for ours, (shape, kind) in expected.items():
         tensor, name = tensors[ours], source_names.get(ours, ours)
         if tuple(tensor.shape) != shape:
-            raise EagleCheckpointError(
+            raise error(
                 f"{where}: tensor {name!r} has shape {tuple(tensor.shape)} but {shape} was expected for a target "
-                f"with hidden size {config['target']['hidden_size']} and vocabulary {config['target']['vocab_size']}; "
-                "the head was made for another target model (or the file is corrupt)")
+                f"with hidden size {config['target']['hidden_size']} and vocabulary {config['target']['vocab_size']}"
+                " and this config; the head was made for another target model (or the file is corrupt)")
         if (kind == "float") != tensor.is_floating_point() or (kind == "int" and tensor.dtype == torch.bool):
-            raise EagleCheckpointError(f"{where}: tensor {name!r} has dtype {tensor.dtype}; a "
-                                       f"{'floating-point' if kind == 'float' else 'integer'} tensor was expected")
+            raise error(f"{where}: tensor {name!r} has dtype {tensor.dtype}; a "
+                        f"{'floating-point' if kind == 'float' else 'integer'} tensor was expected")
         if kind == "float" and not torch.isfinite(tensor).all():
-            raise EagleCheckpointError(f"{where}: tensor {name!r} holds NaN or inf values; the checkpoint is corrupt")
+            raise error(f"{where}: tensor {name!r} holds NaN or inf values; the checkpoint is corrupt")
 
 
 class EagleLayer(nn.Module):
