@@ -24,7 +24,9 @@ from transformers.cache_utils import Cache
 
 from .block_manager import BlockManager
 from .kernels._backend import resolve_backend
-from .kernels.paged_attention.reference import attend, attention_mask, context_slots, slots_of, tree_attention_mask
+from .kernels.paged_attention.reference import (
+    TreeMask, attend, attention_mask, context_slots, slots_of, tree_attention_mask,
+)
 
 ATTENTION_NAME = "hf_specdec_paged"
 PLAN_KWARG = "hf_specdec_plan"
@@ -161,7 +163,7 @@ class PagedKVCache(Cache):
         """Builds the plan for a step in which row i writes `num_tokens[i]` tokens from storage index `starts[i]`.
 
         Without `tree` storage index and position agree. With one, queries take `tree.query_positions` and attend by
-        its masks; such steps use the torch backend (the triton kernel masks by position only)."""
+        its masks, on either backend."""
         bs = self.block_size
         q = max(num_tokens)
         tables = [self.manager.block_table(s) for s in seq_ids]
@@ -176,7 +178,7 @@ class PagedKVCache(Cache):
         query_positions = starts_t[:, None] + offset.clamp(min=0)
 
         write_slots = torch.where(is_token, slots_of(block_tables, query_positions, bs), SCRATCH_SLOT)
-        backend = resolve_backend(self.kernel_backend, device) if tree is None else "torch"
+        backend = resolve_backend(self.kernel_backend, device)
         slots = None
         if backend == "torch":
             num_context = int(max(s + n for s, n in zip(starts, num_tokens)))
@@ -253,8 +255,10 @@ def paged_attention_forward(
     if plan.backend == "triton":
         from .kernels.paged_attention.triton_kernel import paged_attention_triton
 
+        tree = None if plan.tree is None else TreeMask(plan.query_slots, plan.tree.region_start, plan.tree.region_mask,
+                                                        plan.tree.region_positions)
         out = paged_attention_triton(query, key, value, plan.block_tables, plan.query_positions, plan.block_size,
-                                     sliding_window, scaling, softcap)
+                                     sliding_window, scaling, softcap, tree=tree)
         return out, None
     return attend(query, key, value, plan.mask(sliding_window), scaling, softcap).contiguous(), None
 

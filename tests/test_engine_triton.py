@@ -26,13 +26,14 @@ MAX_NEW = 12
 def kernel_calls(monkeypatch):
     """Forces the triton backend and counts kernel launches, so a test proves the kernels really ran."""
     monkeypatch.setenv(ENV_VAR, "triton")
-    calls = {"attention": 0, "rejection": 0, "sampling": 0}
+    calls = {"attention": 0, "tree_attention": 0, "rejection": 0, "sampling": 0}
 
     def counted(module, name, key):
         original = getattr(module, name)
 
         def wrapper(*args, **kwargs):
             calls[key] += 1
+            calls["tree_attention"] += kwargs.get("tree") is not None
             return original(*args, **kwargs)
 
         monkeypatch.setattr(module, name, wrapper)
@@ -88,3 +89,24 @@ def test_seeded_sampling_is_reproducible_on_triton_kernels(kernel_calls):
     assert not torch.equal(first, target.generate(input_ids, attention_mask=mask, max_new_tokens=MAX_NEW,
                                                   do_sample=True, top_p=0.9, top_k=20, speculator="ngram",
                                                   speculative_schedule="constant"))
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_draft_trees_equal_generate_on_triton_kernels(fitted_eagle_heads, version, kernel_calls, tmp_path):
+    """Tree steps (the head's tree levels and the target's tree verify) read the pool in place through the
+    kernel's tree mask; the output is still the target's own greedy output."""
+    from hf_specdec import EagleSpeculator, convert_eagle
+
+    target, reference_dir = fitted_eagle_heads[version]
+    head_dir = convert_eagle(reference_dir, tmp_path / "head", target=target,
+                             **({"aux_layers": [1, 2, 3]} if version == 3 else {}))
+    input_ids, mask = ragged_batch(rows=2, width=10, seed=version)
+    with pytest.MonkeyPatch.context() as plain:
+        plain.delenv(ENV_VAR)
+        expected = target.generate(input_ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False)
+    out = target.generate(input_ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False,
+                          speculator=EagleSpeculator.from_pretrained(head_dir), num_speculative_tokens=3,
+                          speculative_tree_nodes=6, speculative_tree_branching=2, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert out.speculative_metrics.num_accepted_tokens > 0
+    assert kernel_calls["tree_attention"] > 0

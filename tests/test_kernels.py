@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 pytest.importorskip("triton")
 
 from hf_specdec.kernels._backend import ENV_VAR, resolve_backend  # noqa: E402
-from hf_specdec.kernels.paged_attention import paged_attention, paged_attention_reference  # noqa: E402
+from hf_specdec.kernels.paged_attention import TreeMask, paged_attention, paged_attention_reference  # noqa: E402
 from hf_specdec.kernels.paged_attention.triton_kernel import paged_attention_triton  # noqa: E402
 from hf_specdec.kernels.rejection_sample import rejection_sample, rejection_sample_reference  # noqa: E402
 from hf_specdec.kernels.rejection_sample.triton_kernel import rejection_sample_triton  # noqa: E402
@@ -307,6 +307,56 @@ def test_paged_attention_kernel_matches_reference(inputs):
                                  block_m=16, block_n=16)
     tolerance = 1e-5 if query.dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@st.composite
+def tree_attention_inputs(draw):
+    """A draft-tree step as the engine lays it out: per row, `pending` committed tokens fed this step, then `nodes`
+    tree nodes stored after the committed context, positioned by depth, each seeing its own ancestors."""
+    query, key_pool, value_pool, tables, _, block_size, window, softcap = draw(attention_inputs())
+    rows, heads, _, head_dim = query.shape
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    pending, nodes = draw(st.integers(1, 2)), draw(st.integers(1, 7))
+    capacity = tables.shape[1] * block_size
+    committed = torch.randint(pending, max(capacity - nodes, pending) + 1, (rows,), generator=g).clamp(
+        max=capacity - nodes)
+    parents = torch.stack([torch.tensor([int(torch.randint(-1, i, (1,), generator=g)) for i in range(nodes)])
+                           for _ in range(rows)])
+    depths = torch.ones(rows, nodes, dtype=torch.long)
+    ancestors = torch.eye(nodes, dtype=torch.bool).repeat(rows, 1, 1)
+    for i in range(nodes):  # parents come first: copy the parent's row, then mark itself
+        has = parents[:, i] >= 0
+        parent = parents[:, i].clamp(min=0)
+        depths[:, i] = torch.where(has, depths[torch.arange(rows), parent] + 1, 1)
+        ancestors[:, i] |= has[:, None] & ancestors[torch.arange(rows), parent]
+    steps = torch.arange(pending) - pending
+    query_slots = torch.cat([committed[:, None] + steps, committed[:, None] + torch.arange(nodes)], dim=1)
+    positions = torch.cat([committed[:, None] + steps, committed[:, None] + depths - 1], dim=1)
+    region_mask = torch.cat([torch.zeros(rows, pending, nodes, dtype=torch.bool), ancestors], dim=1)
+    tree = TreeMask(query_slots, committed, region_mask, committed[:, None] + depths - 1)
+    query = torch.randn(rows, heads, pending + nodes, head_dim, generator=g).to(query.dtype)
+    return query, key_pool, value_pool, tables, positions, block_size, window, softcap, tree
+
+
+@FEW
+@given(tree_attention_inputs())
+def test_paged_attention_kernel_matches_reference_on_draft_trees(inputs):
+    """Tree steps: pending tokens see the committed context causally, nodes their ancestors, windows compare
+    positions (not storage indices); grouped-query heads, scattered blocks, soft-capping, fp32/bf16/fp16."""
+    query, key_pool, value_pool, tables, positions, block_size, window, softcap, tree = inputs
+    query, key_pool, value_pool, tables, positions = (t.to(DEVICE) for t in (query, key_pool, value_pool, tables,
+                                                                             positions))
+    tree = TreeMask(*(t.to(DEVICE) for t in tree))
+    expected = paged_attention_reference(query.float(), key_pool.float(), value_pool.float(), tables, positions,
+                                         block_size, window, None, softcap, tree)
+    got = paged_attention_triton(query, key_pool, value_pool, tables, positions, block_size, window, None, softcap,
+                                 block_m=16, block_n=16, tree=tree)
+    tolerance = 1e-5 if query.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
+    assert torch.equal(paged_attention(query, key_pool, value_pool, tables, positions, block_size, window, None,
+                                       softcap, backend="torch", tree=tree),
+                       paged_attention_reference(query, key_pool, value_pool, tables, positions, block_size, window,
+                                                 None, softcap, tree))
 
 
 def test_paged_attention_launcher_refuses_bad_input():

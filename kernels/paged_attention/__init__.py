@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend
-from .reference import attend, attention_mask, context_slots, paged_attention_reference
+from .reference import TreeMask, attend, attention_mask, context_slots, paged_attention_reference
 
-__all__ = ["attend", "attention_mask", "context_slots", "paged_attention", "paged_attention_reference"]
+__all__ = ["TreeMask", "attend", "attention_mask", "context_slots", "paged_attention", "paged_attention_reference"]
 
 
 def paged_attention(
@@ -21,6 +21,7 @@ def paged_attention(
     scale: float | None = None,
     softcap: float | None = None,
     backend: str = "auto",
+    tree: TreeMask | None = None,
 ) -> torch.Tensor:
     """Each row's queries attend causally to that row's cached tokens through its block table.
 
@@ -34,6 +35,7 @@ def paged_attention(
         scale: score scale (`1 / sqrt(head_dim)` when `None`).
         softcap: logit soft-capping value, or `None`.
         backend: `"auto"`, `"torch"` (gather, then SDPA) or `"triton"` (reads the pool in place).
+        tree (`TreeMask`, *optional*): a draft-tree step (see `reference.tree_attention_mask`).
 
     Returns:
         `[rows, q, heads, head_dim]`.
@@ -42,6 +44,6 @@ def paged_attention(
         from .triton_kernel import paged_attention_triton
 
         return paged_attention_triton(query, key_pool, value_pool, block_tables, query_positions, block_size,
-                                      sliding_window, scale, softcap)
+                                      sliding_window, scale, softcap, tree=tree)
     return paged_attention_reference(query, key_pool, value_pool, block_tables, query_positions, block_size,
-                                     sliding_window, scale, softcap)
+                                     sliding_window, scale, softcap, tree)

@@ -11,6 +11,7 @@ softcap)`.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,17 @@ def attention_mask(query_positions: torch.Tensor, num_context: int, sliding_wind
     if sliding_window:
         allowed &= context_pos[None, None, :] > query_pos - sliding_window
     return allowed[:, None]
+
+
+class TreeMask(NamedTuple):
+    """What a draft-tree step's queries may see (see `tree_attention_mask`): `query_slots` `[rows, q]` storage index
+    of each query, `region_start` `[rows]`, `region_mask` `[rows, q, region]` bool, `region_positions`
+    `[rows, region]`. The queries' positions (rotary, sliding windows) are the usual `query_positions`."""
+
+    query_slots: torch.Tensor
+    region_start: torch.Tensor
+    region_mask: torch.Tensor
+    region_positions: torch.Tensor
 
 
 def tree_attention_mask(query_slots: torch.Tensor, query_positions: torch.Tensor, num_context: int,
@@ -96,6 +108,7 @@ def paged_attention_reference(
     sliding_window: int | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    tree: TreeMask | None = None,
 ) -> torch.Tensor:
     """The spec.
 
@@ -108,13 +121,20 @@ def paged_attention_reference(
         sliding_window: attend only to the last `sliding_window` positions (including the query's own), or `None`.
         scale: score scale, `1 / sqrt(head_dim)` when `None`.
         softcap: logit soft-capping value, or `None`.
+        tree (`TreeMask`, *optional*): a draft-tree step: queries sit at `tree.query_slots` in storage and see what
+            `tree_attention_mask` allows.
 
     Returns:
         `[rows, q, heads, head_dim]` in the query's dtype.
     """
-    context_lens = query_positions.max(dim=1).values + 1
+    context_lens = (query_positions if tree is None else tree.query_slots).max(dim=1).values + 1
     num_context = int(context_lens.max())
     slots = context_slots(block_tables, context_lens, num_context, block_size)
     keys = key_pool[slots].transpose(1, 2)  # [rows, kv_heads, num_context, head_dim]
     values = value_pool[slots].transpose(1, 2)
-    return attend(query, keys, values, attention_mask(query_positions, num_context, sliding_window), scale, softcap)
+    if tree is None:
+        mask = attention_mask(query_positions, num_context, sliding_window)
+    else:
+        mask = tree_attention_mask(tree.query_slots, query_positions, num_context, tree.region_start,
+                                   tree.region_mask, tree.region_positions, sliding_window)
+    return attend(query, keys, values, mask, scale, softcap)

@@ -5,6 +5,10 @@ group, so the group's query heads share every key/value load. The program walks 
 position chunks through its block table (only the chunks its queries can see: up to the last query's position, from
 the first query's window start), with an online softmax in float32 (float64 under the interpreter for float64
 tests).
+
+Draft-tree steps (`tree=`) walk storage indices instead: a row's committed entries, where storage index and
+position agree, then its tree region, whose entries a query sees only where its ancestor mask says so (the spec is
+`reference.tree_attention_mask`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .._backend import check_tensor, interpreting
+from .reference import TreeMask
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
@@ -29,9 +34,14 @@ def _paged_attention_kernel(
     key_pool_ptr, value_pool_ptr, stride_pool_slot, stride_pool_h,  # [num_slots, kv_heads, head_dim], last stride 1
     block_tables_ptr, stride_tables_b,  # [rows, max_blocks]
     positions_ptr, stride_positions_b,  # [rows, q] int64
+    slots_ptr, stride_slots_b,  # tree steps: [rows, q] int64 storage index of each query
+    region_start_ptr,  # tree steps: [rows] int64 storage index of the first region entry
+    region_mask_ptr, stride_region_mask_b, stride_region_mask_q,  # tree steps: [rows, q, region] int8
+    region_positions_ptr, stride_region_positions_b,  # tree steps: [rows, region] int64
+    region_len,
     num_queries, groups, head_dim, block_size, sliding_window, scale, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, IEEE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, IEEE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, HAS_TREE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -48,8 +58,15 @@ def _paged_attention_kernel(
     q = tl.load(query_ptr + row * stride_query_b + head[:, None] * stride_query_h + query_idx[:, None] * stride_query_q
                 + d[None, :], mask=valid_m[:, None] & valid_d[None, :], other=0.0).to(DOT_DTYPE)
 
-    hi = tl.max(tl.where(valid_m, query_pos, 0), axis=0) + 1
+    if HAS_TREE:
+        query_slot = tl.load(slots_ptr + row * stride_slots_b + query_idx, mask=valid_m, other=0)
+        region_start = tl.load(region_start_ptr + row)
+    else:
+        query_slot = query_pos
+    hi = tl.max(tl.where(valid_m, query_slot, 0), axis=0) + 1
     lo = hi * 0
+    # Entries below the first query's window start are committed ones (storage index == position), out of every
+    # query's window: tree queries sit at or after the region start, pending ones before it.
     if sliding_window > 0:
         first = tl.min(tl.where(valid_m, query_pos, hi), axis=0)
         lo = tl.maximum(first - sliding_window + 1, 0)
@@ -74,9 +91,23 @@ def _paged_attention_kernel(
         scores = scores * scale
         if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh written with exp (portable to the interpreter)
             scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
-        allowed = (pos[None, :] <= query_pos[:, None]) & valid_n[None, :]
-        if sliding_window > 0:
-            allowed = allowed & (pos[None, :] > query_pos[:, None] - sliding_window)
+        if HAS_TREE:
+            rel = pos - region_start
+            in_region = (rel >= 0) & (rel < region_len) & valid_n
+            rel = tl.minimum(tl.maximum(rel, 0), tl.maximum(region_len - 1, 0))
+            seen = tl.load(region_mask_ptr + row * stride_region_mask_b + query_idx[:, None] * stride_region_mask_q
+                           + rel[None, :], mask=valid_m[:, None] & in_region[None, :], other=0)
+            committed = (pos < region_start) & valid_n
+            allowed = (committed[None, :] & (pos[None, :] <= query_slot[:, None])) | (in_region[None, :] & (seen != 0))
+            if sliding_window > 0:
+                key_pos = tl.load(region_positions_ptr + row * stride_region_positions_b + rel, mask=in_region,
+                                  other=0)
+                key_pos = tl.where(in_region, key_pos, pos)
+                allowed = allowed & (key_pos[None, :] > query_pos[:, None] - sliding_window)
+        else:
+            allowed = (pos[None, :] <= query_pos[:, None]) & valid_n[None, :]
+            if sliding_window > 0:
+                allowed = allowed & (pos[None, :] > query_pos[:, None] - sliding_window)
         scores = tl.where(allowed, scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -109,6 +140,7 @@ def paged_attention_triton(
     softcap: float | None = None,
     block_m: int = 32,
     block_n: int = 32,
+    tree: TreeMask | None = None,
 ) -> torch.Tensor:
     """Launches the kernel; arguments and result as in `reference.paged_attention_reference`."""
     rows, heads, num_queries, head_dim = query.shape
@@ -120,6 +152,12 @@ def paged_attention_triton(
     check_tensor("value_pool", value_pool, tuple(key_pool.shape), (query.dtype,), device)
     check_tensor("block_tables", block_tables, (rows, None), (torch.int32, torch.int64), device)
     check_tensor("query_positions", query_positions, (rows, num_queries), (torch.int64,), device)
+    if tree is not None:
+        region = tree.region_mask.shape[-1]
+        check_tensor("tree.query_slots", tree.query_slots, (rows, num_queries), (torch.int64,), device)
+        check_tensor("tree.region_start", tree.region_start, (rows,), (torch.int64,), device)
+        check_tensor("tree.region_mask", tree.region_mask, (rows, num_queries, region), (torch.bool,), device)
+        check_tensor("tree.region_positions", tree.region_positions, (rows, region), (torch.int64,), device)
     if heads % kv_heads:
         raise ValueError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
     if key_pool.stride() != value_pool.stride() or key_pool.stride(1) != head_dim:
@@ -129,12 +167,21 @@ def paged_attention_triton(
     if rows == 0 or num_queries == 0:
         return out
     grid = (rows, kv_heads, triton.cdiv(num_queries * groups, block_m))
+    if tree is not None:
+        slots, region_start = tree.query_slots.contiguous(), tree.region_start.contiguous()
+        region_mask = tree.region_mask.to(torch.int8).contiguous()
+        region_positions = tree.region_positions.contiguous()
+        tree_args = (slots, slots.stride(0), region_start, region_mask, region_mask.stride(0), region_mask.stride(1),
+                     region_positions, region_positions.stride(0), region_mask.shape[-1])
+    else:  # unused pointers: the positions stand in
+        tree_args = (query_positions, 0, query_positions, query_positions, 0, 0, query_positions, 0, 0)
     _paged_attention_kernel[grid](
         out, out.stride(0), out.stride(1), out.stride(2),
         query, query.stride(0), query.stride(1), query.stride(2),
         key_pool, value_pool, key_pool.stride(0), key_pool.stride(1),
         block_tables, block_tables.stride(0),
         query_positions, query_positions.stride(0),
+        *tree_args,
         num_queries, groups, head_dim, block_size, sliding_window or 0,
         scale if scale is not None else 1 / math.sqrt(head_dim), softcap or 0.0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
@@ -142,5 +189,6 @@ def paged_attention_triton(
         IEEE_DOT=query.dtype == torch.float32,
         # The interpreter has no bfloat16 matrix multiply; it multiplies bfloat16 inputs in float32 instead.
         DOT_DTYPE=tl.float32 if query.dtype == torch.bfloat16 and interpreting() else _TL_DTYPES[query.dtype],
+        HAS_TREE=tree is not None,
     )
     return out
