@@ -153,6 +153,8 @@ def build_in_parts(target, prompt_ids: list[list[int]], layers: list[int], direc
     it and the prompts already built must match what is stored, else a `ValueError` says what differs.
     `build_kwargs` go to `build_training_set`.
     """
+    if part_size < 1:
+        raise ValueError(f"part_size (--data-part-size) must be at least 1, got {part_size}")
     directory = Path(directory)
     index_file = directory / "index.json"
     recipe = json.loads(json.dumps({**recipe, "layers": list(layers)}))
@@ -185,8 +187,11 @@ def build_in_parts(target, prompt_ids: list[list[int]], layers: list[int], direc
         index["parts"].append({"file": name, "prompts": [start, end]})
         index["prompts"] = index["prompts"] + digests[start:end]
         _write_json(index_file, index)  # after the part: an interrupted build resumes at the next one
-    parts = [TrainingSet.load(directory / part["file"]) for part in index["parts"]
-             if part["prompts"][0] < len(prompt_ids)]
+    files = [directory / part["file"] for part in index["parts"] if part["prompts"][0] < len(prompt_ids)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ValueError(f"{directory} lacks {missing}, which its index.json lists; --no-resume rebuilds the set")
+    parts = [TrainingSet.load(f) for f in files]
     data = TrainingSet.concat(parts)
     keep = data.prompt_index < len(prompt_ids)
     if not bool(keep.all()):  # the stored set covers more prompts than asked for

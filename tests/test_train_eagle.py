@@ -154,6 +154,11 @@ def test_training_set_built_in_parts_resumes_extends_and_checks_its_recipe(tmp_p
         te.build_in_parts(target, ids, layers, tmp_path, {"max_new_tokens": 6}, part_size=3, **kwargs)
     with pytest.raises(ValueError, match="other prompts \\(prompt 4 differs\\)"):
         te.build_in_parts(target, ids[:4] + ids[5:], layers, tmp_path, recipe, part_size=3, **kwargs)
+    (tmp_path / "part-00001.pt").unlink()
+    with pytest.raises(ValueError, match=r"lacks \['part-00001.pt'\].*--no-resume"):
+        te.build_in_parts(target, ids, layers, tmp_path, recipe, part_size=3, **kwargs)
+    with pytest.raises(ValueError, match="--data-part-size"):
+        te.build_in_parts(target, ids, layers, tmp_path, recipe, part_size=0, **kwargs)
 
 
 def test_data_order_is_seeded_and_covers_every_sequence():
