@@ -47,9 +47,21 @@ def agreement(prompts: list[str]) -> float:
     return sum(scores) / len(scores)
 
 
+# Written for this script and in none of the training or benchmark sets (some subjects recur there): held out
+# from every head trained on the built-in prompts, however many of them it used.
+HELD_OUT = [
+    "Describe what a typical morning looks like for a baker in a small village.",
+    "What should I pack for a three-day hiking trip in the mountains?",
+    "Write a friendly email inviting my neighbours to a street party next Saturday.",
+    "Why do cats purr? Give a short answer.",
+    "Suggest a simple weekly exercise plan for someone who has never trained before.",
+    "Tell me a short fable about a fox and a crow, with a moral at the end.",
+]
+
 groups = {
     "trained built-in prompts": built_in_prompts(args.trained)[-6:],
-    "unseen built-in prompts": built_in_prompts(max_prompts())[-6:],
+    **({"unseen built-in prompts": built_in_prompts(max_prompts())[-6:]} if args.trained + 6 <= max_prompts() else {}),
+    "held-out hand-written": HELD_OUT,
     "benchmark open chat": list(OPEN_CHAT.values()),
     "benchmark grounded": list(GROUNDED.values()),
 }

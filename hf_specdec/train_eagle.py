@@ -166,12 +166,12 @@ def build_in_parts(target, prompt_ids: list[list[int]], layers: list[int], direc
             changed = sorted(k for k in {**recipe, **index["recipe"]} if recipe.get(k) != index["recipe"].get(k))
             raise ValueError(f"{directory} holds a training set built with other settings ({', '.join(changed)}: "
                              f"{[index['recipe'].get(k) for k in changed]} there, {[recipe.get(k) for k in changed]} "
-                             "now); use another output directory, or --no-resume to rebuild it")
+                             "now); use another output directory, or --rebuild-data to build it again")
         stored = index["prompts"]
         differs = next((i for i, (a, b) in enumerate(zip(stored, digests)) if a != b), None)
         if differs is not None:
             raise ValueError(f"{directory} holds a training set built from other prompts (prompt {differs} differs); "
-                             "use another output directory, or --no-resume to rebuild it")
+                             "use another output directory, or --rebuild-data to build it again")
     directory.mkdir(parents=True, exist_ok=True)
     covered = len(index["prompts"])
     starts = list(range(covered, len(prompt_ids), part_size))
@@ -190,7 +190,8 @@ def build_in_parts(target, prompt_ids: list[list[int]], layers: list[int], direc
     files = [directory / part["file"] for part in index["parts"] if part["prompts"][0] < len(prompt_ids)]
     missing = [f.name for f in files if not f.is_file()]
     if missing:
-        raise ValueError(f"{directory} lacks {missing}, which its index.json lists; --no-resume rebuilds the set")
+        raise ValueError(f"{directory} lacks {missing}, which its index.json lists; --rebuild-data builds the set "
+                         "again")
     parts = [TrainingSet.load(f) for f in files]
     data = TrainingSet.concat(parts)
     keep = data.prompt_index < len(prompt_ids)
@@ -467,7 +468,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--generation-batch-size", type=int, default=16, help="prompts the target continues at once")
     parser.add_argument("--save-every", type=int, default=50, help="checkpoint interval in steps")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-resume", action="store_true", help="start over even if --out holds a checkpoint")
+    parser.add_argument("--no-resume", action="store_true", help="train from scratch even if --out holds a checkpoint "
+                        "(the stored training set is still used)")
+    parser.add_argument("--rebuild-data", action="store_true", help="build the training set again even if --out "
+                        "holds one")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--data-part-size", type=int, default=500,
                         help="prompts per saved part of the training set: an interrupted build resumes at its first "
@@ -492,9 +496,9 @@ def cmd_train_eagle(args) -> int:
     data_file, parts_dir = out / TRAINING_SET_NAME, out / TRAINING_PARTS_DIR
     target, tokenizer = load_model(args.target, device="cuda" if torch.cuda.is_available() else None)
     start = time.perf_counter()
-    if args.no_resume and parts_dir.is_dir():
-        shutil.rmtree(parts_dir)
-    if data_file.is_file() and not args.no_resume and not parts_dir.is_dir():
+    if args.rebuild_data:
+        shutil.rmtree(parts_dir, ignore_errors=True)
+    if data_file.is_file() and not args.rebuild_data and not parts_dir.is_dir():
         data = TrainingSet.load(data_file)  # a set saved whole by an earlier version
         print(f"reusing the training set in {data_file} ({len(data.lengths)} sequences)")
     else:

@@ -150,12 +150,12 @@ def test_training_set_built_in_parts_resumes_extends_and_checks_its_recipe(tmp_p
     subset = te.build_in_parts(target, ids[:5], layers, tmp_path, recipe, part_size=3, **kwargs)
     assert built[-1] == 3 and sorted(subset.prompt_index.tolist()) == list(range(5))
     assert int(subset.lengths.max()) == subset.token_ids.shape[1]
-    with pytest.raises(ValueError, match=r"other settings \(max_new_tokens: \[5\] there, \[6\] now\).*--no-resume"):
+    with pytest.raises(ValueError, match=r"other settings \(max_new_tokens: \[5\] there, \[6\] now\).*--rebuild-data"):
         te.build_in_parts(target, ids, layers, tmp_path, {"max_new_tokens": 6}, part_size=3, **kwargs)
     with pytest.raises(ValueError, match="other prompts \\(prompt 4 differs\\)"):
         te.build_in_parts(target, ids[:4] + ids[5:], layers, tmp_path, recipe, part_size=3, **kwargs)
     (tmp_path / "part-00001.pt").unlink()
-    with pytest.raises(ValueError, match=r"lacks \['part-00001.pt'\].*--no-resume"):
+    with pytest.raises(ValueError, match=r"lacks \['part-00001.pt'\].*--rebuild-data"):
         te.build_in_parts(target, ids, layers, tmp_path, recipe, part_size=3, **kwargs)
     with pytest.raises(ValueError, match="--data-part-size"):
         te.build_in_parts(target, ids, layers, tmp_path, recipe, part_size=0, **kwargs)
@@ -202,6 +202,11 @@ def test_cli_trains_resumes_and_writes_a_loadable_head(tmp_path, capsys):
     assert main([*args, "--steps", "6"]) == 0  # more steps: reuses the training set, resumes from step 4
     out = capsys.readouterr().out
     assert "reusing the training set" in out and "over 6 steps" in out
+    assert main([*args, "--no-resume"]) == 0  # trains from scratch on the stored set
+    out = capsys.readouterr().out
+    assert "reusing the training set" in out and "over 4 steps" in out
+    assert main([*args, "--rebuild-data", "--no-resume"]) == 0
+    assert "generating 16 training sequences" in capsys.readouterr().out
     spec = EagleSpeculator.from_pretrained(tmp_path / "head")
     assert spec.head.version == 3 and spec.config["draft_vocab_size"] == 50
     input_ids = torch.tensor(prompts(2, 7))
