@@ -175,6 +175,11 @@ def build_in_parts(target, prompt_ids: list[list[int]], layers: list[int], direc
     directory.mkdir(parents=True, exist_ok=True)
     covered = len(index["prompts"])
     starts = list(range(covered, len(prompt_ids), part_size))
+    if progress and not starts:
+        print(f"reusing the training set in {directory}")
+    elif progress:
+        print(f"generating {(len(prompt_ids) - covered) * build_kwargs.get('samples_per_prompt', 1)} training "
+              f"sequences (prompts {covered}-{len(prompt_ids) - 1}) ...")
     for number, start in enumerate(starts):
         end = min(start + part_size, len(prompt_ids))
         if progress:
@@ -517,13 +522,6 @@ def cmd_train_eagle(args) -> int:
         dtype = target.dtype
         target.to(getattr(torch, args.data_dtype))
         try:
-            built = len(json.loads((parts_dir / "index.json").read_text())["prompts"]) if (
-                parts_dir / "index.json").is_file() else 0
-            if built >= len(prompts):
-                print(f"reusing the training set in {parts_dir}")
-            else:
-                print(f"generating {(len(prompts) - built) * args.samples_per_prompt} training sequences with "
-                      f"{args.target} (prompts {built}-{len(prompts) - 1}) ...")
             data = build_in_parts(target, tokenize_prompts(tokenizer, prompts), layers, parts_dir, recipe,
                                   part_size=args.data_part_size, progress=True, max_new_tokens=args.max_new_tokens,
                                   samples_per_prompt=args.samples_per_prompt, batch_size=args.generation_batch_size,
