@@ -80,6 +80,16 @@ class StepPlan:
     query_slots: torch.Tensor | None = None  # [rows, q] storage index of each query, when a tree makes it differ
     _masks: dict = field(default_factory=dict)
 
+    def kernel_tree(self) -> TreeMask | None:
+        """The tree step's masks as the triton kernel takes them, built once per step (every layer reads them)."""
+        if self.tree is None:
+            return None
+        if "kernel_tree" not in self._masks:
+            tree = self.tree
+            self._masks["kernel_tree"] = TreeMask(self.query_slots, tree.region_start,
+                                                  tree.region_mask.to(torch.int8), tree.region_positions)
+        return self._masks["kernel_tree"]
+
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """`[rows, 1, q, num_context]` boolean mask: True where a query may attend (torch backend)."""
         key = sliding_window or 0
@@ -255,10 +265,8 @@ def paged_attention_forward(
     if plan.backend == "triton":
         from .kernels.paged_attention.triton_kernel import paged_attention_triton
 
-        tree = None if plan.tree is None else TreeMask(plan.query_slots, plan.tree.region_start, plan.tree.region_mask,
-                                                        plan.tree.region_positions)
         out = paged_attention_triton(query, key, value, plan.block_tables, plan.query_positions, plan.block_size,
-                                     sliding_window, scaling, softcap, tree=tree)
+                                     sliding_window, scaling, softcap, tree=plan.kernel_tree())
         return out, None
     return attend(query, key, value, plan.mask(sliding_window), scaling, softcap).contiguous(), None
 

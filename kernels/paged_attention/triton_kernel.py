@@ -156,7 +156,8 @@ def paged_attention_triton(
         region = tree.region_mask.shape[-1]
         check_tensor("tree.query_slots", tree.query_slots, (rows, num_queries), (torch.int64,), device)
         check_tensor("tree.region_start", tree.region_start, (rows,), (torch.int64,), device)
-        check_tensor("tree.region_mask", tree.region_mask, (rows, num_queries, region), (torch.bool,), device)
+        check_tensor("tree.region_mask", tree.region_mask, (rows, num_queries, region), (torch.bool, torch.int8),
+                     device)
         check_tensor("tree.region_positions", tree.region_positions, (rows, region), (torch.int64,), device)
     if heads % kv_heads:
         raise ValueError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
@@ -169,7 +170,7 @@ def paged_attention_triton(
     grid = (rows, kv_heads, triton.cdiv(num_queries * groups, block_m))
     if tree is not None:
         slots, region_start = tree.query_slots.contiguous(), tree.region_start.contiguous()
-        region_mask = tree.region_mask.to(torch.int8).contiguous()
+        region_mask = tree.region_mask.to(torch.int8).contiguous()  # no copy when the caller passes int8
         region_positions = tree.region_positions.contiguous()
         tree_args = (slots, slots.stride(0), region_start, region_mask, region_mask.stride(0), region_mask.stride(1),
                      region_positions, region_positions.stride(0), region_mask.shape[-1])
