@@ -79,16 +79,17 @@ class StepPlan:
     tree: TreeAttention | None = None
     query_slots: torch.Tensor | None = None  # [rows, q] storage index of each query, when a tree makes it differ
     _masks: dict = field(default_factory=dict)
+    _kernel_tree: TreeMask | None = None
 
     def kernel_tree(self) -> TreeMask | None:
         """The tree step's masks as the triton kernel takes them, built once per step (every layer reads them)."""
         if self.tree is None:
             return None
-        if "kernel_tree" not in self._masks:
+        if self._kernel_tree is None:
             tree = self.tree
-            self._masks["kernel_tree"] = TreeMask(self.query_slots, tree.region_start,
-                                                  tree.region_mask.to(torch.int8), tree.region_positions)
-        return self._masks["kernel_tree"]
+            self._kernel_tree = TreeMask(self.query_slots, tree.region_start, tree.region_mask.to(torch.int8),
+                                         tree.region_positions)
+        return self._kernel_tree
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """`[rows, 1, q, num_context]` boolean mask: True where a query may attend (torch backend)."""

@@ -44,7 +44,8 @@ def attention_mask(query_positions: torch.Tensor, num_context: int, sliding_wind
 class TreeMask(NamedTuple):
     """What a draft-tree step's queries may see (see `tree_attention_mask`): `query_slots` `[rows, q]` storage index
     of each query, `region_start` `[rows]`, `region_mask` `[rows, q, region]` bool (the Triton launcher also takes
-    int8), `region_positions` `[rows, region]`. The queries' positions (rotary, sliding windows) are the usual `query_positions`."""
+    int8), `region_positions` `[rows, region]`. The queries' positions (rotary, sliding windows) are the usual
+    `query_positions`."""
 
     query_slots: torch.Tensor
     region_start: torch.Tensor
