@@ -43,9 +43,13 @@ class TrainingSet:
     labels: torch.Tensor  # [num_sequences, max_len]
     layers: list[int]
     prompt_index: torch.Tensor | None = None  # [num_sequences] the prompt each sequence continues
+    # The target's K most likely next tokens after each token and their probabilities (`add_soft_labels`): the
+    # head then learns the target's distribution, not only its argmax.
+    soft_ids: torch.Tensor | None = None  # [num_sequences, max_len, K] int32
+    soft_probs: torch.Tensor | None = None  # [num_sequences, max_len, K] float16
 
     def save(self, path: str | Path) -> None:
-        names = ("token_ids", "lengths", "features", "labels", "prompt_index")
+        names = ("token_ids", "lengths", "features", "labels", "prompt_index", "soft_ids", "soft_probs")
         torch.save({**{k: getattr(self, k) for k in names if getattr(self, k) is not None}, "layers": self.layers},
                    path)
 
@@ -64,10 +68,25 @@ class TrainingSet:
             pad = [0, 0] * (t.dim() - 2) + [0, width - t.shape[1]]
             return F.pad(t, pad, value=value)
 
-        index = None if any(p.prompt_index is None for p in parts) else torch.cat([p.prompt_index for p in parts])
-        return cls(torch.cat([padded(p.token_ids, 0) for p in parts]), torch.cat([p.lengths for p in parts]),
-                   torch.cat([padded(p.features, 0.0) for p in parts]),
-                   torch.cat([padded(p.labels, -100) for p in parts]), list(parts[0].layers), index)
+        def joined(name: str, value) -> torch.Tensor | None:
+            if any(getattr(p, name) is None for p in parts):
+                return None
+            return torch.cat([getattr(p, name) if value is None else padded(getattr(p, name), value) for p in parts])
+
+        return cls(joined("token_ids", 0), joined("lengths", None), joined("features", 0.0), joined("labels", -100),
+                   list(parts[0].layers), joined("prompt_index", None), joined("soft_ids", 0),
+                   joined("soft_probs", 0.0))
+
+    def select(self, rows: torch.Tensor) -> TrainingSet:
+        """The sequences `rows` (a boolean mask or indices), cut to the longest of them."""
+        width = int(self.lengths[rows].max())
+
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[rows][:, :width]
+
+        return TrainingSet(cut(self.token_ids), self.lengths[rows], cut(self.features), cut(self.labels),
+                           list(self.layers), None if self.prompt_index is None else self.prompt_index[rows],
+                           cut(self.soft_ids), cut(self.soft_probs))
 
 
 @dataclass
@@ -145,12 +164,15 @@ def build_training_set(target, prompt_ids: list[list[int]], layers: list[int], *
 
 
 def build_in_parts(target, prompt_ids: list[list[int]], layers: list[int], directory: str | Path, recipe: dict, *,
-                   part_size: int = 500, progress: bool = False, **build_kwargs) -> TrainingSet:
+                   part_size: int = 500, progress: bool = False, soft_top_k: int = 0,
+                   **build_kwargs) -> TrainingSet:
     """The training set of `prompt_ids`, kept in `directory` in parts of `part_size` prompts.
 
     An interrupted build resumes at its first unfinished part, and asking for more prompts of the same list builds
     only the new ones. `recipe` holds every setting the sequences depend on (target, lengths, dtype, layers, seed);
     it and the prompts already built must match what is stored, else a `ValueError` says what differs.
+    With `soft_top_k` > 0 each part also gets the target's top-k distributions (`add_soft_labels`), kept beside it
+    in `part-NNNNN.topK.pt`, so a set built without them gains them later without generating again.
     `build_kwargs` go to `build_training_set`.
     """
     if part_size < 1:
@@ -198,12 +220,20 @@ def build_in_parts(target, prompt_ids: list[list[int]], layers: list[int], direc
         raise ValueError(f"{directory} lacks {missing}, which its index.json lists; --rebuild-data builds the set "
                          "again")
     parts = [TrainingSet.load(f) for f in files]
+    if soft_top_k > 0:
+        for number, (file, part) in enumerate(zip(files, parts)):
+            soft_file = file.with_suffix(f".top{soft_top_k}.pt")
+            if not soft_file.is_file():
+                if progress:
+                    print(f"soft labels (top {soft_top_k}) for part {number + 1}/{len(parts)}")
+                ids, probs = teacher_top_k(target, part.token_ids, part.lengths, soft_top_k)
+                torch.save({"soft_ids": ids, "soft_probs": probs}, soft_file)
+            soft = torch.load(soft_file, weights_only=True)
+            part.soft_ids, part.soft_probs = soft["soft_ids"], soft["soft_probs"]
     data = TrainingSet.concat(parts)
     keep = data.prompt_index < len(prompt_ids)
     if not bool(keep.all()):  # the stored set covers more prompts than asked for
-        width = int(data.lengths[keep].max())
-        data = TrainingSet(data.token_ids[keep, :width], data.lengths[keep], data.features[keep, :width],
-                           data.labels[keep, :width], data.layers, data.prompt_index[keep])
+        data = data.select(keep)
     return data
 
 
@@ -253,13 +283,56 @@ def new_head(target, config: dict, draft_to_target: torch.Tensor | None, seed: i
     return head
 
 
+@torch.no_grad()
+def teacher_top_k(target, token_ids: torch.Tensor, lengths: torch.Tensor, k: int, *,
+                  max_logits: int = 1 << 27) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's `k` most likely next tokens after every token of `token_ids` and their probabilities.
+
+    The target's own forward gives the logits (so a logit softcap or scale is applied as in generation), a few
+    sequences at a time so that at most about `max_logits` logits exist at once. Returns `int32` ids and `float16`
+    probabilities, `[num_sequences, length, k]`, zero past each sequence's length.
+    """
+    num, length = token_ids.shape
+    vocab = target.config.get_text_config().vocab_size
+    if not 1 <= k <= vocab:
+        raise ValueError(f"soft labels: top-k must be between 1 and the vocabulary size {vocab}, got {k}")
+    ids = torch.zeros(num, length, k, dtype=torch.int32)
+    probs = torch.zeros(num, length, k, dtype=torch.float16)
+    order = lengths.argsort()  # similar lengths together waste less padding
+    step = max(1, max_logits // (length * vocab))
+    for start in range(0, num, step):
+        rows = order[start:start + step]
+        width = int(lengths[rows].max())
+        batch = token_ids[rows, :width].to(target.device)
+        mask = (torch.arange(width)[None] < lengths[rows, None]).long().to(target.device)
+        logits = target(input_ids=batch, attention_mask=mask).logits
+        for i, row in enumerate(rows.tolist()):
+            n = int(lengths[row])
+            top = torch.softmax(logits[i, :n].float(), dim=-1).topk(k, dim=-1)
+            ids[row, :n] = top.indices.to(torch.int32).cpu()
+            probs[row, :n] = top.values.to(torch.float16).cpu()
+    return ids, probs
+
+
+def add_soft_labels(target, data: TrainingSet, k: int) -> TrainingSet:
+    """`data` with the target's top-`k` distribution after each token (`TrainingSet.soft_ids`, `soft_probs`)."""
+    data.soft_ids, data.soft_probs = teacher_top_k(target, data.token_ids, data.lengths, k)
+    return data
+
+
 def eagle_loss(head: EagleHead, token_ids: torch.Tensor, lengths: torch.Tensor, features: torch.Tensor,
-               labels: torch.Tensor, num_unroll: int = 1, target_to_draft: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean over unroll steps of cross-entropy against the target's argmax plus smooth-L1 against the next input.
+               labels: torch.Tensor, num_unroll: int = 1, target_to_draft: torch.Tensor | None = None,
+               soft_ids: torch.Tensor | None = None, soft_probs: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over unroll steps of cross-entropy against the target plus smooth-L1 against the next input.
+
+    The cross-entropy is against the target's argmax, or, given `soft_ids` and `soft_probs`, against its top-k
+    distribution restricted to the draft vocabulary and renormalised (positions with none of it there count their
+    argmax).
 
     Args:
         token_ids, labels: `[batch, length]`; features: `[batch, length, width]`; lengths: `[batch]`.
         target_to_draft: `[vocab]` EAGLE-3 draft id of each target id, -100 outside the draft vocabulary.
+        soft_ids, soft_probs: `[batch, length, k]` from `teacher_top_k`.
     """
     length = token_ids.shape[1]
     positions = torch.arange(length - 1, device=token_ids.device).expand(token_ids.shape[0], -1)
@@ -270,6 +343,12 @@ def eagle_loss(head: EagleHead, token_ids: torch.Tensor, lengths: torch.Tensor, 
             next_input = head.fc(features[:, 1:])
     draft_labels = labels if target_to_draft is None else torch.where(labels >= 0, target_to_draft[labels.clamp(
         min=0)], -100)
+    soft = None
+    if soft_ids is not None:
+        soft_ids = soft_ids.long() if target_to_draft is None else target_to_draft[soft_ids.long()]
+        weights = torch.where(soft_ids >= 0, soft_probs.float(), 0.0) * (draft_labels >= 0)[..., None]
+        weights = weights / weights.sum(-1, keepdim=True).clamp(min=1e-12)
+        soft = soft_ids.clamp(min=0), weights
     total, inputs, from_target = 0.0, features[:, :-1], True
     for u in range(num_unroll):  # step u: entry p reads (the input at p + u, token p + u + 1), at position p + u
         hidden = head(token_ids[:, u + 1:], positions[:, u:], None, inputs, from_target=from_target)
@@ -277,8 +356,12 @@ def eagle_loss(head: EagleHead, token_ids: torch.Tensor, lengths: torch.Tensor, 
         logits = head.logits(hidden, head.config["target"]["vocab_size"]) if head.version == 1 else \
             head.lm_head(head.norm(hidden))
         step_labels = draft_labels[:, u + 1:].flatten()
-        ce = F.cross_entropy(logits.flatten(0, 1), step_labels, reduction="sum") / (step_labels >= 0).sum().clamp(
-            min=1)
+        count = (step_labels >= 0).sum().clamp(min=1)
+        if soft is None:
+            ce = F.cross_entropy(logits.flatten(0, 1), step_labels, reduction="sum") / count
+        else:
+            log_probs = torch.log_softmax(logits.float(), dim=-1).gather(-1, soft[0][:, u + 1:])
+            ce = -(log_probs * soft[1][:, u + 1:]).sum() / count
         reg = F.smooth_l1_loss(hidden[valid], next_input[:, u:][valid])
         total = total + ce + reg
         inputs, from_target = hidden[:, :-1], False
@@ -338,12 +421,17 @@ def train_eagle_head(target, data: TrainingSet, out_dir: str | Path, *, version:
     head = new_head(target, config, draft_to_target, seed)
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     start, losses = 0, []
+    soft_top_k = 0 if data.soft_ids is None else data.soft_ids.shape[-1]
     checkpoint_file = out_dir / CHECKPOINT_NAME
     if resume and checkpoint_file.is_file():
         state = torch.load(checkpoint_file, weights_only=True)
         if state["config"] != json.loads(json.dumps(config)):
             raise ValueError(f"{checkpoint_file} is from a run with another head or training set; pass another "
                              "output directory, or resume=False (--no-resume) to start over")
+        if state.get("soft_top_k", 0) != soft_top_k:
+            raise ValueError(f"{checkpoint_file} is from a run trained with soft labels top-{state.get('soft_top_k', 0)}"
+                             f", this training set has top-{soft_top_k} (0: argmax only); pass the same --soft-labels, "
+                             "another output directory, or resume=False (--no-resume) to start over")
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
         start, losses = state["step"], state["losses"]
@@ -362,7 +450,7 @@ def train_eagle_head(target, data: TrainingSet, out_dir: str | Path, *, version:
 
     def save(step: int) -> None:
         torch.save({"step": step, "head": head.state_dict(), "optimizer": optimizer.state_dict(), "losses": losses,
-                    "config": config}, checkpoint_file)
+                    "config": config, "soft_top_k": soft_top_k}, checkpoint_file)
 
     frozen = [(p, p.requires_grad) for p in target.parameters()]
     attention = head.layer.self_attn.config._attn_implementation
@@ -376,13 +464,14 @@ def train_eagle_head(target, data: TrainingSet, out_dir: str | Path, *, version:
         for step in bar:
             rows = _batch_indices(len(data.lengths), batch_size, seed, step)
             width = int(data.lengths[rows].max())
-            batch = [t[rows][:, :width].to(device) for t in (data.token_ids, data.features, data.labels)]
+            batch = [None if t is None else t[rows][:, :width].to(device)
+                     for t in (data.token_ids, data.features, data.labels, data.soft_ids, data.soft_probs)]
             batch[1] = batch[1].float()
             for group in optimizer.param_groups:
                 group["lr"] = _learning_rate(lr, step, steps)
             with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16"):
                 loss = eagle_loss(head, batch[0], data.lengths[rows].to(device), batch[1], batch[2], num_unroll,
-                                  target_to_draft)
+                                  target_to_draft, batch[3], batch[4])
             optimizer.zero_grad()
             accelerator.backward(loss) if accelerator is not None else loss.backward()
             optimizer.step()
@@ -484,6 +573,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--mixed-precision", default="no", choices=["no", "bf16"],
                         help="train under bfloat16 autocast (weights and optimizer in float32): about twice as fast "
                         "on CPUs with AMX and on GPUs")
+    parser.add_argument("--soft-labels", type=int, default=0, metavar="K",
+                        help="train on the target's top-K next-token distribution, not only its argmax (0: argmax "
+                        "only); computed once per part of the training set and kept beside it")
     parser.add_argument("--data-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="the target's dtype while it builds the training set (bfloat16: about twice as fast "
                         "on CPUs with AMX, faster on GPUs; the head then learns from the bfloat16 target's states)")
@@ -497,6 +589,9 @@ def cmd_train_eagle(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.soft_labels < 0:
+        raise SystemExit(f"--soft-labels {args.soft_labels}: give the number of most likely tokens to learn from "
+                         "(e.g. 16), or 0 for the argmax only")
     out = Path(args.out)
     data_file, parts_dir = out / TRAINING_SET_NAME, out / TRAINING_PARTS_DIR
     target, tokenizer = load_model(args.target, device="cuda" if torch.cuda.is_available() else None)
@@ -506,6 +601,8 @@ def cmd_train_eagle(args) -> int:
     if data_file.is_file() and not args.rebuild_data and not parts_dir.is_dir():
         data = TrainingSet.load(data_file)  # a set saved whole by an earlier version
         print(f"reusing the training set in {data_file} ({len(data.lengths)} sequences)")
+        if args.soft_labels:
+            add_soft_labels(target, data, args.soft_labels)
     else:
         if args.data:
             prompts = read_prompts(args.data)
@@ -523,7 +620,8 @@ def cmd_train_eagle(args) -> int:
         target.to(getattr(torch, args.data_dtype))
         try:
             data = build_in_parts(target, tokenize_prompts(tokenizer, prompts), layers, parts_dir, recipe,
-                                  part_size=args.data_part_size, progress=True, max_new_tokens=args.max_new_tokens,
+                                  part_size=args.data_part_size, progress=True, soft_top_k=args.soft_labels,
+                                  max_new_tokens=args.max_new_tokens,
                                   samples_per_prompt=args.samples_per_prompt, batch_size=args.generation_batch_size,
                                   eos_token_id=tokenizer.eos_token_id, seed=args.seed, feature_dtype=torch.bfloat16)
         except ValueError as error:

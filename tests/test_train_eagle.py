@@ -75,6 +75,51 @@ def test_training_reduces_loss_and_raises_acceptance(tmp_path, target, data1, ve
     assert trained >= 0.1 and trained > 5 * untrained
 
 
+def test_soft_labels_are_the_targets_distribution_and_top_1_equals_the_argmax_loss(target):
+    """`teacher_top_k` gives the target's own next-token probabilities (descending, argmax first, zero past each
+    length); the soft-label loss with k = 1 is the argmax loss, and with k > 1 it differs."""
+    data = build_training_set(target, ragged_prompts(6, 7), default_layers(target, 3), max_new_tokens=6)
+    ids, probs = te.teacher_top_k(target, data.token_ids, data.lengths, 4, max_logits=3 * VOCAB * 20)
+    for row, n in enumerate(data.lengths.tolist()):
+        expected = torch.softmax(target(data.token_ids[row:row + 1, :n]).logits[0].float(), -1).topk(4)
+        assert torch.equal(ids[row, :n].long(), expected.indices)
+        torch.testing.assert_close(probs[row, :n].float(), expected.values, atol=1e-3, rtol=1e-3)
+        assert ids[row, :n, 0].tolist() == data.labels[row, :n].tolist()
+        assert not ids[row, n:].any() and not probs[row, n:].any()
+    config, draft_to_target = head_config_for(target, data, 3, draft_vocab_size=64)
+    head = new_head(target, config, draft_to_target)
+    head.bind(target)
+    head.layer.self_attn.config._attn_implementation = "sdpa"
+    t2d = torch.full((VOCAB,), -100, dtype=torch.long)
+    t2d[draft_to_target] = torch.arange(64)
+    args = (data.token_ids, data.lengths, data.features.float(), data.labels, 2, t2d)
+    hard = te.eagle_loss(head, *args)
+    top1 = te.eagle_loss(head, *args, ids[..., :1], probs[..., :1])
+    top4 = te.eagle_loss(head, *args, ids, probs)
+    torch.testing.assert_close(top1, hard)
+    assert not torch.allclose(top4, hard)
+    with pytest.raises(ValueError, match="top-k must be between 1"):
+        te.teacher_top_k(target, data.token_ids, data.lengths, 0)
+
+
+def test_soft_label_training_lowers_the_loss_and_raises_acceptance(tmp_path, target):
+    data = te.add_soft_labels(target, build_training_set(target, prompts(32, 1), default_layers(target, 3),
+                                                         max_new_tokens=24), 8)
+    config, draft_to_target = head_config_for(target, data, 3, draft_vocab_size=64)
+    untrained = acceptance(target, EagleSpeculator.from_pretrained(
+        save_head(new_head(target, config, draft_to_target), tmp_path / "untrained")))
+    result = train_eagle_head(target, data, tmp_path / "trained", steps=60, batch_size=16, lr=1e-2,
+                              draft_vocab_size=64, progress=False)
+    trained = acceptance(target, EagleSpeculator.from_pretrained(result.path))
+    first, last = sum(result.losses[:5]) / 5, sum(result.losses[-5:]) / 5
+    print(f"soft labels: loss {first:.3f} -> {last:.3f}, acceptance untrained {untrained:.3f} -> {trained:.3f}")
+    assert last < 0.9 * first and trained > 5 * untrained  # a random target's distribution is nearly flat
+    data.soft_ids, data.soft_probs = None, None
+    with pytest.raises(ValueError, match="soft labels top-8.*top-0"):
+        train_eagle_head(target, data, tmp_path / "trained", steps=61, batch_size=16, draft_vocab_size=64,
+                         progress=False)
+
+
 @pytest.mark.parametrize("failure", [KeyboardInterrupt, RuntimeError])
 def test_resumed_run_equals_an_uninterrupted_one(tmp_path, target, data1, monkeypatch, failure):
     """Interrupted (Ctrl-C: checkpoint at the last completed step) or killed (the last periodic checkpoint, step 4)
