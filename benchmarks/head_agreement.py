@@ -4,7 +4,7 @@ sequence, predicts each next argmax from the target's own states. The share it g
 first draft's acceptance. Prompt groups: ones the head was trained on, unseen ones from the same built-in set, and
 the benchmark's workloads. No timing.
 
-    python benchmarks/head_agreement.py HEAD_DIR [--trained N]   (N: the --self-distill count it was trained with)
+    python benchmarks/head_agreement.py HEAD_DIR [HEAD_DIR ...] [--trained N]   (N: the --self-distill count)
 """
 import argparse
 
@@ -18,33 +18,36 @@ from hf_specdec.train_prompts import built_in_prompts, max_prompts
 from hf_specdec.workloads import GROUNDED, OPEN_CHAT
 
 parser = argparse.ArgumentParser()
-parser.add_argument("head")
-parser.add_argument("--trained", type=int, default=3000, help="how many built-in prompts the head was trained on")
+parser.add_argument("heads", nargs="+", help="head directories, compared on the same target sequences")
+parser.add_argument("--trained", type=int, default=3000, help="how many built-in prompts the heads were trained on")
 parser.add_argument("--new-tokens", type=int, default=64)
 args = parser.parse_args()
 
 model, tokenizer = load_model()
-head = EagleSpeculator.from_pretrained(args.head).head
-head.bind(model)
-layers = head.config["target_hidden_states"]["layers"]
-head.layer.self_attn.config._attn_implementation = "sdpa"  # plain causal attention over whole sequences
+heads = [EagleSpeculator.from_pretrained(path).head for path in args.heads]
+for head in heads:
+    head.bind(model)
+    head.layer.self_attn.config._attn_implementation = "sdpa"  # plain causal attention over whole sequences
 
 
 @torch.no_grad()
-def agreement(prompts: list[str]) -> float:
-    scores = []
+def agreement(prompts: list[str]) -> list[float]:
+    """Each head's mean agreement over `prompts`, all heads scored on the same target sequences."""
+    scores = [[] for _ in heads]
     for ids in tokenize_prompts(tokenizer, prompts):
         seq = model.generate(torch.tensor([ids]), max_new_tokens=args.new_tokens, do_sample=False)
         out = model(seq, output_hidden_states=True)
-        features = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
         labels = out.logits.argmax(-1)
         positions = torch.arange(seq.shape[1] - 1)[None]
-        # Entry p reads the state at p and the token at p + 1 and predicts the target's argmax at p + 1.
-        hidden = head(seq[:, 1:], positions, None, features[:, :-1])
-        predicted = head.logits(hidden, model.config.vocab_size).argmax(-1)
         start = len(ids) - 1  # the entry reading the first generated token
-        scores.append((predicted[0, start:] == labels[0, start + 1:]).float().mean().item())
-    return sum(scores) / len(scores)
+        for head, head_scores in zip(heads, scores):
+            layers = head.config["target_hidden_states"]["layers"]
+            features = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+            # Entry p reads the state at p and the token at p + 1 and predicts the target's argmax at p + 1.
+            hidden = head(seq[:, 1:], positions, None, features[:, :-1])
+            predicted = head.logits(hidden, model.config.vocab_size).argmax(-1)
+            head_scores.append((predicted[0, start:] == labels[0, start + 1:]).float().mean().item())
+    return [sum(s) / len(s) for s in scores]
 
 
 # Written for this script and in none of the training or benchmark sets (some subjects recur there): held out
@@ -65,6 +68,10 @@ groups = {
     "benchmark open chat": list(OPEN_CHAT.values()),
     "benchmark grounded": list(GROUNDED.values()),
 }
+print(f"{'prompt group':28s} " + " ".join(f"{i:>8d}" for i in range(len(heads))) + "   (top-1 agreement per head)")
+for i, path in enumerate(args.heads):
+    print(f"  head {i}: {path}")
 for name, prompts in groups.items():
-    print(f"{name:28s} top-1 agreement {agreement(prompts):.3f} ({len(prompts)} prompts)")
-head.layer.self_attn.config._attn_implementation = ATTENTION_NAME
+    print(f"{name:28s} " + " ".join(f"{a:8.3f}" for a in agreement(prompts)) + f"   ({len(prompts)} prompts)")
+for head in heads:
+    head.layer.self_attn.config._attn_implementation = ATTENTION_NAME

@@ -12,6 +12,7 @@ from .engine import SpeculativeEngine
 from .generation import SpeculativeGenerateOutput, register_generation_strategy, resolve_speculator
 from .head_convert import HeadCheckpointError, convert_head
 from .metrics import SpeculativeMetrics
+from .models import trained_head
 from .paged_cache import PagedKVCache
 from .pipeline import SpeculativeTextGenerationPipeline, register_pipeline
 from .quantization import QuantizationUnavailableError, QuantizedCheckpointError, load_draft
@@ -37,4 +38,5 @@ __all__ = [
     "UnsupportedModelError", "VerifyResult", "check_tokenizers_match", "convert_eagle", "register_pipeline",
     "load_draft", "resolve_speculator", "TrainingSet", "build_training_set", "train_eagle_head",
     "verify", "HeadCheckpointError", "MedusaSpeculator", "MlpSpeculator", "convert_head",
+    "trained_head",
 ]

@@ -14,14 +14,14 @@ import torch
 from .demo.app import add_arguments as add_demo_arguments
 from .head_convert import CONFIG_NAME as HEAD_CONFIG_NAME
 from .head_convert import head_speculator_from_dir
-from .models import DEFAULT_MODEL, EMBEDDED_MODELS, load_causal_lm, load_model, load_tokenizer
+from .models import DEFAULT_MODEL, EMBEDDED_MODELS, load_causal_lm, load_model, load_tokenizer, trained_head
 from .quantization import QUANTIZATIONS, load_draft
 from .speculators.eagle import EagleSpeculator
 from .speculators.heads import CONFIG_NAME as EAGLE_CONFIG_NAME
 from .tokenizers import check_tokenizers_match
 from .train_eagle import add_arguments as add_train_eagle_arguments
 from .train_eagle import cmd_train_eagle
-from .workloads import GROUNDED, chat_inputs
+from .workloads import GROUNDED, OPEN_CHAT, chat_inputs
 
 
 
@@ -29,13 +29,19 @@ def _dtype(args):
     """`--dtype` as a torch dtype (None: the model's default; float32 for the embedded GGUF models)."""
     return None if args.dtype is None else getattr(torch, args.dtype)
 
-def _speculator(spec: str, target, target_tokenizer, quantization: str | None = None):
-    """'ngram', or a draft model loaded like the target (its tokenizer, when it has one, must match), optionally
-    quantized as it loads (`hf_specdec.load_draft`); pre-quantized checkpoints load as they are."""
+def _speculator(spec: str, target, target_tokenizer, quantization: str | None = None, model_name: str = ""):
+    """'ngram', 'eagle' (the trained head shipped for the embedded model `model_name`), a head directory, or a
+    draft model loaded like the target (its tokenizer, when it has one, must match), optionally quantized as it
+    loads (`hf_specdec.load_draft`); pre-quantized checkpoints load as they are."""
+    if spec in ("ngram", "eagle") and quantization is not None:
+        raise SystemExit(f"--draft-quantization {quantization} applies to draft models, not to {spec!r}")
     if spec == "ngram":
-        if quantization is not None:
-            raise SystemExit(f"--draft-quantization {quantization} applies to draft models, not to 'ngram'")
         return "ngram"
+    if spec == "eagle":
+        try:
+            return EagleSpeculator.from_pretrained(trained_head(model_name))
+        except ValueError as error:
+            raise SystemExit(f"--speculator eagle: {error}") from None
     if (Path(spec) / EAGLE_CONFIG_NAME).is_file():  # a converted EAGLE head (hf-specdec convert-eagle)
         return EagleSpeculator.from_pretrained(spec)
     if (Path(spec) / HEAD_CONFIG_NAME).is_file():  # a converted MLP speculator or Medusa head (convert-head)
@@ -64,52 +70,81 @@ def _quantizations(spec: str) -> list[str | None]:
     return [None if name == "none" else name for name in names]
 
 
+def _run_speculators(args, model, tokenizer) -> dict[str, object]:
+    """`run`'s speculators: with `--speculator auto`, n-gram and the trained EAGLE head shipped for the model."""
+    names = [args.speculator]
+    if args.speculator == "auto":
+        spec = EMBEDDED_MODELS.get(args.model)
+        names = ["ngram"] + (["eagle"] if spec is not None and spec.eagle_head else [])
+    return {name: _speculator(name, model, tokenizer, model_name=args.model) for name in names}
+
+
 def cmd_run(args) -> int:
-    """Speculative generation on the embedded default model, timed against plain generate in the same run."""
+    """Speculative generation on the embedded default model, timed against plain generate in the same run: each
+    speculator on a grounded and an open-chat prompt (or on `--prompt`), and which one is best on each."""
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, dtype=_dtype(args), device=args.device)
-    inputs = chat_inputs(tokenizer, [args.prompt or GROUNDED["repeat_summarise"]]).to(model.device)
-    common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
-    speculative = dict(speculator=_speculator(args.speculator, model, tokenizer), num_speculative_tokens=args.k)
+    speculators = _run_speculators(args, model, tokenizer)
+    tree = {}
     if args.tree:
-        if not getattr(speculative["speculator"], "supports_trees", False):
-            raise SystemExit(f"--tree needs an EAGLE head directory in --speculator; {args.speculator!r} drafts "
-                             "chains only (drop --tree)")
+        if not any(getattr(s, "supports_trees", False) for s in speculators.values()):
+            raise SystemExit(f"--tree needs an EAGLE head ('eagle' or a head directory) in --speculator; "
+                             f"{args.speculator!r} drafts chains only (drop --tree)")
         shapes = _tree_shapes(args.tree, "--tree")
         if len(shapes) != 1:
             raise SystemExit(f"--tree {args.tree!r}: give one shape NODESxBRANCHING, e.g. 16x4")
         (nodes, branching), = shapes
-        speculative.update(speculative_tree_nodes=nodes, speculative_tree_branching=branching)
+        tree = dict(speculative_tree_nodes=nodes, speculative_tree_branching=branching)
+    prompts = {"your prompt": args.prompt} if args.prompt else {
+        "grounded prompt (repeat a report, then summarise it)": GROUNDED["repeat_summarise"],
+        "open-chat prompt (a short story)": OPEN_CHAT["story"]}
+    common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    best = {}
+    for title, prompt in prompts.items():
+        inputs = chat_inputs(tokenizer, [prompt]).to(model.device)
+        options = {name: dict(speculator=spec, num_speculative_tokens=args.k,
+                              **(tree if getattr(spec, "supports_trees", False) else {}))
+                   for name, spec in speculators.items()}
 
-    def timed(**kwargs):
-        start = time.perf_counter()
-        out = model.generate(**inputs, **common, **kwargs)
-        return time.perf_counter() - start, out
+        def timed(**kwargs):
+            start = time.perf_counter()
+            out = model.generate(**inputs, **common, **kwargs)
+            return time.perf_counter() - start, out
 
-    model.generate(**inputs, max_new_tokens=8, do_sample=False)  # warm-up, both paths
-    model.generate(**inputs, max_new_tokens=8, do_sample=False, **speculative)
-    plain_times, spec_times = [], []
-    for _ in range(args.repeats):  # interleaved, so both see the same machine load
-        t, plain = timed()
-        plain_times.append(t)
-        t, spec = timed(return_dict_in_generate=True, **speculative)
-        spec_times.append(t)
-    new_tokens = spec.sequences.shape[1] - inputs["input_ids"].shape[1]
-    text = tokenizer.decode(spec.sequences[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-    plain_tps = new_tokens / statistics.median(plain_times)
-    spec_tps = new_tokens / statistics.median(spec_times)
-    metrics = spec.speculative_metrics
-    print(text)
-    print("-" * 80)
-    print(f"model {args.model}, speculator {args.speculator}, k={args.k}"
-          f"{f', tree {args.tree}' if args.tree else ''}, {new_tokens} new tokens, "
-          f"median of {args.repeats}")
-    print(f"plain generate:       {plain_tps:6.1f} tokens/s")
-    print(f"speculative generate: {spec_tps:6.1f} tokens/s   speedup {spec_tps / plain_tps:.2f}x")
-    print(f"output identical to plain greedy generate: {torch.equal(spec.sequences, plain)}")
-    print(f"acceptance rate {metrics.acceptance_rate:.3f}, mean acceptance length "
-          f"{metrics.mean_acceptance_length:.2f}, target forwards {metrics.num_steps} for {new_tokens} tokens")
+        model.generate(**inputs, max_new_tokens=8, do_sample=False)  # warm-up, every path
+        for kwargs in options.values():
+            model.generate(**inputs, max_new_tokens=8, do_sample=False, **kwargs)
+        times = {name: [] for name in ["plain", *options]}
+        outputs = {}
+        for _ in range(args.repeats):  # interleaved, so every path sees the same machine load
+            t, plain = timed()
+            times["plain"].append(t)
+            for name, kwargs in options.items():
+                t, outputs[name] = timed(return_dict_in_generate=True, **kwargs)
+                times[name].append(t)
+        new_tokens = plain.shape[1] - inputs["input_ids"].shape[1]
+        plain_tps = new_tokens / statistics.median(times["plain"])
+        print(f"=== {title}")
+        print(tokenizer.decode(plain[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+        print("-" * 80)
+        print(f"model {args.model}, {new_tokens} new tokens, median of {args.repeats}")
+        print(f"plain generate:       {plain_tps:6.1f} tokens/s")
+        speedups = {}
+        for name, out in outputs.items():
+            tokens = out.sequences.shape[1] - inputs["input_ids"].shape[1]
+            spec_tps = tokens / statistics.median(times[name])
+            speedups[name] = spec_tps / plain_tps
+            metrics = out.speculative_metrics
+            shape = f", tree {args.tree}" if "speculative_tree_nodes" in options[name] else ""
+            print(f"speculator {name}, k={args.k}{shape}: {spec_tps:6.1f} tokens/s   speedup {speedups[name]:.2f}x")
+            print(f"  output identical to plain greedy generate: {torch.equal(out.sequences, plain)}")
+            print(f"  acceptance rate {metrics.acceptance_rate:.3f}, mean acceptance length "
+                  f"{metrics.mean_acceptance_length:.2f}, target forwards {metrics.num_steps} for {tokens} tokens")
+        best[title] = max(speedups, key=speedups.get)
+        print()
+    if len(speculators) > 1:
+        print("best speculator: " + "; ".join(f"{title.split(' (')[0]}: {name}" for title, name in best.items()))
     return 0
 
 
@@ -121,7 +156,8 @@ def cmd_generate(args) -> int:
     inputs = chat_inputs(tokenizer, [args.prompt]).to(model.device)
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k) \
         if args.sample else dict(do_sample=False)
-    speculator = _speculator(args.speculator, model, tokenizer, _quantizations(args.draft_quantization)[0])
+    speculator = _speculator(args.speculator, model, tokenizer, _quantizations(args.draft_quantization)[0],
+                             model_name=args.model)
     start = time.perf_counter()
     out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, speculator=speculator,
                          num_speculative_tokens=args.k, return_dict_in_generate=True,
@@ -142,9 +178,9 @@ def cmd_bench(args) -> int:
     model, tokenizer = load_model(args.model, dtype=_dtype(args), device=args.device)
     speculators = {}
     for name in args.speculators.split(","):
-        for quantization in _quantizations(args.draft_quantization) if name != "ngram" else [None]:
+        for quantization in _quantizations(args.draft_quantization) if name not in ("ngram", "eagle") else [None]:
             label = name if quantization is None else f"{name} [{quantization}]"
-            speculators[label] = _speculator(name, model, tokenizer, quantization)
+            speculators[label] = _speculator(name, model, tokenizer, quantization, model_name=args.model)
     trees = _tree_shapes(args.trees)
     if trees and not any(getattr(s, "supports_trees", False) for s in speculators.values()):
         raise SystemExit("--trees needs a speculator that drafts trees (an EAGLE head directory in --speculators)")
@@ -230,7 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="speculative generation on the default model, with speedup and acceptance")
     _add_model_arguments(run)
-    run.add_argument("--speculator", default="ngram", help="'ngram' or a draft model (name, id or path)")
+    run.add_argument("--speculator", default="auto", help="'auto' (n-gram and, where one ships for --model, the "
+                     "trained EAGLE head, side by side), 'ngram', 'eagle', an EAGLE head directory or a draft model "
+                     "(name, id or path)")
     run.add_argument("-k", type=int, default=10, help="num_speculative_tokens")
     run.add_argument("--max-new-tokens", type=int, default=128)
     run.add_argument("--repeats", type=int, default=3, help="timed repeats; medians are reported")
@@ -242,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmark plain, transformers-assisted and hf_specdec generation")
     _add_model_arguments(bench)
-    bench.add_argument("--speculators", default="ngram", help="comma-separated: 'ngram' and/or draft models")
+    bench.add_argument("--speculators", default="ngram", help="comma-separated: 'ngram', 'eagle' (the trained head "
+                       "shipped for --model), EAGLE head directories and/or draft models")
     bench.add_argument("--batch-sizes", default="1,4,16")
     bench.add_argument("--workloads", default="grounded,open_chat")
     bench.add_argument("--max-new-tokens", type=int, default=128)
@@ -264,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream one prompt's speculative generation")
     gen.add_argument("prompt")
     _add_model_arguments(gen)
-    gen.add_argument("--speculator", default="ngram", help="'ngram' or a draft model (name, id or path)")
+    gen.add_argument("--speculator", default="ngram", help="'ngram', 'eagle' (the trained head shipped for --model), "
+                     "an EAGLE head directory or a draft model (name, id or path)")
     gen.add_argument("-k", type=int, default=5, help="num_speculative_tokens")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")

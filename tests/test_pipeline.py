@@ -108,6 +108,25 @@ def test_cli_generate_end_to_end(tmp_path, capsys):
     assert tokenizer.decode(expected[0, -10:], skip_special_tokens=True) in captured.out
 
 
+def test_cli_run_compares_speculators_per_prompt_and_names_the_best(tmp_path, capsys):
+    """`run` with a model that ships no trained head: 'auto' is n-gram alone; 'eagle' is refused with the fix."""
+    from hf_specdec.cli import main
+
+    model, tokenizer = make_model("llama", dtype=torch.float32), make_tokenizer()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    args = ["run", "--model", str(tmp_path), "-k", "3", "--max-new-tokens", "10", "--repeats", "1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.count("=== ") == 2 and "grounded prompt" in out and "open-chat prompt" in out
+    assert out.count("speculator ngram, k=3") == 2 and "speculator eagle" not in out
+    assert out.count("output identical to plain greedy generate: True") == 2
+    assert main([*args, "--prompt", PROMPTS[0]]) == 0
+    assert capsys.readouterr().out.count("=== your prompt") == 1
+    with pytest.raises(SystemExit, match="no trained EAGLE head ships for .*train-eagle"):
+        main([*args, "--speculator", "eagle"])
+
+
 def test_cli_help_for_every_command(capsys):
     from hf_specdec.cli import main
 

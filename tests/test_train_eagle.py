@@ -254,6 +254,15 @@ def test_cli_trains_resumes_and_writes_a_loadable_head(tmp_path, capsys):
     assert "generating 16 training sequences" in capsys.readouterr().out
     spec = EagleSpeculator.from_pretrained(tmp_path / "head")
     assert spec.head.version == 3 and spec.config["draft_vocab_size"] == 50
+    # A finished run given --soft-labels: refused (its checkpoint learnt argmax only); with --weight-bits 4 on the
+    # same run: no step is trained, the head is re-written packed, and it drafts as before.
+    with pytest.raises(SystemExit, match="soft labels top-0.*top-4"):
+        main([*args, "--soft-labels", "4"])
+    assert main([*args, "--weight-bits", "4"]) == 0
+    packed = EagleSpeculator.from_pretrained(tmp_path / "head")
+    assert packed.config["weight_storage"]["bits"] == 4 and "over 4 steps" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--soft-labels -1"):
+        main([*args, "--soft-labels", "-1"])
     input_ids = torch.tensor(prompts(2, 7))
     out = target.generate(input_ids=input_ids, max_new_tokens=10, speculator=spec, num_speculative_tokens=2)
     assert torch.equal(out, target.generate(input_ids=input_ids, max_new_tokens=10, do_sample=False))
@@ -276,3 +285,51 @@ def test_built_in_prompt_set_is_large_varied_and_leaves_the_benchmark_out():
         assert any(word in b for b in benchmark) and not any(word in p.lower() for p in prompts)
     with pytest.raises(ValueError, match="--data FILE"):
         built_in_prompts(max_prompts() + 1)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_packed_weights_round_trip_within_half_a_step_and_keep_a_trained_heads_acceptance(tmp_path, target, bits):
+    """`save_head(weight_bits=)` stores matrices as integers with a float16 scale per group: loading gives each
+    weight back within half a quantization step, the file shrinks, and a trained head drafts about as well."""
+    from hf_specdec.speculators.heads import EagleCheckpointError, pack_weights, unpack_weights
+
+    data = build_training_set(target, prompts(32, 1), default_layers(target, 3), max_new_tokens=24)
+    result = train_eagle_head(target, data, tmp_path / "float", steps=60, batch_size=16, lr=1e-2,
+                              draft_vocab_size=64, progress=False)
+    head = EagleSpeculator.from_pretrained(result.path).head
+    tensors = {n: t.detach() for n, t in head.state_dict().items()}
+    packed, config = pack_weights(tensors, head.config, bits, group_size=16)
+    assert config["weight_storage"]["bits"] == bits and "lm_head.weight" in config["weight_storage"]["packed"]
+    restored = unpack_weights(packed, config, "test")
+    qmax = 2 ** (bits - 1) - 1
+    for name in config["weight_storage"]["packed"]:
+        w = tensors[name].float()
+        step = w.reshape(w.shape[0], -1, 16).abs().amax(-1) / qmax  # the group's quantization step
+        error = (restored[name] - w).abs().reshape(w.shape[0], -1, 16).amax(-1)
+        assert bool((error <= step * 0.5 * 1.01 + 1e-6).all()), name
+    out = save_head(head, tmp_path / f"int{bits}", weight_bits=bits)
+    size = (out / "model.safetensors").stat().st_size
+    assert size < (result.path / "model.safetensors").stat().st_size / (3 if bits == 8 else 5)
+    float_acceptance = acceptance(target, EagleSpeculator.from_pretrained(result.path))
+    packed_acceptance = acceptance(target, EagleSpeculator.from_pretrained(out))  # also checks greedy equality
+    print(f"int{bits}: acceptance {packed_acceptance:.3f} against float {float_acceptance:.3f}")
+    assert packed_acceptance >= float_acceptance - (0.03 if bits == 8 else 0.08)
+    del packed["lm_head.weight.scales"]
+    with pytest.raises(EagleCheckpointError, match="'lm_head.weight' or its scales are missing"):
+        unpack_weights(packed, config, "test")
+    with pytest.raises(ValueError, match="bits must be one of"):
+        pack_weights(tensors, head.config, 3)
+
+
+def test_the_shipped_head_loads_for_the_default_model_and_others_are_explained():
+    from hf_specdec import trained_head
+    from hf_specdec.models import DEFAULT_MODEL
+
+    path = trained_head(DEFAULT_MODEL)
+    spec = EagleSpeculator.from_pretrained(path)
+    target = spec.config["target"]
+    assert (target["hidden_size"], target["vocab_size"], target["num_hidden_layers"]) == (576, 49152, 30)
+    assert spec.config["weight_storage"]["bits"] in (4, 8)
+    assert (path / "model.safetensors").stat().st_size < 8_000_000  # small enough to ship in the package
+    with pytest.raises(ValueError, match=r"no trained EAGLE head ships for 'gemma-3-270m'.*train-eagle"):
+        trained_head("gemma-3-270m")

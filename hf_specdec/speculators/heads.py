@@ -216,6 +216,66 @@ class EagleHead(nn.Module):
         return logits.index_copy_(-1, self.draft_to_target, draft_logits)
 
 
+STORAGE_BITS = (4, 8)
+
+
+def pack_weights(tensors: dict[str, torch.Tensor], config: dict, bits: int,
+                 group_size: int = 64) -> tuple[dict[str, torch.Tensor], dict]:
+    """Stores a head's matrices in `bits`-bit integers with a float16 scale per `group_size` inputs (symmetric,
+    round to nearest), everything else in float16: a file about 4x (8 bits) or 7x (4 bits) smaller than float32.
+    Only the storage changes: `load_eagle_dir` gives float tensors back (`unpack_weights`), and the head computes
+    in the target's dtype as before. Returns `(tensors, config)`; the config records what was packed."""
+    if bits not in STORAGE_BITS:
+        raise ValueError(f"weight storage: bits must be one of {STORAGE_BITS}, got {bits}")
+    if group_size < 1:
+        raise ValueError(f"weight storage: group_size must be positive, got {group_size}")
+    qmax = 2 ** (bits - 1) - 1
+    packed, names = {}, []
+    for name, tensor in tensors.items():
+        if not tensor.is_floating_point() or tensor.dim() != 2:
+            packed[name] = tensor.to(torch.float16) if tensor.is_floating_point() else tensor
+            continue
+        rows, cols = tensor.shape
+        group = group_size if cols % group_size == 0 else cols  # a row whose width the group does not divide: one
+        grouped = tensor.float().reshape(rows, cols // group, group)
+        scales = (grouped.abs().amax(-1, keepdim=True) / qmax).clamp(min=1e-12).to(torch.float16)
+        q = (grouped / scales.float()).round().clamp(-qmax - 1, qmax).to(torch.int8).reshape(rows, cols)
+        if bits == 4:  # two per byte, low nibble first
+            if cols % 2:
+                packed[name] = tensor.to(torch.float16)
+                continue
+            q = (q + 8).to(torch.uint8).reshape(rows, cols // 2, 2)
+            q = q[..., 0] | (q[..., 1] << 4)
+        packed[name], packed[f"{name}.scales"] = q, scales.squeeze(-1)
+        names.append(name)
+    return packed, {**config, "weight_storage": {"bits": bits, "group_size": group_size, "packed": sorted(names)}}
+
+
+def unpack_weights(tensors: dict[str, torch.Tensor], config: dict, where: str) -> dict[str, torch.Tensor]:
+    """Float32 tensors from ones `pack_weights` stored; raises `EagleCheckpointError` if they do not fit."""
+    storage = config.get("weight_storage")
+    if storage is None:
+        return tensors
+    bits = storage.get("bits")
+    if bits not in STORAGE_BITS:
+        raise EagleCheckpointError(f"{where}: weight_storage bits {bits!r} is not one of {STORAGE_BITS}; the config "
+                                   "is corrupt or from a newer hf_specdec")
+    out = {n: t.float() if t.is_floating_point() else t for n, t in tensors.items() if not n.endswith(".scales")}
+    for name in storage["packed"]:
+        q, scales = tensors.get(name), tensors.get(f"{name}.scales")
+        if q is None or scales is None or q.dim() != 2 or scales.dim() != 2:
+            raise EagleCheckpointError(f"{where}: packed tensor {name!r} or its scales are missing or misshapen; "
+                                       "the file is truncated or corrupt: write the head again")
+        if bits == 4:
+            q = torch.stack([(q & 0xF).to(torch.int8) - 8, (q >> 4).to(torch.int8) - 8], dim=-1).flatten(1)
+        rows, cols = q.shape
+        if scales.shape[0] != rows or cols % scales.shape[1]:
+            raise EagleCheckpointError(f"{where}: packed tensor {name!r} has {tuple(q.shape)} values but "
+                                       f"{tuple(scales.shape)} scales; the file is corrupt: write the head again")
+        out[name] = (q.float().reshape(rows, scales.shape[1], -1) * scales.float()[..., None]).reshape(rows, cols)
+    return out
+
+
 def load_eagle_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """Reads and checks a directory in our format; returns `(config, tensors)`."""
     from safetensors import SafetensorError
@@ -234,5 +294,6 @@ def load_eagle_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     except (SafetensorError, OSError) as error:
         raise EagleCheckpointError(f"could not read {weights_file} ({error}); the file is missing, truncated or "
                                    "corrupt: convert the head again") from error
+    tensors = unpack_weights(tensors, config, str(weights_file))
     check_tensors(tensors, config, str(weights_file))
     return config, tensors
