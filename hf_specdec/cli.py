@@ -99,29 +99,28 @@ def cmd_run(args) -> int:
     prompts = {"your prompt": args.prompt} if args.prompt else {
         "grounded prompt (repeat a report, then summarise it)": GROUNDED["repeat_summarise"],
         "open-chat prompt (a short story)": OPEN_CHAT["story"]}
-    common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    options = {name: dict(speculator=spec, num_speculative_tokens=args.k,
+                          **(tree if getattr(spec, "supports_trees", False) else {}))
+               for name, spec in speculators.items()}
+
+    def timed(inputs, **kwargs):
+        start = time.perf_counter()
+        out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, **kwargs)
+        return time.perf_counter() - start, out
+
     best = {}
     for title, prompt in prompts.items():
         inputs = chat_inputs(tokenizer, [prompt]).to(model.device)
-        options = {name: dict(speculator=spec, num_speculative_tokens=args.k,
-                              **(tree if getattr(spec, "supports_trees", False) else {}))
-                   for name, spec in speculators.items()}
-
-        def timed(**kwargs):
-            start = time.perf_counter()
-            out = model.generate(**inputs, **common, **kwargs)
-            return time.perf_counter() - start, out
-
         model.generate(**inputs, max_new_tokens=8, do_sample=False)  # warm-up, every path
         for kwargs in options.values():
             model.generate(**inputs, max_new_tokens=8, do_sample=False, **kwargs)
         times = {name: [] for name in ["plain", *options]}
         outputs = {}
         for _ in range(args.repeats):  # interleaved, so every path sees the same machine load
-            t, plain = timed()
+            t, plain = timed(inputs)
             times["plain"].append(t)
             for name, kwargs in options.items():
-                t, outputs[name] = timed(return_dict_in_generate=True, **kwargs)
+                t, outputs[name] = timed(inputs, return_dict_in_generate=True, **kwargs)
                 times[name].append(t)
         new_tokens = plain.shape[1] - inputs["input_ids"].shape[1]
         plain_tps = new_tokens / statistics.median(times["plain"])
@@ -142,6 +141,7 @@ def cmd_run(args) -> int:
             print(f"  acceptance rate {metrics.acceptance_rate:.3f}, mean acceptance length "
                   f"{metrics.mean_acceptance_length:.2f}, target forwards {metrics.num_steps} for {tokens} tokens")
         best[title] = max(speedups, key=speedups.get)
+        best[title] = f"{best[title]} ({speedups[best[title]]:.2f}x)"
         print()
     if len(speculators) > 1:
         print("best speculator: " + "; ".join(f"{title.split(' (')[0]}: {name}" for title, name in best.items()))

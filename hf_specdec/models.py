@@ -94,6 +94,8 @@ def load_causal_lm(name_or_path: str = DEFAULT_MODEL, dtype=None, device: str | 
 
     source, kwargs = _source(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs).eval()
+    if name_or_path in EMBEDDED_MODELS:  # the name, not this machine's cache path, goes into heads made for it
+        model.config._name_or_path = name_or_path
     return model.to(device) if device is not None else model
 
 

@@ -431,7 +431,7 @@ def train_eagle_head(target, data: TrainingSet, out_dir: str | Path, *, version:
     checkpoint_file = out_dir / CHECKPOINT_NAME
     if resume and checkpoint_file.is_file():
         state = torch.load(checkpoint_file, weights_only=True)
-        if state["config"] != json.loads(json.dumps(config)):
+        if _without_name(state["config"]) != _without_name(json.loads(json.dumps(config))):
             raise ValueError(f"{checkpoint_file} is from a run with another head or training set; pass another "
                              "output directory, or resume=False (--no-resume) to start over")
         if state.get("soft_top_k", 0) != soft_top_k:
@@ -497,6 +497,12 @@ def train_eagle_head(target, data: TrainingSet, out_dir: str | Path, *, version:
         head.eval()
     save_head(head, out_dir, save_dtype, weight_bits)
     return TrainResult(out_dir, losses)
+
+
+def _without_name(config: dict) -> dict:
+    """A head config without the target's `name_or_path`, which says where the target was loaded from, not what
+    it is (a checkpoint stays resumable when the same target is loaded by another path)."""
+    return {**config, "target": {k: v for k, v in config["target"].items() if k != "name_or_path"}}
 
 
 def save_head(head: EagleHead, out_dir: str | Path, dtype: torch.dtype = torch.float32,

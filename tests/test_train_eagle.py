@@ -330,6 +330,6 @@ def test_the_shipped_head_loads_for_the_default_model_and_others_are_explained()
     target = spec.config["target"]
     assert (target["hidden_size"], target["vocab_size"], target["num_hidden_layers"]) == (576, 49152, 30)
     assert spec.config["weight_storage"]["bits"] in (4, 8)
-    assert (path / "model.safetensors").stat().st_size < 8_000_000  # small enough to ship in the package
+    assert (path / "model.safetensors").stat().st_size < 12_000_000  # small enough to ship in the package
     with pytest.raises(ValueError, match=r"no trained EAGLE head ships for 'gemma-3-270m'.*train-eagle"):
         trained_head("gemma-3-270m")
