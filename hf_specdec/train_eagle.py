@@ -328,8 +328,8 @@ def eagle_loss(head: EagleHead, token_ids: torch.Tensor, lengths: torch.Tensor, 
     """Mean over unroll steps of cross-entropy against the target plus smooth-L1 against the next input.
 
     The cross-entropy is against the target's argmax, or, given `soft_ids` and `soft_probs`, against its top-k
-    distribution restricted to the draft vocabulary and renormalised (positions with none of it there count their
-    argmax).
+    distribution restricted to the draft vocabulary and renormalised (positions whose argmax is outside the draft
+    vocabulary are left out either way).
 
     Args:
         token_ids, labels: `[batch, length]`; features: `[batch, length, width]`; lengths: `[batch]`.
@@ -435,9 +435,10 @@ def train_eagle_head(target, data: TrainingSet, out_dir: str | Path, *, version:
             raise ValueError(f"{checkpoint_file} is from a run with another head or training set; pass another "
                              "output directory, or resume=False (--no-resume) to start over")
         if state.get("soft_top_k", 0) != soft_top_k:
-            raise ValueError(f"{checkpoint_file} is from a run trained with soft labels top-{state.get('soft_top_k', 0)}"
-                             f", this training set has top-{soft_top_k} (0: argmax only); pass the same --soft-labels, "
-                             "another output directory, or resume=False (--no-resume) to start over")
+            raise ValueError(f"{checkpoint_file} is from a run trained with soft labels top-"
+                             f"{state.get('soft_top_k', 0)}, this training set has top-{soft_top_k} (0: argmax only); "
+                             "pass the same --soft-labels, another output directory, or resume=False (--no-resume) "
+                             "to start over")
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
         start, losses = state["step"], state["losses"]
