@@ -336,6 +336,29 @@ def test_eagle_head_is_offered_when_available_and_checked_against_the_target(mon
     assert list(offered) == [NGRAM_LABEL, "EAGLE head: heads/tiny"] and checked == [target]
 
 
+def test_the_head_shipped_for_the_model_is_offered_by_default(monkeypatch):
+    """`DemoSession.load` of the default model offers its shipped head (checked against the target); a model that
+    ships none, or an explicit `--eagle`, gets no second head."""
+    from hf_specdec.demo import session as session_module
+
+    loaded, checked = [], []
+
+    class Head(hf_specdec.Speculator):
+        def validate(self, target):
+            checked.append(target)
+
+    monkeypatch.setattr(hf_specdec.EagleSpeculator, "from_pretrained",
+                        classmethod(lambda cls, path: loaded.append(str(path)) or Head()))
+    target = make_model("llama", dtype=torch.float32)
+    monkeypatch.setattr(session_module, "load_model", lambda name, device=None: (target, make_tokenizer()))
+    offered = DemoSession.load("smollm2-135m-instruct").speculators
+    assert list(offered) == [NGRAM_LABEL, "EAGLE head trained for smollm2-135m-instruct"]
+    assert loaded == [str(hf_specdec.trained_head("smollm2-135m-instruct"))] and checked == [target]
+    assert list(DemoSession.load("gemma-3-270m").speculators) == [NGRAM_LABEL]
+    assert list(DemoSession.load("smollm2-135m-instruct", eagle="heads/x").speculators) == [
+        NGRAM_LABEL, "EAGLE head: heads/x"]
+
+
 def test_app_handlers_show_messages_not_tracebacks(session, monkeypatch):
     pytest.importorskip("gradio")
     handlers = {f.name: f.fn for f in demo_app.build_app(session).fns.values()}

@@ -136,7 +136,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--draft", action="append", default=[], metavar="MODEL",
                         help="offer this draft model (name, id or path sharing the target's tokenizer); repeatable")
     parser.add_argument("--eagle", default=None, metavar="HEAD",
-                        help="offer this EAGLE head (needs a version of hf_specdec with EagleSpeculator)")
+                        help="offer this EAGLE head (default: the head shipped for --model, when one ships)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--host", default=None,
                         help=f"address to bind (default {DEFAULT_HOST}; 0.0.0.0 exposes the app to your network)")

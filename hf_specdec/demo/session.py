@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models import DEFAULT_MODEL, load_causal_lm, load_model, load_tokenizer
+from ..models import DEFAULT_MODEL, EMBEDDED_MODELS, load_causal_lm, load_model, load_tokenizer, trained_head
 from ..tokenizers import check_tokenizers_match
 from ..workloads import chat_inputs
 from .stream import BatchResult, Comparison, Pane, StepStreamer
@@ -122,7 +122,15 @@ class DemoSession:
              device: str | None = None, limits: DemoLimits | None = None) -> DemoSession:
         """Loads a target by embedded name, hub id or path (see `hf_specdec.models.load_model`) and its speculators."""
         target, tokenizer = load_model(model, device=device)
-        return cls(target, tokenizer, load_speculators(target, tokenizer, list(drafts), eagle), limits, model)
+        speculators = load_speculators(target, tokenizer, list(drafts), eagle)
+        shipped = EMBEDDED_MODELS.get(model)
+        if eagle is None and shipped is not None and shipped.eagle_head:  # the head trained for it ships with us
+            from ..speculators.eagle import EagleSpeculator
+
+            head = EagleSpeculator.from_pretrained(trained_head(model))
+            head.validate(target)
+            speculators[f"EAGLE head trained for {model}"] = head
+        return cls(target, tokenizer, speculators, limits, model)
 
     def warm_up(self) -> None:
         """One short run of each path, so the first request's timings do not include one-off start-up costs."""
