@@ -236,7 +236,7 @@ def pack_weights(tensors: dict[str, torch.Tensor], config: dict, bits: int,
             packed[name] = tensor.to(torch.float16) if tensor.is_floating_point() else tensor
             continue
         rows, cols = tensor.shape
-        group = group_size if cols % group_size == 0 else cols  # a row whose width the group does not divide: one
+        group = group_size if cols % group_size == 0 else cols  # one group per row where group_size does not divide
         grouped = tensor.float().reshape(rows, cols // group, group)
         scales = (grouped.abs().amax(-1, keepdim=True) / qmax).clamp(min=1e-12).to(torch.float16)
         q = (grouped / scales.float()).round().clamp(-qmax - 1, qmax).to(torch.int8).reshape(rows, cols)
