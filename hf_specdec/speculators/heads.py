@@ -222,7 +222,8 @@ STORAGE_BITS = (4, 8)
 def pack_weights(tensors: dict[str, torch.Tensor], config: dict, bits: int,
                  group_size: int = 64) -> tuple[dict[str, torch.Tensor], dict]:
     """Stores a head's matrices in `bits`-bit integers with a float16 scale per `group_size` inputs (symmetric,
-    round to nearest), everything else in float16: a file about 4x (8 bits) or 7x (4 bits) smaller than float32.
+    round to nearest); vectors (norm weights, biases) stay as they are: a file about 4x (8 bits) or 7x (4 bits)
+    smaller than float32.
     Only the storage changes: `load_eagle_dir` gives float tensors back (`unpack_weights`), and the head computes
     in the target's dtype as before. Returns `(tensors, config)`; the config records what was packed."""
     if bits not in STORAGE_BITS:
@@ -233,7 +234,7 @@ def pack_weights(tensors: dict[str, torch.Tensor], config: dict, bits: int,
     packed, names = {}, []
     for name, tensor in tensors.items():
         if not tensor.is_floating_point() or tensor.dim() != 2:
-            packed[name] = tensor.to(torch.float16) if tensor.is_floating_point() else tensor
+            packed[name] = tensor
             continue
         rows, cols = tensor.shape
         group = group_size if cols % group_size == 0 else cols  # one group per row where group_size does not divide
@@ -242,7 +243,7 @@ def pack_weights(tensors: dict[str, torch.Tensor], config: dict, bits: int,
         q = (grouped / scales.float()).round().clamp(-qmax - 1, qmax).to(torch.int8).reshape(rows, cols)
         if bits == 4:  # two per byte, low nibble first
             if cols % 2:
-                packed[name] = tensor.to(torch.float16)
+                packed[name] = tensor
                 continue
             q = (q + 8).to(torch.uint8).reshape(rows, cols // 2, 2)
             q = q[..., 0] | (q[..., 1] << 4)
