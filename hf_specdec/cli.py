@@ -14,7 +14,10 @@ import torch
 from .demo.app import add_arguments as add_demo_arguments
 from .head_convert import CONFIG_NAME as HEAD_CONFIG_NAME
 from .head_convert import head_speculator_from_dir
-from .models import DEFAULT_MODEL, EMBEDDED_MODELS, load_causal_lm, load_model, load_tokenizer, trained_head
+from .models import (
+    DEFAULT_MODEL, EMBEDDED_MODELS, has_trained_head, load_causal_lm, load_model,
+    load_tokenizer, trained_head,
+)
 from .quantization import QUANTIZATIONS, load_draft
 from .speculators.eagle import EagleSpeculator
 from .speculators.heads import CONFIG_NAME as EAGLE_CONFIG_NAME
@@ -74,8 +77,7 @@ def _run_speculators(args, model, tokenizer) -> dict[str, object]:
     """`run`'s speculators: with `--speculator auto`, n-gram and the trained EAGLE head shipped for the model."""
     names = [args.speculator]
     if args.speculator == "auto":
-        spec = EMBEDDED_MODELS.get(args.model)
-        names = ["ngram"] + (["eagle"] if spec is not None and spec.eagle_head else [])
+        names = ["ngram"] + (["eagle"] if has_trained_head(args.model) else [])
     return {name: _speculator(name, model, tokenizer, model_name=args.model) for name in names}
 
 
@@ -140,8 +142,8 @@ def cmd_run(args) -> int:
             print(f"  output identical to plain greedy generate: {torch.equal(out.sequences, plain)}")
             print(f"  acceptance rate {metrics.acceptance_rate:.3f}, mean acceptance length "
                   f"{metrics.mean_acceptance_length:.2f}, target forwards {metrics.num_steps} for {tokens} tokens")
-        best[title] = max(speedups, key=speedups.get)
-        best[title] = f"{best[title]} ({speedups[best[title]]:.2f}x)"
+        fastest = max(speedups, key=speedups.get)
+        best[title] = f"{fastest} ({speedups[fastest]:.2f}x)"
         print()
     if len(speculators) > 1:
         print("best speculator: " + "; ".join(f"{title.split(' (')[0]}: {name}" for title, name in best.items()))

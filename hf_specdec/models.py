@@ -32,15 +32,20 @@ EMBEDDED_MODELS = {
 TRAINED_HEADS_DIR = Path(__file__).parent / "trained_heads"
 
 
+def has_trained_head(name: str) -> bool:
+    """Whether an EAGLE head trained for embedded model `name` ships with hf_specdec (see `trained_head`)."""
+    spec = EMBEDDED_MODELS.get(name)
+    return spec is not None and spec.eagle_head is not None
+
+
 def trained_head(name: str) -> Path:
     """The directory of the EAGLE head trained for embedded model `name` and shipped with hf_specdec (load it with
     `EagleSpeculator.from_pretrained`). Raises `ValueError` naming the alternatives when none ships."""
-    spec = EMBEDDED_MODELS.get(name)
-    if spec is None or spec.eagle_head is None:
-        with_heads = sorted(n for n, m in EMBEDDED_MODELS.items() if m.eagle_head)
+    if not has_trained_head(name):
+        with_heads = sorted(n for n in EMBEDDED_MODELS if has_trained_head(n))
         raise ValueError(f"no trained EAGLE head ships for {name!r} (heads ship for {with_heads}); train one with "
                          f"`hf-specdec train-eagle --target {name} --out DIR` and pass DIR instead")
-    return TRAINED_HEADS_DIR / spec.eagle_head
+    return TRAINED_HEADS_DIR / EMBEDDED_MODELS[name].eagle_head
 
 
 def cache_dir() -> Path:

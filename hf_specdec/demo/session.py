@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models import DEFAULT_MODEL, EMBEDDED_MODELS, load_causal_lm, load_model, load_tokenizer, trained_head
+from ..models import DEFAULT_MODEL, has_trained_head, load_causal_lm, load_model, load_tokenizer, trained_head
 from ..tokenizers import check_tokenizers_match
 from ..workloads import chat_inputs
 from .stream import BatchResult, Comparison, Pane, StepStreamer
@@ -66,12 +66,14 @@ class Settings:
                     top_p=self.top_p, top_k=0)
 
 
-def load_speculators(model, tokenizer, drafts: list[str] = (), eagle: str | None = None) -> dict:
+def load_speculators(model, tokenizer, drafts: list[str] = (), eagle: str | None = None,
+                     eagle_label: str | None = None) -> dict:
     """Speculators the demo offers, by label: n-gram always, each draft model given, an EAGLE head when available.
 
     Draft models load on the target's device and dtype; their tokenizers, when they have one, must match the
     target's. EAGLE is offered only if this build of hf_specdec has `EagleSpeculator` and a head (converted with
-    `hf_specdec.convert_eagle`) is given; it must pass the speculator's own check against the target.
+    `hf_specdec.convert_eagle`) is given; it must pass the speculator's own check against the target. It is
+    offered as `eagle_label` (default: "EAGLE head: " and the path).
     """
     speculators: dict = {NGRAM_LABEL: "ngram"}
     for name in drafts:
@@ -91,7 +93,7 @@ def load_speculators(model, tokenizer, drafts: list[str] = (), eagle: str | None
             raise ValueError("--eagle needs a version of hf_specdec with EagleSpeculator; drop --eagle or upgrade")
         head = eagle_class.from_pretrained(eagle)
         head.validate(model)  # a head that cannot serve this target is refused now, not offered
-        speculators[f"EAGLE head: {eagle}"] = head
+        speculators[eagle_label or f"EAGLE head: {eagle}"] = head
     return speculators
 
 
@@ -122,15 +124,10 @@ class DemoSession:
              device: str | None = None, limits: DemoLimits | None = None) -> DemoSession:
         """Loads a target by embedded name, hub id or path (see `hf_specdec.models.load_model`) and its speculators."""
         target, tokenizer = load_model(model, device=device)
-        speculators = load_speculators(target, tokenizer, list(drafts), eagle)
-        shipped = EMBEDDED_MODELS.get(model)
-        if eagle is None and shipped is not None and shipped.eagle_head:  # the head trained for it ships with us
-            from ..speculators.eagle import EagleSpeculator
-
-            head = EagleSpeculator.from_pretrained(trained_head(model))
-            head.validate(target)
-            speculators[f"EAGLE head trained for {model}"] = head
-        return cls(target, tokenizer, speculators, limits, model)
+        label = None
+        if eagle is None and has_trained_head(model):  # the head trained for it ships with hf_specdec
+            eagle, label = str(trained_head(model)), f"EAGLE head trained for {model}"
+        return cls(target, tokenizer, load_speculators(target, tokenizer, list(drafts), eagle, label), limits, model)
 
     def warm_up(self) -> None:
         """One short run of each path, so the first request's timings do not include one-off start-up costs."""
