@@ -17,8 +17,8 @@ from .paged_cache import PagedKVCache
 from .pipeline import SpeculativeTextGenerationPipeline, register_pipeline
 from .quantization import QuantizationUnavailableError, QuantizedCheckpointError, load_draft
 from .speculators import (
-    DraftModelSpeculator, EagleCheckpointError, EagleSpeculator, MedusaSpeculator, MlpSpeculator, NgramSpeculator,
-    Speculator,
+    DraftModelSpeculator, EagleCheckpointError, EagleSpeculator, HybridSpeculator, MedusaSpeculator, MlpSpeculator,
+    NgramSpeculator, Speculator,
 )
 from .tokenizers import TokenizerMismatchError, check_tokenizers_match
 from .train_eagle import TrainingSet, build_training_set, train_eagle_head
@@ -38,5 +38,5 @@ __all__ = [
     "UnsupportedModelError", "VerifyResult", "check_tokenizers_match", "convert_eagle", "register_pipeline",
     "load_draft", "resolve_speculator", "TrainingSet", "build_training_set", "train_eagle_head",
     "verify", "HeadCheckpointError", "MedusaSpeculator", "MlpSpeculator", "convert_head",
-    "trained_head",
+    "trained_head", "HybridSpeculator",
 ]

@@ -20,6 +20,7 @@ from .models import (
 )
 from .quantization import QUANTIZATIONS, load_draft
 from .speculators.eagle import EagleSpeculator
+from .speculators.hybrid import HybridSpeculator
 from .speculators.heads import CONFIG_NAME as EAGLE_CONFIG_NAME
 from .tokenizers import check_tokenizers_match
 from .train_eagle import add_arguments as add_train_eagle_arguments
@@ -33,13 +34,20 @@ def _dtype(args):
     return None if args.dtype is None else getattr(torch, args.dtype)
 
 def _speculator(spec: str, target, target_tokenizer, quantization: str | None = None, model_name: str = ""):
-    """'ngram', 'eagle' (the trained head shipped for the embedded model `model_name`), a head directory, or a
+    """'ngram', 'eagle' (the trained head shipped for the embedded model `model_name`), a head directory,
+    'ngram+eagle' or 'ngram+HEAD_DIR' (`HybridSpeculator`: lookup where the text repeats, the head elsewhere), or a
     draft model loaded like the target (its tokenizer, when it has one, must match), optionally quantized as it
     loads (`hf_specdec.load_draft`); pre-quantized checkpoints load as they are."""
-    if spec in ("ngram", "eagle") and quantization is not None:
+    if (spec in ("ngram", "eagle") or spec.startswith("ngram+")) and quantization is not None:
         raise SystemExit(f"--draft-quantization {quantization} applies to draft models, not to {spec!r}")
     if spec == "ngram":
         return "ngram"
+    if spec.startswith("ngram+"):
+        head = _speculator(spec[len("ngram+"):], target, target_tokenizer, model_name=model_name)
+        if not isinstance(head, EagleSpeculator):
+            raise SystemExit(f"{spec!r}: after 'ngram+' give 'eagle' or an EAGLE head directory (a draft model or "
+                             "other head does not combine with the lookup)")
+        return HybridSpeculator(head)
     if spec == "eagle":
         try:
             return EagleSpeculator.from_pretrained(trained_head(model_name))
@@ -77,7 +85,7 @@ def _run_speculators(args, model, tokenizer) -> dict[str, object]:
     """`run`'s speculators: with `--speculator auto`, n-gram and the trained EAGLE head shipped for the model."""
     names = [args.speculator]
     if args.speculator == "auto":
-        names = ["ngram"] + (["eagle"] if has_trained_head(args.model) else [])
+        names = ["ngram"] + (["eagle", "ngram+eagle"] if has_trained_head(args.model) else [])
     return {name: _speculator(name, model, tokenizer, model_name=args.model) for name in names}
 
 
@@ -269,8 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="speculative generation on the default model, with speedup and acceptance")
     _add_model_arguments(run)
     run.add_argument("--speculator", default="auto", help="'auto' (n-gram and, where one ships for --model, the "
-                     "trained EAGLE head, side by side), 'ngram', 'eagle', an EAGLE head directory or a draft model "
-                     "(name, id or path)")
+                     "trained EAGLE head and the two combined, side by side), 'ngram', 'eagle', 'ngram+eagle' (lookup "
+                     "where the text repeats, the head elsewhere), an EAGLE head directory, 'ngram+HEAD_DIR' or a "
+                     "draft model (name, id or path)")
     run.add_argument("-k", type=int, default=10, help="num_speculative_tokens")
     run.add_argument("--max-new-tokens", type=int, default=128)
     run.add_argument("--repeats", type=int, default=3, help="timed repeats; medians are reported")
@@ -283,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark plain, transformers-assisted and hf_specdec generation")
     _add_model_arguments(bench)
     bench.add_argument("--speculators", default="ngram", help="comma-separated: 'ngram', 'eagle' (the trained head "
-                       "shipped for --model), EAGLE head directories and/or draft models")
+                       "shipped for --model), EAGLE head directories, 'ngram+eagle' or 'ngram+HEAD_DIR' (lookup where "
+                       "the text repeats, the head elsewhere) and/or draft models")
     bench.add_argument("--batch-sizes", default="1,4,16")
     bench.add_argument("--workloads", default="grounded,open_chat")
     bench.add_argument("--max-new-tokens", type=int, default=128)
@@ -306,7 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     _add_model_arguments(gen)
     gen.add_argument("--speculator", default="ngram", help="'ngram', 'eagle' (the trained head shipped for --model), "
-                     "an EAGLE head directory or a draft model (name, id or path)")
+                     "an EAGLE head directory, 'ngram+eagle' or 'ngram+HEAD_DIR' (lookup where the text repeats, the "
+                     "head elsewhere) or a draft model (name, id or path)")
     gen.add_argument("-k", type=int, default=5, help="num_speculative_tokens")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")

@@ -81,6 +81,66 @@ SUBJECTS = [
     "bird songs", "ants", "butterflies", "octopuses", "dolphins", "tigers", "polar bears", "camels", "pandas",
 ]
 
+# The second group, appended after the first so that a set built from the first 5872 prompts stays a prefix of
+# the whole: new subjects under the same forms, requests for advice on activities, and story prompts that pair a
+# character with an event.
+MORE_SUBJECTS = [
+    "the Moon landing", "sea turtles", "the Sahara", "lightning", "the Silk Road", "honey", "the Arctic",
+    "vitamins", "the metric system", "skyscrapers", "the Vikings", "lions", "rice", "cameras", "batteries",
+    "the Eiffel Tower", "windmills", "crows", "the Pacific Ocean", "yoga", "the microscope", "jellyfish", "soap",
+    "the postal service", "ballet", "kangaroos", "the compass", "tornadoes", "the Industrial Revolution",
+    "apples", "the calendar", "squirrels", "opera", "the blood cells", "hiking boots", "the Nile", "sunflowers",
+    "the ancient Greeks", "telescopes", "the printing of books", "bamboo", "the human skeleton", "caves",
+    "the bicycle helmet", "street food", "lakes", "the Aztecs", "sand", "the thermometer", "sloths", "the harp",
+    "nuclear energy", "the Milky Way", "wheat", "parrots", "the refrigerator", "waterfalls", "zebras",
+    "the lungs", "fireworks", "ice cream", "the steam engine", "mosquitoes", "marathons", "the Arctic fox",
+    "cartoons", "the eclipse", "seaweed", "volleyball", "the hummingbird", "the first computers", "markets",
+    "the tortoise", "puzzles", "lanterns", "the theatre", "radio", "the skin", "potatoes", "beavers",
+    "wildfires", "the national parks", "ladybugs", "the saxophone", "maple syrup", "the Andes", "fungi",
+    "bees in winter", "the desert fox", "satellites", "spices", "the rain gauge", "lemons", "giraffes",
+    "the Middle Ages", "snails", "the accordion", "geysers", "sushi", "the tundra", "clocks",
+]
+ACTIVITIES = [
+    "learning to swim", "cooking for a family", "saving for a holiday", "training a puppy", "learning to draw",
+    "reading more books", "getting up early", "working from home", "making new friends", "learning to code",
+    "growing vegetables", "preparing for an exam", "writing a novel", "keeping a clean kitchen",
+    "learning to dance", "caring for houseplants", "speaking with confidence", "staying calm in traffic",
+    "learning chess", "taking better photos", "cycling to work", "planning a wedding", "getting fit after forty",
+    "raising chickens", "building a bookshelf", "learning the piano", "budgeting as a student", "painting a room",
+    "writing poetry", "being a good listener", "hosting a dinner party", "learning to juggle",
+    "sleeping better", "eating less sugar", "decluttering a home", "learning to knit", "running your first 5k",
+    "starting a podcast", "looking after an elderly parent", "memorising a speech", "fixing a flat tyre",
+    "learning to sing", "teaching a child to read", "keeping in touch with old friends", "packing for a move",
+    "writing a cover letter", "reducing screen time", "learning to meditate", "baking sourdough bread",
+    "birdwatching", "camping with children", "negotiating a salary", "going back to school", "making pottery",
+]
+ADVICE_FORMS = [
+    "What are some good habits for {a}?", "How do I get better at {a}?", "Give me a simple plan for {a}.",
+    "What mistakes do beginners make when {a}?", "I find {a} hard. Any advice?",
+    "What should I know before {a}?", "How can I stay motivated when {a}?",
+    "Write a short guide to {a} for a beginner.", "What are the benefits of {a}?",
+    "Give me a weekly schedule for {a}.", "What equipment do I need for {a}?",
+    "Explain how to start {a} in five steps.", "Tell me a short story about someone {a}.",
+    "Write encouraging words for a friend who is {a}.", "What questions should I ask an expert on {a}?",
+]
+CHARACTERS = [
+    "an old fisherman", "a young witch", "a shy robot", "a retired astronaut", "a clever fox", "a lonely giant",
+    "a street musician", "a curious girl", "a grumpy king", "a lost puppy", "a night-shift nurse",
+    "a forgetful professor", "a brave mouse", "a travelling merchant", "a school janitor", "a tired dragon",
+    "a famous chef", "a new student", "a village blacksmith", "a deep-sea diver", "a mail carrier",
+    "a ghost in an old house", "a twelve-year-old inventor", "a zookeeper", "a taxi driver",
+]
+EVENTS = [
+    "finds a map under the floorboards", "wakes up able to talk to animals", "loses something precious",
+    "gets a letter from the future", "has to cross a frozen lake", "wins a contest by accident",
+    "meets a stranger on a train", "discovers a door that was not there yesterday", "must keep a promise",
+    "learns a secret about their family", "is stuck in a storm", "helps a rival", "finds a strange seed",
+    "goes back to their hometown", "hears music no one else can hear", "has one day to save the town festival",
+    "receives a mysterious package", "befriends a talking tree", "builds a machine that does not work",
+    "must choose between two friends",
+]
+STORY_FORMS = ["Write a short story about {c} who {e}.", "Tell a bedtime story about {c} who {e}."]
+
 _EXCLUDED = ("lighthouse", "rainbow", "studying", "calder bay")
 
 
@@ -101,6 +161,10 @@ def max_prompts() -> int:
 
 
 def _all_prompts(seed: int) -> list[str]:
-    composed = [form.format(s=subject) for subject in SUBJECTS for form in FORMS]
-    random.Random(seed).shuffle(composed)
-    return [p for p in HAND_WRITTEN + composed if not any(word in p.lower() for word in _EXCLUDED)]
+    first = [form.format(s=subject) for subject in SUBJECTS for form in FORMS]
+    random.Random(seed).shuffle(first)
+    second = ([form.format(s=subject) for subject in MORE_SUBJECTS for form in FORMS]
+              + [form.format(a=activity) for activity in ACTIVITIES for form in ADVICE_FORMS]
+              + [form.format(c=c, e=e) for c in CHARACTERS for e in EVENTS for form in STORY_FORMS])
+    random.Random(seed + 1).shuffle(second)
+    return [p for p in HAND_WRITTEN + first + second if not any(word in p.lower() for word in _EXCLUDED)]

@@ -287,6 +287,21 @@ def test_built_in_prompt_set_is_large_varied_and_leaves_the_benchmark_out():
         built_in_prompts(max_prompts() + 1)
 
 
+def test_built_in_prompt_set_grows_only_at_its_end():
+    """A training set built from the first N built-in prompts stays a prefix of a larger one (`--self-distill` then
+    builds only the new prompts), so the first 5872, the whole set of earlier versions, never change."""
+    import hashlib
+
+    from hf_specdec.train_prompts import built_in_prompts, max_prompts
+
+    first = built_in_prompts(5872)
+    assert hashlib.sha1("\n".join(first).encode()).hexdigest() == "aaa3c94db6badfc9aff2583c1be0256b39601a90"
+    assert max_prompts() > 10000 and built_in_prompts(max_prompts())[:5872] == first
+    later = built_in_prompts(max_prompts())[5872:]
+    assert any(p.startswith("Write a short story about a") and " who " in p for p in later)  # story prompts
+    assert any(p.startswith("What are some good habits for") for p in later)  # advice requests
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_packed_weights_round_trip_within_half_a_step_and_keep_a_trained_heads_acceptance(tmp_path, target, bits):
     """`save_head(weight_bits=)` stores matrices as integers with a float16 scale per group: loading gives each
