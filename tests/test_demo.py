@@ -336,6 +336,23 @@ def test_eagle_head_is_offered_when_available_and_checked_against_the_target(mon
     assert list(offered) == [NGRAM_LABEL, "EAGLE head: heads/tiny"] and checked == [target]
 
 
+def test_a_head_is_offered_alone_and_combined_with_ngram(tmp_path):
+    """A real head: offered as it is and inside a `HybridSpeculator` sharing its weights, not its per-call state;
+    the combined option runs losslessly in the demo."""
+    from test_eagle import convert, make_target
+
+    target = make_target(num_layers=4, dtype=torch.float32)
+    offered = load_speculators(target, make_tokenizer(), [], eagle=str(convert(tmp_path, target, 3)),
+                               eagle_label="EAGLE head")
+    assert list(offered) == [NGRAM_LABEL, "EAGLE head", "n-gram + EAGLE head"]
+    hybrid = offered["n-gram + EAGLE head"]
+    assert isinstance(hybrid, hf_specdec.HybridSpeculator)
+    assert hybrid.head is not offered["EAGLE head"] and hybrid.head.head is offered["EAGLE head"].head
+    session = DemoSession(target, make_tokenizer(), offered, DemoLimits(max_new_tokens=32), model_name="tiny")
+    last = _run(session, word_prompt(5, 12), speculator="n-gram + EAGLE head", k=4, max_new_tokens=24)
+    assert last.done and last.identical and last.metrics.num_draft_tokens > 0
+
+
 def test_the_head_shipped_for_the_model_is_offered_by_default(monkeypatch):
     """`DemoSession.load` of the default model offers its shipped head (checked against the target); a model that
     ships none, or an explicit `--eagle`, gets no second head."""

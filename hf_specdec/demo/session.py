@@ -68,7 +68,8 @@ class Settings:
 
 def load_speculators(model, tokenizer, drafts: list[str] = (), eagle: str | None = None,
                      eagle_label: str | None = None) -> dict:
-    """Speculators the demo offers, by label: n-gram always, each draft model given, an EAGLE head when available.
+    """Speculators the demo offers, by label: n-gram always, each draft model given, an EAGLE head when available,
+    and then that head combined with n-gram (`HybridSpeculator`).
 
     Draft models load on the target's device and dtype; their tokenizers, when they have one, must match the
     target's. EAGLE is offered only if this build of hf_specdec has `EagleSpeculator` and a head (converted with
@@ -93,7 +94,11 @@ def load_speculators(model, tokenizer, drafts: list[str] = (), eagle: str | None
             raise ValueError("--eagle needs a version of hf_specdec with EagleSpeculator; drop --eagle or upgrade")
         head = eagle_class.from_pretrained(eagle)
         head.validate(model)  # a head that cannot serve this target is refused now, not offered
-        speculators[eagle_label or f"EAGLE head: {eagle}"] = head
+        label = eagle_label or f"EAGLE head: {eagle}"
+        speculators[label] = head
+        if isinstance(head, eagle_class):
+            # The lookup where the text repeats, the head elsewhere: its own speculator around the same weights.
+            speculators[f"n-gram + {label}"] = hf_specdec.HybridSpeculator(eagle_class(head.head, head.block_size))
     return speculators
 
 
