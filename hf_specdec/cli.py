@@ -82,7 +82,8 @@ def _quantizations(spec: str) -> list[str | None]:
 
 
 def _run_speculators(args, model, tokenizer) -> dict[str, object]:
-    """`run`'s speculators: with `--speculator auto`, n-gram and the trained EAGLE head shipped for the model."""
+    """`run`'s speculators: with `--speculator auto`, n-gram, the trained EAGLE head shipped for the model and the
+    two combined (`HybridSpeculator`)."""
     names = [args.speculator]
     if args.speculator == "auto":
         names = ["ngram"] + (["eagle", "ngram+eagle"] if has_trained_head(args.model) else [])

@@ -134,3 +134,26 @@ def test_bad_arguments_are_explained(tmp_path):
         HybridSpeculator(head, min_match=40)
     with pytest.raises(ValueError, match="head_tokens"):
         HybridSpeculator(head, head_tokens=0)
+
+
+def test_cli_combines_the_lookup_with_a_head_directory(fitted_eagle_heads, tmp_path, capsys):
+    import copy
+
+    from conftest import make_tokenizer
+
+    from hf_specdec.cli import main
+
+    target, source = fitted_eagle_heads[3]
+    model_dir, head_dir = tmp_path / "target", tmp_path / "head"
+    copy.deepcopy(target).float().save_pretrained(model_dir)
+    make_tokenizer().save_pretrained(model_dir)
+    convert_eagle(source, head_dir, target=str(model_dir))
+    args = ["run", "--model", str(model_dir), "--max-new-tokens", "12", "--repeats", "1", "-k", "3",
+            "--prompt", "one two three one two three one two"]
+    assert main([*args, "--speculator", f"ngram+{head_dir}"]) == 0
+    out = capsys.readouterr().out
+    assert f"speculator ngram+{head_dir}" in out and "output identical to plain greedy generate: True" in out
+    with pytest.raises(SystemExit, match="after 'ngram\\+' give 'eagle' or an EAGLE head directory"):
+        main([*args, "--speculator", f"ngram+{model_dir}"])  # a draft model does not combine
+    with pytest.raises(SystemExit, match="no trained EAGLE head ships for"):
+        main([*args, "--speculator", "ngram+eagle"])  # this model ships no head
