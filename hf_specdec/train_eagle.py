@@ -57,7 +57,9 @@ class TrainingSet:
 
     @classmethod
     def load(cls, path: str | Path) -> TrainingSet:
-        return cls(**torch.load(path, weights_only=True))
+        """Memory-mapped: the tensors are read from the file as they are used, so loading the parts of a large set to
+        join them holds only the joined copy in memory."""
+        return cls(**torch.load(path, weights_only=True, mmap=True))
 
     @classmethod
     def concat(cls, parts: list[TrainingSet]) -> TrainingSet:
@@ -66,14 +68,19 @@ class TrainingSet:
             raise ValueError("the parts of a training set must hold the same layers")
         width = max(p.token_ids.shape[1] for p in parts)
 
-        def padded(t: torch.Tensor, value) -> torch.Tensor:
-            pad = [0, 0] * (t.dim() - 2) + [0, width - t.shape[1]]
-            return F.pad(t, pad, value=value)
-
         def joined(name: str, value) -> torch.Tensor | None:
-            if any(getattr(p, name) is None for p in parts):
+            tensors = [getattr(p, name) for p in parts]
+            if any(t is None for t in tensors):
                 return None
-            return torch.cat([getattr(p, name) if value is None else padded(getattr(p, name), value) for p in parts])
+            if value is None:
+                return torch.cat(tensors)
+            # Filled part by part into one tensor: no padded copy of each part, so the peak is the joined set.
+            out = tensors[0].new_full((sum(len(t) for t in tensors), width, *tensors[0].shape[2:]), value)
+            row = 0
+            for t in tensors:
+                out[row:row + len(t), :t.shape[1]] = t
+                row += len(t)
+            return out
 
         return cls(joined("token_ids", 0), joined("lengths", None), joined("features", 0.0), joined("labels", -100),
                    list(parts[0].layers), joined("prompt_index", None), joined("soft_ids", 0),
