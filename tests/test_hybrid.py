@@ -130,24 +130,20 @@ def test_bad_arguments_are_explained(tmp_path):
     head = EagleSpeculator.from_pretrained(convert(tmp_path, target, 3))
     with pytest.raises(TypeError, match="EagleSpeculator"):
         HybridSpeculator(NgramSpeculator())
-    with pytest.raises(ValueError, match="min_match"):
-        HybridSpeculator(head, min_match=40)
+    for bad in (0, 9, 40):  # the lookup reports match lengths 1-8 (longer ones fall in its top class)
+        with pytest.raises(ValueError, match="min_match must lie in 1-8"):
+            HybridSpeculator(head, min_match=bad)
+    assert HybridSpeculator(head, min_match=8).min_match == 8
     with pytest.raises(ValueError, match="head_tokens"):
         HybridSpeculator(head, head_tokens=0)
 
 
 def test_cli_combines_the_lookup_with_a_head_directory(fitted_eagle_heads, tmp_path, capsys):
-    import copy
-
-    from conftest import make_tokenizer
+    from conftest import saved_target_and_head
 
     from hf_specdec.cli import main
 
-    target, source = fitted_eagle_heads[3]
-    model_dir, head_dir = tmp_path / "target", tmp_path / "head"
-    copy.deepcopy(target).float().save_pretrained(model_dir)
-    make_tokenizer().save_pretrained(model_dir)
-    convert_eagle(source, head_dir, target=str(model_dir))
+    model_dir, head_dir = saved_target_and_head(fitted_eagle_heads[3], tmp_path)
     args = ["run", "--model", str(model_dir), "--max-new-tokens", "12", "--repeats", "1", "-k", "3",
             "--prompt", "one two three one two three one two"]
     assert main([*args, "--speculator", f"ngram+{head_dir}"]) == 0

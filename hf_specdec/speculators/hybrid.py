@@ -37,13 +37,14 @@ class HybridSpeculator(Speculator):
                  head_tokens: int = 2):
         if not isinstance(head, EagleSpeculator):
             raise TypeError(f"HybridSpeculator needs an EagleSpeculator as head, got {type(head).__name__}; load one "
-                            "with EagleSpeculator.from_pretrained(DIR) or hf_specdec.trained_head(NAME)")
+                            "with EagleSpeculator.from_pretrained(DIR or hf_specdec.trained_head(NAME))")
         ngram = NgramSpeculator() if ngram is None else ngram
         if not isinstance(ngram, NgramSpeculator):
             raise TypeError(f"HybridSpeculator's ngram must be an NgramSpeculator, got {type(ngram).__name__}")
-        if not ngram.min_ngram <= min_match <= ngram.max_ngram:
-            raise ValueError(f"min_match must lie in the lookup's range {ngram.min_ngram}-{ngram.max_ngram}, got "
-                             f"{min_match}")
+        longest = len(ngram.confidence_priors) - 1  # the lookup reports match lengths up to this (its top class)
+        if not ngram.min_ngram <= min_match <= longest:
+            raise ValueError(f"min_match must lie in {ngram.min_ngram}-{longest}, the match lengths the lookup "
+                             f"reports, got {min_match}")
         if head_tokens < 1:
             raise ValueError(f"head_tokens must be at least 1, got {head_tokens}")
         self.head, self.ngram = head, ngram
