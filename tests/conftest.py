@@ -116,6 +116,21 @@ def fitted_eagle_heads(tmp_path_factory):
             3: (target3, fit_reference(root / "v3", target3, 3, [1, 2, 3]))}
 
 
+def saved_target_and_head(fitted, tmp_path):
+    """A fitted head's target saved as a float32 model directory with the word tokenizer, and the head converted for
+    it: `(model_dir, head_dir)`, for command-line tests. `fitted` is an entry of `fitted_eagle_heads`."""
+    import copy
+
+    from hf_specdec import convert_eagle
+
+    target, source = fitted
+    model_dir, head_dir = tmp_path / "target", tmp_path / "head"
+    copy.deepcopy(target).float().save_pretrained(model_dir)
+    make_tokenizer().save_pretrained(model_dir)
+    convert_eagle(source, head_dir, target=str(model_dir))
+    return model_dir, head_dir
+
+
 def assert_seeded_sampling_is_reproducible(run) -> None:
     """`run(**kwargs)` calls a speculative `generate` (with `return_dict_in_generate=True`) plus `kwargs`. The same
     seed must give the same sequences, another seed other ones, and drafts must have been proposed."""

@@ -331,9 +331,7 @@ def test_sliding_window_target(tmp_path):
 
 
 def test_cli_runs_trees_and_explains_bad_shapes(fitted_eagle_heads, tmp_path, capsys):
-    import copy
-
-    from conftest import make_tokenizer
+    from conftest import saved_target_and_head
 
     from hf_specdec.cli import _tree_shapes, main
 
@@ -341,11 +339,7 @@ def test_cli_runs_trees_and_explains_bad_shapes(fitted_eagle_heads, tmp_path, ca
     for bad in ("16", "16x", "0x4", "4x2x1"):
         with pytest.raises(SystemExit, match="NODESxBRANCHING"):
             _tree_shapes(bad)
-    target, source = fitted_eagle_heads[1]
-    model_dir, head_dir = tmp_path / "target", tmp_path / "head"
-    copy.deepcopy(target).float().save_pretrained(model_dir)
-    make_tokenizer().save_pretrained(model_dir)
-    convert_eagle(source, head_dir, target=str(model_dir))
+    model_dir, head_dir = saved_target_and_head(fitted_eagle_heads[1], tmp_path)
     args = ["run", "--model", str(model_dir), "--max-new-tokens", "12", "--repeats", "1", "-k", "3",
             "--prompt", "one two three"]
     assert main([*args, "--speculator", str(head_dir), "--tree", "6x2"]) == 0
