@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from .eagle_convert import _write
 from .speculators.heads import (
-    FORMAT, FORMAT_VERSION, HIDDEN_STATES_CONVENTION, STORAGE_BITS, EagleHead, pack_weights,
+    FORMAT, FORMAT_VERSION, HIDDEN_STATES_CONVENTION, STORAGE_BITS, EagleHead, check_head_target, load_eagle_dir,
+    pack_weights,
 )
 from .train_prompts import HAND_WRITTEN, built_in_prompts, max_prompts
 
@@ -394,7 +395,8 @@ def train_eagle_head(target, data: TrainingSet, out_dir: str | Path, *, version:
                 batch_size: int = 8, lr: float = 1e-3, num_unroll: int = 1, draft_vocab_size: int | None = None,
                 intermediate_size: int | None = None, save_every: int = 50, seed: int = 0, resume: bool = True,
                 progress: bool = True, save_dtype: torch.dtype = torch.float32,
-                mixed_precision: str = "no", weight_bits: int | None = None) -> TrainResult:
+                mixed_precision: str = "no", weight_bits: int | None = None,
+                init_from: str | Path | None = None) -> TrainResult:
     """Trains an EAGLE head for `target` on `data` and writes it to `out_dir` in our format.
 
     Checkpoints (`checkpoint.pt`: head, optimizer, step, losses) every `save_every` steps and when interrupted; with
@@ -413,6 +415,11 @@ def train_eagle_head(target, data: TrainingSet, out_dir: str | Path, *, version:
             and optimizer state in float32 (about twice as fast on CPUs with AMX and on GPUs).
         weight_bits (`int`, *optional*): write the head's matrices as 4- or 8-bit integers with group scales
             (`pack_weights`; a file 7x or 4x smaller, for shipping); the checkpoint stays float32.
+        init_from (`str` or `Path`, *optional*): a head in our format (trained, shipped or converted) to start from
+            instead of a new one: fine-tuning on more data, for more passes, or for a fine-tuned target. It must read
+            the training set's layers; its architecture and draft vocabulary are kept (`draft_vocab_size` must then
+            be None or equal to its own). The optimizer and learning-rate schedule start afresh. A checkpoint in
+            `out_dir` still takes precedence when resuming.
     Returns:
         `TrainResult` with the output directory and the loss of every step run so far.
     """
@@ -429,9 +436,13 @@ def train_eagle_head(target, data: TrainingSet, out_dir: str | Path, *, version:
         raise ValueError("steps, batch_size and num_unroll must be positive, num_unroll shorter than every sequence")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    config, draft_to_target = head_config_for(target, data, version, draft_vocab_size=draft_vocab_size,
-                                              intermediate_size=intermediate_size)
-    head = new_head(target, config, draft_to_target, seed)
+    if init_from is None:
+        config, draft_to_target = head_config_for(target, data, version, draft_vocab_size=draft_vocab_size,
+                                                  intermediate_size=intermediate_size)
+        head = new_head(target, config, draft_to_target, seed)
+    else:
+        head = _head_to_fine_tune(target, data, init_from, version, draft_vocab_size, intermediate_size)
+        config, draft_to_target = head.config, getattr(head, "draft_to_target", None)
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     start, losses = 0, []
     soft_top_k = 0 if data.soft_ids is None else data.soft_ids.shape[-1]
@@ -507,6 +518,32 @@ def train_eagle_head(target, data: TrainingSet, out_dir: str | Path, *, version:
     return TrainResult(out_dir, losses)
 
 
+def _head_to_fine_tune(target, data: TrainingSet, path: str | Path, version: int, draft_vocab_size: int | None,
+                       intermediate_size: int | None) -> EagleHead:
+    """The head in `path` as a float32 module to train on, checked against the target, the training set and the
+    options that would otherwise shape a new head."""
+    config, tensors = load_eagle_dir(path)
+    what = f"--init-from {path}"
+    check_head_target(target, config["target"], "EAGLE")
+    if config["eagle_version"] != version:
+        raise ValueError(f"{what} is an EAGLE-{config['eagle_version']} head, not EAGLE-{version}; pass --version "
+                         f"{config['eagle_version']} to fine-tune it")
+    layers = list(config["target_hidden_states"]["layers"])
+    if layers != list(data.layers):
+        raise ValueError(f"{what} reads target layers {layers}, but the training set holds layers "
+                         f"{list(data.layers)}; build the set for this head in another --out directory")
+    if draft_vocab_size is not None and draft_vocab_size != config.get("draft_vocab_size", draft_vocab_size):
+        raise ValueError(f"{what} drafts from {config['draft_vocab_size']} tokens, not {draft_vocab_size}; a "
+                         "fine-tuned head keeps its draft vocabulary (leave --draft-vocab at the head's size)")
+    if intermediate_size is not None and intermediate_size != config["head_config"]["intermediate_size"]:
+        raise ValueError(f"{what} has MLP width {config['head_config']['intermediate_size']}, not "
+                         f"{intermediate_size}; a fine-tuned head keeps its architecture")
+    config = {k: v for k, v in config.items() if k != "weight_storage"}  # loaded weights are float
+    head = EagleHead(config).float()
+    head.load_state_dict({n: t.float() if t.is_floating_point() else t for n, t in tensors.items()})
+    return head
+
+
 def _without_name(config: dict) -> dict:
     """A head config without the target's `name_or_path`, which says where the target was loaded from, not what
     it is (a checkpoint stays resumable when the same target is loaded by another path)."""
@@ -580,7 +617,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--unroll", type=int, default=2, help="chain steps trained per entry")
-    parser.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary size")
+    parser.add_argument("--draft-vocab", type=int, default=None,
+                        help="EAGLE-3 draft vocabulary size (default 8192, or the --init-from head's)")
+    parser.add_argument("--init-from", default=None, metavar="HEAD_DIR",
+                        help="start from this head (trained, shipped or converted; our format) instead of a new one: "
+                        "fine-tune it on more data or for more passes; its architecture and draft vocabulary are kept")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens the target generates per prompt")
     parser.add_argument("--samples-per-prompt", type=int, default=2,
                         help="continuations per prompt: one greedy, the rest sampled (temperature 0.7)")
@@ -665,9 +706,10 @@ def cmd_train_eagle(args) -> int:
     try:
         result = train_eagle_head(target, data, out, version=args.version, steps=args.steps,
                                   batch_size=args.batch_size, lr=args.lr, num_unroll=args.unroll,
-                                  draft_vocab_size=args.draft_vocab, save_every=args.save_every, seed=args.seed,
-                                  resume=not args.no_resume, mixed_precision=args.mixed_precision,
-                                  weight_bits=args.weight_bits)
+                                  draft_vocab_size=args.draft_vocab or (None if args.init_from else 8192),
+                                  save_every=args.save_every, seed=args.seed, resume=not args.no_resume,
+                                  mixed_precision=args.mixed_precision, weight_bits=args.weight_bits,
+                                  init_from=args.init_from)
     except ValueError as error:
         raise SystemExit(str(error)) from None
     except KeyboardInterrupt:

@@ -147,6 +147,77 @@ def test_resumed_run_equals_an_uninterrupted_one(tmp_path, target, data1, monkey
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 
+@pytest.fixture(scope="module")
+def data3(target) -> TrainingSet:
+    return build_training_set(target, prompts(32, 1), default_layers(target, 3), max_new_tokens=24)
+
+
+def test_fine_tuning_starts_from_the_given_head_and_keeps_its_draft_vocabulary(tmp_path, target, data3):
+    """`init_from`: a head trained for 40 steps and shipped in 8 bits, fine-tuned further on the same data, starts at
+    the loss it had reached, not at a new head's; fine-tuned on other data it keeps its draft vocabulary although a
+    new head there would draft other tokens, and it stays lossless."""
+    kwargs = dict(version=3, batch_size=16, lr=1e-2, progress=False)
+    first = train_eagle_head(target, data3, tmp_path / "first", steps=40, weight_bits=8, draft_vocab_size=64,
+                             **kwargs)
+    fresh = train_eagle_head(target, data3, tmp_path / "fresh", steps=5, draft_vocab_size=64, **kwargs)
+    more = train_eagle_head(target, data3, tmp_path / "more", steps=5, init_from=first.path, **kwargs)
+    print(f"first run: {first.losses[0]:.3f} -> {first.losses[-1]:.3f}; fine-tune starts at {more.losses[0]:.3f}, "
+          f"a new head at {fresh.losses[0]:.3f}")
+    assert more.losses[0] < 0.5 * fresh.losses[0] and max(more.losses) < 0.5 * min(fresh.losses)
+
+    other = build_training_set(target, prompts(32, 7), default_layers(target, 3), max_new_tokens=24)
+    _, other_vocab = head_config_for(target, other, 3, draft_vocab_size=64)
+    shipped = EagleSpeculator.from_pretrained(first.path).head
+    assert not torch.equal(other_vocab, shipped.draft_to_target)
+    tuned = train_eagle_head(target, other, tmp_path / "tuned", steps=20, init_from=first.path, **kwargs)
+    spec = EagleSpeculator.from_pretrained(tuned.path)
+    assert torch.equal(spec.head.draft_to_target, shipped.draft_to_target)
+    acceptance(target, spec)  # asserts the output is the target's own
+
+
+def test_an_interrupted_fine_tune_resumes_from_its_checkpoint_not_from_the_initial_head(tmp_path, target, data3,
+                                                                                       monkeypatch):
+    kwargs = dict(version=3, batch_size=16, lr=1e-2, draft_vocab_size=64, progress=False)
+    first = train_eagle_head(target, data3, tmp_path / "first", steps=10, **kwargs).path
+    tune = dict(kwargs, draft_vocab_size=None, init_from=first, steps=10, save_every=100)
+    straight = train_eagle_head(target, data3, tmp_path / "straight", **tune)
+    loss, calls = te.eagle_loss, []
+
+    def failing(*args, **kw):
+        calls.append(1)
+        if len(calls) == 7:
+            raise KeyboardInterrupt
+        return loss(*args, **kw)
+
+    monkeypatch.setattr(te, "eagle_loss", failing)
+    with pytest.raises(KeyboardInterrupt):
+        train_eagle_head(target, data3, tmp_path / "resumed", **tune)
+    monkeypatch.setattr(te, "eagle_loss", loss)
+    resumed = train_eagle_head(target, data3, tmp_path / "resumed", **tune)
+    assert resumed.losses == straight.losses
+    a = EagleSpeculator.from_pretrained(straight.path).head.state_dict()
+    b = EagleSpeculator.from_pretrained(resumed.path).head.state_dict()
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_fine_tuning_refuses_a_head_that_does_not_fit(tmp_path, target, data1, data3):
+    kwargs = dict(steps=1, progress=False)
+    v3 = train_eagle_head(target, data3, tmp_path / "v3", version=3, draft_vocab_size=64, **kwargs).path
+    v1 = train_eagle_head(target, data1, tmp_path / "v1", version=1, **kwargs).path
+    with pytest.raises(ValueError, match="EAGLE-1 head, not EAGLE-3; pass --version 1"):
+        train_eagle_head(target, data3, tmp_path / "a", version=3, init_from=v1, **kwargs)
+    with pytest.raises(ValueError, match=r"reads target layers .* training set holds layers"):
+        train_eagle_head(target, data1, tmp_path / "b", version=3, init_from=v3, **kwargs)
+    with pytest.raises(ValueError, match="keeps its draft vocabulary"):
+        train_eagle_head(target, data3, tmp_path / "c", version=3, draft_vocab_size=32, init_from=v3, **kwargs)
+    with pytest.raises(ValueError, match="keeps its architecture"):
+        train_eagle_head(target, data3, tmp_path / "d", version=3, intermediate_size=16, init_from=v3, **kwargs)
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        train_eagle_head(make_target(num_layers=3), data3, tmp_path / "e", version=3, init_from=v3, **kwargs)
+    with pytest.raises(Exception, match="eagle_config.json"):
+        train_eagle_head(target, data3, tmp_path / "f", version=3, init_from=tmp_path / "missing", **kwargs)
+
+
 def ragged_prompts(num: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, VOCAB, (int(w),), generator=g).tolist() for w in torch.randint(2, 9, (num,), generator=g)]
@@ -269,6 +340,14 @@ def test_cli_trains_resumes_and_writes_a_loadable_head(tmp_path, capsys):
     with pytest.raises(SystemExit, match="choose 1 to"):
         main(["train-eagle", "--target", str(tmp_path / "target"), "--out", str(tmp_path / "x"),
               "--self-distill", "99999"])
+    # --init-from: fine-tunes the packed head in a new directory (its draft vocabulary kept, --draft-vocab left out)
+    tune = [a for a in args if a not in ("--draft-vocab", "50")]
+    tune[tune.index("--out") + 1] = str(tmp_path / "tuned")
+    assert main([*tune, "--init-from", str(tmp_path / "head")]) == 0
+    assert "over 4 steps" in capsys.readouterr().out
+    assert EagleSpeculator.from_pretrained(tmp_path / "tuned").config["draft_vocab_size"] == 50
+    with pytest.raises(SystemExit, match="keeps its draft vocabulary"):
+        main([*tune, "--init-from", str(tmp_path / "head"), "--draft-vocab", "40", "--no-resume"])
 
 
 def test_built_in_prompt_set_is_large_varied_and_leaves_the_benchmark_out():
