@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from .eagle_convert import _write
 from .speculators.heads import (
-    FORMAT, FORMAT_VERSION, HIDDEN_STATES_CONVENTION, STORAGE_BITS, EagleHead, check_head_target, load_eagle_dir,
-    pack_weights,
+    CONFIG_NAME, FORMAT, FORMAT_VERSION, HIDDEN_STATES_CONVENTION, STORAGE_BITS, EagleHead, check_head_target,
+    load_eagle_dir, pack_weights,
 )
 from .train_prompts import HAND_WRITTEN, built_in_prompts, max_prompts
 
@@ -419,7 +419,8 @@ def train_eagle_head(target, data: TrainingSet, out_dir: str | Path, *, version:
             instead of a new one: fine-tuning on more data, for more passes, or for a fine-tuned target. It must read
             the training set's layers; its architecture and draft vocabulary are kept (`draft_vocab_size` must then
             be None or equal to its own). The optimizer and learning-rate schedule start afresh. A checkpoint in
-            `out_dir` still takes precedence when resuming.
+            `out_dir` (from an interrupted fine-tune) takes precedence when resuming; `init_from` may not be
+            `out_dir` itself.
     Returns:
         `TrainResult` with the output directory and the loss of every step run so far.
     """
@@ -427,6 +428,9 @@ def train_eagle_head(target, data: TrainingSet, out_dir: str | Path, *, version:
         raise ValueError(f"version must be 1 (EAGLE-1/2) or 3 (EAGLE-3), got {version}")
     if weight_bits is not None and weight_bits not in STORAGE_BITS:
         raise ValueError(f"weight_bits (--weight-bits) must be one of {STORAGE_BITS}, or None for float weights")
+    if draft_vocab_size is not None and draft_vocab_size < 1:
+        raise ValueError(f"draft_vocab_size (--draft-vocab) must be at least 1, got {draft_vocab_size}; leave it out "
+                         "for the default")
     if mixed_precision not in ("no", "bf16"):
         raise ValueError(f"mixed_precision must be 'no' or 'bf16', got {mixed_precision!r}")
     if version == 1 and data.layers != default_layers(target, 1):
@@ -435,6 +439,9 @@ def train_eagle_head(target, data: TrainingSet, out_dir: str | Path, *, version:
     if steps < 1 or batch_size < 1 or num_unroll < 1 or num_unroll >= int(data.lengths.min()):
         raise ValueError("steps, batch_size and num_unroll must be positive, num_unroll shorter than every sequence")
     out_dir = Path(out_dir)
+    if init_from is not None and Path(init_from).resolve() == out_dir.resolve():
+        raise ValueError(f"--init-from {init_from} is also the output directory: its checkpoint would take "
+                         "precedence and the head would overwrite itself; write the fine-tuned head to another --out")
     out_dir.mkdir(parents=True, exist_ok=True)
     if init_from is None:
         config, draft_to_target = head_config_for(target, data, version, draft_vocab_size=draft_vocab_size,
@@ -518,13 +525,29 @@ def train_eagle_head(target, data: TrainingSet, out_dir: str | Path, *, version:
     return TrainResult(out_dir, losses)
 
 
+def head_to_fine_tune_config(target, path: str | Path) -> dict:
+    """The `eagle_config.json` of the head in `path` (`--init-from`), checked against `target`: read before any
+    training data is built, so that a head that cannot fit is refused at once."""
+    config_file = Path(path) / CONFIG_NAME
+    if not config_file.is_file():
+        raise ValueError(f"--init-from {path}: no {CONFIG_NAME} there; give a head directory in our format (one "
+                         "written by train-eagle, convert-eagle or convert-head, or a shipped head: "
+                         "hf_specdec.models.trained_head(NAME), or --init-from eagle for the --target's own)")
+    config = json.loads(config_file.read_text())
+    try:
+        check_head_target(target, config["target"], "EAGLE")
+    except ValueError as error:
+        raise ValueError(f"--init-from {path}: {error}") from None
+    return config
+
+
 def _head_to_fine_tune(target, data: TrainingSet, path: str | Path, version: int, draft_vocab_size: int | None,
                        intermediate_size: int | None) -> EagleHead:
     """The head in `path` as a float32 module to train on, checked against the target, the training set and the
     options that would otherwise shape a new head."""
+    head_to_fine_tune_config(target, path)
     config, tensors = load_eagle_dir(path)
     what = f"--init-from {path}"
-    check_head_target(target, config["target"], "EAGLE")
     if config["eagle_version"] != version:
         raise ValueError(f"{what} is an EAGLE-{config['eagle_version']} head, not EAGLE-{version}; pass --version "
                          f"{config['eagle_version']} to fine-tune it")
@@ -532,13 +555,17 @@ def _head_to_fine_tune(target, data: TrainingSet, path: str | Path, version: int
     if layers != list(data.layers):
         raise ValueError(f"{what} reads target layers {layers}, but the training set holds layers "
                          f"{list(data.layers)}; build the set for this head in another --out directory")
-    if draft_vocab_size is not None and draft_vocab_size != config.get("draft_vocab_size", draft_vocab_size):
-        raise ValueError(f"{what} drafts from {config['draft_vocab_size']} tokens, not {draft_vocab_size}; a "
-                         "fine-tuned head keeps its draft vocabulary (leave --draft-vocab at the head's size)")
+    vocab = config["target"]["vocab_size"]
+    if draft_vocab_size is not None and min(draft_vocab_size, vocab) != config.get("draft_vocab_size", vocab):
+        raise ValueError(f"{what} drafts from {config.get('draft_vocab_size', vocab)} tokens, not "
+                         f"{draft_vocab_size}; a fine-tuned head keeps its draft vocabulary (leave --draft-vocab "
+                         "out, or at the head's size)")
     if intermediate_size is not None and intermediate_size != config["head_config"]["intermediate_size"]:
         raise ValueError(f"{what} has MLP width {config['head_config']['intermediate_size']}, not "
                          f"{intermediate_size}; a fine-tuned head keeps its architecture")
     config = {k: v for k, v in config.items() if k != "weight_storage"}  # loaded weights are float
+    # the head is now trained for this target: its config names it (as a new head's would)
+    config["target"] = {**config["target"], "name_or_path": getattr(target.config, "_name_or_path", "") or ""}
     head = EagleHead(config).float()
     head.load_state_dict({n: t.float() if t.is_floating_point() else t for n, t in tensors.items()})
     return head
@@ -612,7 +639,8 @@ def add_arguments(parser) -> None:
                         help=f"use the first N of the built-in prompts: {len(HAND_WRITTEN)} hand-written, then requests "
                         f"composed from task forms and subjects, {max_prompts()} in all (default: the hand-written "
                         f"{len(HAND_WRITTEN)})")
-    parser.add_argument("--version", type=int, default=3, choices=[1, 3], help="EAGLE-1/2 or EAGLE-3 head")
+    parser.add_argument("--version", type=int, default=None, choices=[1, 3],
+                        help="EAGLE-1/2 or EAGLE-3 head (default 3, or the --init-from head's)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -621,7 +649,8 @@ def add_arguments(parser) -> None:
                         help="EAGLE-3 draft vocabulary size (default 8192, or the --init-from head's)")
     parser.add_argument("--init-from", default=None, metavar="HEAD_DIR",
                         help="start from this head (trained, shipped or converted; our format) instead of a new one: "
-                        "fine-tune it on more data or for more passes; its architecture and draft vocabulary are kept")
+                        "fine-tune it on more data or for more passes; its architecture, target layers and draft "
+                        "vocabulary are kept. 'eagle': the head shipped for --target. Write to another --out")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens the target generates per prompt")
     parser.add_argument("--samples-per-prompt", type=int, default=2,
                         help="continuations per prompt: one greedy, the rest sampled (temperature 0.7)")
@@ -664,6 +693,25 @@ def cmd_train_eagle(args) -> int:
     out = Path(args.out)
     data_file, parts_dir = out / TRAINING_SET_NAME, out / TRAINING_PARTS_DIR
     target, tokenizer = load_model(args.target, device="cuda" if torch.cuda.is_available() else None)
+    version, layers = args.version or 3, None
+    if args.init_from is not None:  # checked, and its version and layers taken, before any data is built
+        if args.init_from == "eagle":
+            from .models import trained_head
+            try:
+                args.init_from = str(trained_head(args.target))
+            except ValueError as error:
+                raise SystemExit(f"--init-from eagle: {error}") from None
+        try:
+            config = head_to_fine_tune_config(target, args.init_from)
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
+        if args.version is not None and args.version != config["eagle_version"]:
+            raise SystemExit(f"--init-from {args.init_from} is an EAGLE-{config['eagle_version']} head, not "
+                             f"EAGLE-{args.version}; leave --version out to fine-tune it")
+        if Path(args.init_from).resolve() == Path(args.out).resolve():
+            raise SystemExit(f"--init-from {args.init_from} is also --out: write the fine-tuned head to another "
+                             "directory (the one given stays as it is)")
+        version, layers = config["eagle_version"], list(config["target_hidden_states"]["layers"])
     start = time.perf_counter()
     if args.rebuild_data:
         shutil.rmtree(parts_dir, ignore_errors=True)
@@ -681,7 +729,7 @@ def cmd_train_eagle(args) -> int:
                 raise SystemExit(f"--self-distill {count}: choose 1 to {max_prompts()} built-in prompts, or give "
                                  "your own with --data FILE (more samples per prompt: --samples-per-prompt)")
             prompts = built_in_prompts(count, seed=args.seed)
-        layers = default_layers(target, args.version)
+        layers = layers or default_layers(target, version)
         recipe = {"target": args.target, "max_new_tokens": args.max_new_tokens,
                   "samples_per_prompt": args.samples_per_prompt, "temperature": 0.7, "data_dtype": args.data_dtype,
                   "seed": args.seed}
@@ -704,9 +752,10 @@ def cmd_train_eagle(args) -> int:
         print(f"training set: {len(data.lengths)} sequences, {int(data.lengths.sum())} tokens, "
               f"{time.perf_counter() - start:.0f} s")
     try:
-        result = train_eagle_head(target, data, out, version=args.version, steps=args.steps,
+        result = train_eagle_head(target, data, out, version=version, steps=args.steps,
                                   batch_size=args.batch_size, lr=args.lr, num_unroll=args.unroll,
-                                  draft_vocab_size=args.draft_vocab or (None if args.init_from else 8192),
+                                  draft_vocab_size=(args.draft_vocab if args.draft_vocab is not None
+                                                    else None if args.init_from else 8192),
                                   save_every=args.save_every, seed=args.seed, resume=not args.no_resume,
                                   mixed_precision=args.mixed_precision, weight_bits=args.weight_bits,
                                   init_from=args.init_from)

@@ -152,7 +152,8 @@ def data3(target) -> TrainingSet:
     return build_training_set(target, prompts(32, 1), default_layers(target, 3), max_new_tokens=24)
 
 
-def test_fine_tuning_starts_from_the_given_head_and_keeps_its_draft_vocabulary(tmp_path, target, data3):
+def test_fine_tuning_starts_from_the_given_head_and_keeps_its_draft_vocabulary(tmp_path, target, data3,
+                                                                               monkeypatch):
     """`init_from`: a head trained for 40 steps and shipped in 8 bits, fine-tuned further on the same data, starts at
     the loss it had reached, not at a new head's; fine-tuned on other data it keeps its draft vocabulary although a
     new head there would draft other tokens, and it stays lossless."""
@@ -169,9 +170,11 @@ def test_fine_tuning_starts_from_the_given_head_and_keeps_its_draft_vocabulary(t
     _, other_vocab = head_config_for(target, other, 3, draft_vocab_size=64)
     shipped = EagleSpeculator.from_pretrained(first.path).head
     assert not torch.equal(other_vocab, shipped.draft_to_target)
+    monkeypatch.setattr(target.config, "_name_or_path", "fine-tuned-target")
     tuned = train_eagle_head(target, other, tmp_path / "tuned", steps=20, init_from=first.path, **kwargs)
     spec = EagleSpeculator.from_pretrained(tuned.path)
     assert torch.equal(spec.head.draft_to_target, shipped.draft_to_target)
+    assert spec.config["target"]["name_or_path"] == "fine-tuned-target"  # names the target it was tuned for
     acceptance(target, spec)  # asserts the output is the target's own
 
 
@@ -192,8 +195,10 @@ def test_an_interrupted_fine_tune_resumes_from_its_checkpoint_not_from_the_initi
     monkeypatch.setattr(te, "eagle_loss", failing)
     with pytest.raises(KeyboardInterrupt):
         train_eagle_head(target, data3, tmp_path / "resumed", **tune)
-    monkeypatch.setattr(te, "eagle_loss", loss)
+    calls.clear()
+    monkeypatch.setattr(te, "eagle_loss", lambda *args, **kw: calls.append(1) or loss(*args, **kw))
     resumed = train_eagle_head(target, data3, tmp_path / "resumed", **tune)
+    assert len(calls) == 4  # steps 6 to 9: from the checkpoint, not from the initial head
     assert resumed.losses == straight.losses
     a = EagleSpeculator.from_pretrained(straight.path).head.state_dict()
     b = EagleSpeculator.from_pretrained(resumed.path).head.state_dict()
@@ -216,6 +221,13 @@ def test_fine_tuning_refuses_a_head_that_does_not_fit(tmp_path, target, data1, d
         train_eagle_head(make_target(num_layers=3), data3, tmp_path / "e", version=3, init_from=v3, **kwargs)
     with pytest.raises(Exception, match="eagle_config.json"):
         train_eagle_head(target, data3, tmp_path / "f", version=3, init_from=tmp_path / "missing", **kwargs)
+    with pytest.raises(ValueError, match="also the output directory"):
+        train_eagle_head(target, data3, v3, version=3, init_from=v3, **kwargs)
+    with pytest.raises(ValueError, match="at least 1"):
+        train_eagle_head(target, data3, tmp_path / "g", version=3, draft_vocab_size=0, **kwargs)
+    # the head's own size, or any larger than the target's vocabulary, is its draft vocabulary: accepted
+    same = train_eagle_head(target, data3, tmp_path / "h", version=3, draft_vocab_size=64, init_from=v3, **kwargs)
+    assert EagleSpeculator.from_pretrained(same.path).config["draft_vocab_size"] == 64
 
 
 def ragged_prompts(num: int, seed: int) -> list[list[int]]:
@@ -348,6 +360,23 @@ def test_cli_trains_resumes_and_writes_a_loadable_head(tmp_path, capsys):
     assert EagleSpeculator.from_pretrained(tmp_path / "tuned").config["draft_vocab_size"] == 50
     with pytest.raises(SystemExit, match="keeps its draft vocabulary"):
         main([*tune, "--init-from", str(tmp_path / "head"), "--draft-vocab", "40", "--no-resume"])
+    # refused before any training data is built: a head for another target, another version, the output itself,
+    # and 'eagle' where no head ships for the target
+    other = make_target(num_layers=3)
+    other.save_pretrained(tmp_path / "other")
+    make_tokenizer().save_pretrained(tmp_path / "other")
+    fresh = [a for a in tune]
+    fresh[fresh.index("--out") + 1] = str(tmp_path / "fresh")
+    fresh[fresh.index("--target") + 1] = str(tmp_path / "other")
+    with pytest.raises(SystemExit, match=r"--init-from .*head: .*num_hidden_layers"):
+        main([*fresh, "--init-from", str(tmp_path / "head")])
+    with pytest.raises(SystemExit, match="EAGLE-3 head, not EAGLE-1; leave --version out"):
+        main([*tune, "--init-from", str(tmp_path / "head"), "--version", "1"])
+    with pytest.raises(SystemExit, match="also --out"):
+        main([*tune, "--init-from", str(tmp_path / "tuned")])
+    with pytest.raises(SystemExit, match="--init-from eagle: no trained EAGLE head ships"):
+        main([*fresh, "--init-from", "eagle"])
+    assert "generating" not in capsys.readouterr().out and not (tmp_path / "fresh").exists()
 
 
 def test_built_in_prompt_set_is_large_varied_and_leaves_the_benchmark_out():
