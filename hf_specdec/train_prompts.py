@@ -141,6 +141,112 @@ EVENTS = [
 ]
 STORY_FORMS = ["Write a short story about {c} who {e}.", "Tell a bedtime story about {c} who {e}."]
 
+# The third group, appended after the second (a set built from the first 10914 prompts stays a prefix): more
+# subjects, activities and story pairs, and requests of kinds the first two lack: messages to write, comparisons,
+# how things work, why things happen, and recommendations.
+THIRD_SUBJECTS = [
+    "the rain cloud", "goldfish", "the Mayans", "olive oil", "the Atlantic Ocean", "the hippopotamus", "the kettle",
+    "the Sun", "cherry blossoms", "the Incas", "hedgehogs", "the human ear", "the Alps", "earthworms", "the flute",
+    "coconuts", "tides and the moon", "the Suez Canal", "wool", "peacocks", "the lawn mower", "the Amazon parrot",
+    "the Black Death", "the Titanic", "avocados", "seahorses", "the barometer", "the Mississippi River",
+    "the human liver", "dragonflies", "the typewriter", "moss", "the Greek myths", "the Samurai", "tulips",
+    "the Dead Sea", "meteor showers", "the beaver dam", "the cello", "Antarctica", "the hot spring", "pigeons",
+    "the Colosseum", "the coral snake", "the ukulele", "cinnamon", "the ostrich", "the lunar calendar",
+    "the Mongol Empire", "the washing machine", "the cactus", "the cheetah", "the gecko", "the Himalayas",
+    "the Great Barrier Reef", "the carrot", "the zoo", "the rainstorm", "the harbour", "the orchestra",
+    "the planet Mars", "the planet Jupiter", "Saturn's rings", "the black hole", "the tsunami", "the pyramids",
+    "the electric guitar", "the drum", "the orca", "the raccoon", "the moose", "the koala", "the flamingo",
+    "the walrus", "the fire station", "the airport", "the hospital", "the bakery",
+    "the farmers market", "the bus driver", "the post office", "the swimming pool", "the football stadium",
+    "the garden shed", "the attic", "the playground", "the science museum", "the river boat", "the old mill",
+    "the city library", "the ski resort", "the desert oasis", "the mountain village", "the fishing harbour",
+    "the night sky", "the thunderstorm", "the autumn leaves", "the spring flowers", "the winter solstice",
+]
+THIRD_ACTIVITIES = [
+    "learning to cook rice", "choosing a first car", "learning to play guitar", "organising a bookshelf",
+    "planning a road trip", "learning a magic trick", "keeping a fish tank", "starting a vegetable garden",
+    "writing thank-you notes", "learning to skateboard", "getting organised at work", "cooking on a budget",
+    "training for a bike race", "learning sign language", "preparing for a job interview", "making a scrapbook",
+    "learning to touch type", "choosing a good book", "visiting a museum with kids", "learning to surf",
+    "taking care of a cat", "building a sandcastle", "learning basic first aid", "hiking in the rain",
+    "learning to sew", "making homemade pasta", "drawing portraits", "writing a short film", "learning to row",
+    "running a book club", "planting flowers on a balcony", "learning to bake pies", "teaching a dog tricks",
+    "keeping a gratitude diary", "learning to ice skate", "starting a stamp collection", "making soup",
+    "recording a song", "learning to fish", "building a model airplane", "organising a charity run",
+    "learning to climb", "planning a picnic", "learning to play tennis", "taking a long flight",
+    "learning history", "choosing a laptop", "cleaning a bicycle", "learning calligraphy", "making a budget",
+    "learning to speak French", "looking after a rabbit", "watching the stars", "writing song lyrics",
+    "repairing old furniture", "learning to whistle", "cooking a roast dinner", "learning photography at night",
+    "keeping bees", "learning to play drums",
+]
+THIRD_CHARACTERS = [
+    "a nervous pilot", "a kind witch", "a tiny elephant", "a bored dragon", "an old clockmaker",
+    "a girl who collects stones", "a boy who cannot sleep", "a brave little boat", "a singing whale",
+    "a cat who wants to fly", "a tired mail robot", "a young baker", "a lonely snowman", "a retired pirate",
+    "a lost tourist",
+]
+THIRD_EVENTS = [
+    "finds a key that opens nothing", "gets a wish but must give one back", "is invited to a royal ball",
+    "wakes up in a different century", "must deliver a message before sunset", "finds a dragon egg",
+    "loses their voice on the day of a concert", "becomes friends with a shadow", "plants a tree that grows overnight",
+    "discovers a hidden city", "has to babysit a baby dinosaur", "finds a book that writes itself",
+    "gets lost in a maze", "enters a baking contest", "meets their future self", "learns to swim at last",
+    "follows a trail of footprints", "opens a shop that sells dreams", "finds a star that fell to earth",
+    "must teach a troll good manners",
+]
+RECIPIENTS = ["my manager", "a teacher", "a neighbour", "my landlord", "an old friend", "a customer", "my team",
+              "a hotel", "a colleague", "my grandmother"]
+OCCASIONS = [
+    "asking for a day off", "to say thank you for their help", "to apologise for being late",
+    "to invite them to a party", "asking for advice", "to share some good news", "to complain about the noise",
+    "asking about a delayed order", "to congratulate them on a new job", "to cancel a meeting",
+    "to suggest a new idea", "asking for a letter of recommendation",
+]
+MESSAGE_FORMS = ["Write a short email to {r} {o}.", "Write a polite text message to {r} {o}.",
+                 "Help me write a note to {r} {o}."]
+PAIRS = [
+    ("cats", "dogs"), ("tea", "coffee"), ("trains", "planes"), ("books", "films"), ("the sun", "the moon"),
+    ("sleet", "hail"), ("viruses", "bacteria"), ("frogs", "toads"), ("crocodiles", "alligators"),
+    ("butter", "margarine"), ("a lake", "a sea"), ("rabbits", "hares"), ("baking", "roasting"),
+    ("a city", "a town"), ("jam", "jelly"), ("running", "swimming"), ("the piano", "the guitar"),
+    ("email", "letters"), ("a bee", "a wasp"), ("a hurricane", "a tornado"), ("a comet", "an asteroid"),
+    ("a violin", "a viola"), ("bread", "cake"), ("a poem", "a song"), ("a bus", "a tram"),
+    ("mountains", "hills"), ("a leopard", "a jaguar"), ("soup", "stew"), ("chess", "checkers"),
+    ("a pond", "a river"), ("walking", "cycling"), ("a dolphin", "a porpoise"), ("rice", "pasta"),
+    ("a novel", "a short story"), ("summer", "winter"), ("a museum", "a gallery"), ("a turtle", "a tortoise"),
+    ("a map", "a globe"), ("a moth", "a butterfly"), ("a village", "a city"),
+]
+PAIR_FORMS = ["What is the difference between {x} and {y}?", "Which is better for a beginner, {x} or {y}?",
+              "Compare {x} and {y} in a short paragraph.", "Write a funny debate between {x} and {y}."]
+DEVICES = [
+    "a fridge", "a microwave oven", "a bicycle gear", "a light bulb", "a smartphone camera", "a zipper",
+    "a toaster", "a vacuum cleaner", "an elevator", "a thermostat", "a solar cell", "a car engine",
+    "a parachute", "a sailboat", "a pencil sharpener", "a traffic light", "a wind-up toy", "a doorbell",
+    "a water filter", "a hearing aid", "a bar code scanner", "a dishwasher", "a fountain pen", "a hot air balloon",
+    "an electric kettle", "a submarine periscope", "a lock and key", "a calculator", "a helicopter", "a piano key",
+]
+DEVICE_FORMS = ["How does {d} work?", "Explain how {d} works, step by step.", "What are the main parts of {d}?",
+                "Who invented {d}, and why?"]
+WHYS = [
+    "the sky is blue", "leaves change colour in autumn", "we dream", "cats purr", "the sea is salty",
+    "we yawn", "bread rises", "ice floats", "birds fly south", "onions make us cry", "the moon changes shape",
+    "we have seasons", "popcorn pops", "stars twinkle", "we get hiccups", "zebras have stripes",
+    "some people are left-handed", "metal feels cold", "bubbles are round", "the wind blows",
+    "our stomachs rumble", "fireflies glow", "snowflakes have six sides", "dogs wag their tails",
+    "we need sleep", "the grass is green", "thunder follows lightning", "hair turns grey", "apples turn brown",
+    "music makes us feel happy",
+]
+WHY_FORMS = ["Why {q}?", "Explain to a child why {q}.", "Give a scientific explanation of why {q}."]
+TOPICS = [
+    "books for a long train ride", "games to play at a birthday party", "healthy snacks for children",
+    "hobbies to try this winter", "names for a new puppy", "ways to spend a rainy weekend",
+    "gifts for a teacher", "easy meals for a busy week", "places to visit in spring", "songs for a road trip",
+    "questions to ask on a first date", "ways to relax after work", "fun science experiments at home",
+    "activities for a family reunion", "plants that are easy to grow", "films for a cosy evening",
+    "ideas for a school project", "warm-up exercises", "ways to make a room brighter", "board games for two",
+]
+TOPIC_FORMS = ["Suggest five {t}.", "Can you recommend some {t}?", "Give me a list of {t}, with a reason for each."]
+
 _EXCLUDED = ("lighthouse", "rainbow", "studying", "calder bay")
 
 
@@ -167,4 +273,13 @@ def _all_prompts(seed: int) -> list[str]:
               + [form.format(a=activity) for activity in ACTIVITIES for form in ADVICE_FORMS]
               + [form.format(c=c, e=e) for c in CHARACTERS for e in EVENTS for form in STORY_FORMS])
     random.Random(seed + 1).shuffle(second)
-    return [p for p in HAND_WRITTEN + first + second if not any(word in p.lower() for word in _EXCLUDED)]
+    third = ([form.format(s=subject) for subject in THIRD_SUBJECTS for form in FORMS]
+             + [form.format(a=activity) for activity in THIRD_ACTIVITIES for form in ADVICE_FORMS]
+             + [form.format(c=c, e=e) for c in THIRD_CHARACTERS for e in THIRD_EVENTS for form in STORY_FORMS]
+             + [form.format(r=r, o=o) for r in RECIPIENTS for o in OCCASIONS for form in MESSAGE_FORMS]
+             + [form.format(x=x, y=y) for x, y in PAIRS for form in PAIR_FORMS]
+             + [form.format(d=d) for d in DEVICES for form in DEVICE_FORMS]
+             + [form.format(q=q) for q in WHYS for form in WHY_FORMS]
+             + [form.format(t=t) for t in TOPICS for form in TOPIC_FORMS])
+    random.Random(seed + 2).shuffle(third)
+    return [p for p in HAND_WRITTEN + first + second + third if not any(word in p.lower() for word in _EXCLUDED)]
