@@ -568,6 +568,8 @@ def _head_to_fine_tune(target, data: TrainingSet, path: str | Path, version: int
     config["target"] = {**config["target"], "name_or_path": getattr(target.config, "_name_or_path", "") or ""}
     head = EagleHead(config).float()
     head.load_state_dict({n: t.float() if t.is_floating_point() else t for n, t in tensors.items()})
+    if head.embed_tokens is not None:  # a converted head's own embeddings stay as published, like the target's
+        head.embed_tokens.weight.requires_grad_(False)  # that a head trained here shares
     return head
 
 

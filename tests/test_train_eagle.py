@@ -3,6 +3,8 @@ run equals an uninterrupted one, bad input is explained."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import COMMON, VOCAB, make_tokenizer
@@ -205,6 +207,26 @@ def test_an_interrupted_fine_tune_resumes_from_its_checkpoint_not_from_the_initi
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
+def test_fine_tuning_keeps_a_converted_heads_own_embeddings(tmp_path, target, data3):
+    """A head with its own token embeddings (converted from a checkpoint whose width differs from the target's)
+    fine-tunes with them frozen; the rest of it trains."""
+    from safetensors.torch import load_file, save_file
+
+    v3 = train_eagle_head(target, data3, tmp_path / "v3", version=3, draft_vocab_size=64, steps=1,
+                          progress=False).path
+    config = json.loads((v3 / "eagle_config.json").read_text())
+    config["own_embeddings"] = True
+    (v3 / "eagle_config.json").write_text(json.dumps(config))
+    tensors = load_file(v3 / "model.safetensors")
+    tensors["embed_tokens.weight"] = torch.randn(VOCAB, config["head_config"]["hidden_size"])
+    save_file(tensors, v3 / "model.safetensors")
+    tuned = train_eagle_head(target, data3, tmp_path / "tuned", version=3, steps=3, lr=1e-2, init_from=v3,
+                             progress=False).path
+    after = load_file(tuned / "model.safetensors")
+    assert torch.equal(after["embed_tokens.weight"], tensors["embed_tokens.weight"])
+    assert not torch.equal(after["fc.weight"], tensors["fc.weight"])
+
+
 def test_fine_tuning_refuses_a_head_that_does_not_fit(tmp_path, target, data1, data3):
     kwargs = dict(steps=1, progress=False)
     v3 = train_eagle_head(target, data3, tmp_path / "v3", version=3, draft_vocab_size=64, **kwargs).path
@@ -397,17 +419,24 @@ def test_built_in_prompt_set_is_large_varied_and_leaves_the_benchmark_out():
 
 def test_built_in_prompt_set_grows_only_at_its_end():
     """A training set built from the first N built-in prompts stays a prefix of a larger one (`--self-distill` then
-    builds only the new prompts), so the first 5872, the whole set of earlier versions, never change."""
+    builds only the new prompts), so the first 5872 and the first 10914, the whole set of earlier versions (the
+    latter the shipped head's), never change."""
     import hashlib
 
     from hf_specdec.train_prompts import built_in_prompts, max_prompts
 
     first = built_in_prompts(5872)
     assert hashlib.sha1("\n".join(first).encode()).hexdigest() == "aaa3c94db6badfc9aff2583c1be0256b39601a90"
-    assert max_prompts() > 10000 and built_in_prompts(max_prompts())[:5872] == first
-    later = built_in_prompts(max_prompts())[5872:]
+    assert max_prompts() > 16000 and built_in_prompts(max_prompts())[:5872] == first
+    second = built_in_prompts(10914)
+    assert hashlib.sha1("\n".join(second).encode()).hexdigest() == "2ebbaf806d3eafc49dacd96d18ced3d2563fe20e"
+    assert built_in_prompts(max_prompts())[:10914] == second
+    later = built_in_prompts(max_prompts())[5872:10914]
     assert any(p.startswith("Write a short story about a") and " who " in p for p in later)  # story prompts
     assert any(p.startswith("What are some good habits for") for p in later)  # advice requests
+    third = built_in_prompts(max_prompts())[10914:]
+    for start in ("Write a short email to", "What is the difference between", "How does", "Why ", "Suggest five"):
+        assert any(p.startswith(start) for p in third), start  # the kinds of request the third group adds
 
 
 @pytest.mark.parametrize("bits", [8, 4])
