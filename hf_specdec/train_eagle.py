@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from .eagle_convert import _write
 from .speculators.heads import (
-    CONFIG_NAME, FORMAT, FORMAT_VERSION, HIDDEN_STATES_CONVENTION, STORAGE_BITS, EagleHead, check_head_target,
-    load_eagle_dir, pack_weights,
+    CONFIG_NAME, FORMAT, FORMAT_VERSION, HIDDEN_STATES_CONVENTION, STORAGE_BITS, WEIGHTS_NAME, EagleHead,
+    check_head_target, load_eagle_dir, pack_weights,
 )
 from .train_prompts import HAND_WRITTEN, built_in_prompts, max_prompts
 
@@ -391,12 +391,12 @@ def _learning_rate(lr: float, step: int, steps: int) -> float:
     return lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(step / steps, 1.0))))
 
 
-def train_eagle_head(target, data: TrainingSet, out_dir: str | Path, *, version: int = 3, steps: int = 200,
-                batch_size: int = 8, lr: float = 1e-3, num_unroll: int = 1, draft_vocab_size: int | None = None,
-                intermediate_size: int | None = None, save_every: int = 50, seed: int = 0, resume: bool = True,
-                progress: bool = True, save_dtype: torch.dtype = torch.float32,
-                mixed_precision: str = "no", weight_bits: int | None = None,
-                init_from: str | Path | None = None) -> TrainResult:
+def train_eagle_head(target, data: TrainingSet, out_dir: str | Path, *, version: int | None = None,
+                     steps: int = 200, batch_size: int = 8, lr: float = 1e-3, num_unroll: int = 1,
+                     draft_vocab_size: int | None = None, intermediate_size: int | None = None, save_every: int = 50,
+                     seed: int = 0, resume: bool = True, progress: bool = True,
+                     save_dtype: torch.dtype = torch.float32, mixed_precision: str = "no",
+                     weight_bits: int | None = None, init_from: str | Path | None = None) -> TrainResult:
     """Trains an EAGLE head for `target` on `data` and writes it to `out_dir` in our format.
 
     Checkpoints (`checkpoint.pt`: head, optimizer, step, losses) every `save_every` steps and when interrupted; with
@@ -406,10 +406,12 @@ def train_eagle_head(target, data: TrainingSet, out_dir: str | Path, *, version:
     Args:
         target: the target model (its input embeddings, and for EAGLE-1/2 its LM head, are shared, kept frozen).
         data (`TrainingSet`): from `build_training_set`, with the layers the head reads.
-        version (`int`): 1 (EAGLE-1/2: reads the final state, drafts with the target's LM head) or 3 (EAGLE-3: reads
-            `data.layers`, its own norm and LM head over `draft_vocab_size` tokens).
+        version (`int`, *optional*): 1 (EAGLE-1/2: reads the final state, drafts with the target's LM head) or 3
+            (EAGLE-3: reads `data.layers`, its own norm and LM head over `draft_vocab_size` tokens). Default: the
+            `init_from` head's version, or 3.
         num_unroll (`int`): chain steps trained per entry (1: teacher forcing only).
-        draft_vocab_size (`int`, *optional*): EAGLE-3 draft vocabulary (default: the target's).
+        draft_vocab_size (`int`, *optional*): EAGLE-3 draft vocabulary (default: the target's); refused for
+            EAGLE-1/2 heads, which draft with the target's LM head.
         intermediate_size (`int`, *optional*): the head's MLP width (default: the target's).
         mixed_precision (`str`): "no" (float32) or "bf16": forward and backward under bfloat16 autocast, weights
             and optimizer state in float32 (about twice as fast on CPUs with AMX and on GPUs).
@@ -419,12 +421,12 @@ def train_eagle_head(target, data: TrainingSet, out_dir: str | Path, *, version:
             instead of a new one: fine-tuning on more data, for more passes, or for a fine-tuned target. It must read
             the training set's layers; its architecture and draft vocabulary are kept (`draft_vocab_size` must then
             be None or equal to its own). The optimizer and learning-rate schedule start afresh. A checkpoint in
-            `out_dir` (from an interrupted fine-tune) takes precedence when resuming; `init_from` may not be
-            `out_dir` itself.
+            `out_dir` from an interrupted fine-tune of the same head on the same training set is resumed; one from
+            another start or another training set is refused. `init_from` may not be `out_dir` itself.
     Returns:
         `TrainResult` with the output directory and the loss of every step run so far.
     """
-    if version not in (1, 3):
+    if version not in (None, 1, 3):
         raise ValueError(f"version must be 1 (EAGLE-1/2) or 3 (EAGLE-3), got {version}")
     if weight_bits is not None and weight_bits not in STORAGE_BITS:
         raise ValueError(f"weight_bits (--weight-bits) must be one of {STORAGE_BITS}, or None for float weights")
@@ -433,23 +435,27 @@ def train_eagle_head(target, data: TrainingSet, out_dir: str | Path, *, version:
                          "for the default")
     if mixed_precision not in ("no", "bf16"):
         raise ValueError(f"mixed_precision must be 'no' or 'bf16', got {mixed_precision!r}")
-    if version == 1 and data.layers != default_layers(target, 1):
-        raise ValueError(f"an EAGLE-1/2 head reads the final hidden state {default_layers(target, 1)}, but the "
-                         f"training set holds layers {data.layers}; rebuild it with those layers")
     if steps < 1 or batch_size < 1 or num_unroll < 1 or num_unroll >= int(data.lengths.min()):
         raise ValueError("steps, batch_size and num_unroll must be positive, num_unroll shorter than every sequence")
     out_dir = Path(out_dir)
-    if init_from is not None and Path(init_from).resolve() == out_dir.resolve():
-        raise ValueError(f"--init-from {init_from} is also the output directory: its checkpoint would take "
-                         "precedence and the head would overwrite itself; write the fine-tuned head to another --out")
-    out_dir.mkdir(parents=True, exist_ok=True)
     if init_from is None:
+        version = 3 if version is None else version
+        check_new_head_options(version, draft_vocab_size)
+        if version == 1 and data.layers != default_layers(target, 1):
+            raise ValueError(f"an EAGLE-1/2 head reads the final hidden state {default_layers(target, 1)}, but the "
+                             f"training set holds layers {data.layers}; rebuild it with those layers")
         config, draft_to_target = head_config_for(target, data, version, draft_vocab_size=draft_vocab_size,
                                                   intermediate_size=intermediate_size)
         head = new_head(target, config, draft_to_target, seed)
     else:
+        check_init_from_is_not_out(init_from, out_dir)
         head = _head_to_fine_tune(target, data, init_from, version, draft_vocab_size, intermediate_size)
-        config, draft_to_target = head.config, getattr(head, "draft_to_target", None)
+        config = head.config
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # What a checkpoint must match besides the head's config: the training set (its draft vocabulary and batches
+    # come from it) and the head the run started from.
+    run = {"sequences": len(data.lengths), "tokens": int(data.lengths.sum()),
+           "init_from": None if init_from is None else _head_digest(init_from)}
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     start, losses = 0, []
     soft_top_k = 0 if data.soft_ids is None else data.soft_ids.shape[-1]
@@ -464,9 +470,11 @@ def train_eagle_head(target, data: TrainingSet, out_dir: str | Path, *, version:
                              f"{state.get('soft_top_k', 0)}, this training set has top-{soft_top_k} (0: argmax only); "
                              "pass the same --soft-labels, another output directory, or resume=False (--no-resume) "
                              "to start over")
+        _check_checkpoint_run(checkpoint_file, state.get("run"), run)
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
         start, losses = state["step"], state["losses"]
+    draft_to_target = getattr(head, "draft_to_target", None)  # the run's own (a resumed run: its checkpoint's)
     accelerator = _accelerator()
     device = target.device
     if accelerator is not None:
@@ -482,7 +490,7 @@ def train_eagle_head(target, data: TrainingSet, out_dir: str | Path, *, version:
 
     def save(step: int) -> None:
         torch.save({"step": step, "head": head.state_dict(), "optimizer": optimizer.state_dict(), "losses": losses,
-                    "config": config, "soft_top_k": soft_top_k}, checkpoint_file)
+                    "config": config, "soft_top_k": soft_top_k, "run": run}, checkpoint_file)
 
     frozen = [(p, p.requires_grad) for p in target.parameters()]
     attention = head.layer.self_attn.config._attn_implementation
@@ -525,44 +533,79 @@ def train_eagle_head(target, data: TrainingSet, out_dir: str | Path, *, version:
     return TrainResult(out_dir, losses)
 
 
-def head_to_fine_tune_config(target, path: str | Path) -> dict:
-    """The `eagle_config.json` of the head in `path` (`--init-from`), checked against `target`: read before any
-    training data is built, so that a head that cannot fit is refused at once."""
-    config_file = Path(path) / CONFIG_NAME
-    if not config_file.is_file():
-        raise ValueError(f"--init-from {path}: no {CONFIG_NAME} there; give a head directory in our format (one "
-                         "written by train-eagle, convert-eagle or convert-head, or a shipped head: "
-                         "hf_specdec.models.trained_head(NAME), or --init-from eagle for the --target's own)")
-    config = json.loads(config_file.read_text())
+def check_new_head_options(version: int, draft_vocab_size: int | None) -> None:
+    """Refuses options that cannot shape a new head of this version."""
+    if version == 1 and draft_vocab_size is not None:
+        raise ValueError("--draft-vocab (draft_vocab_size) applies to EAGLE-3 heads only: an EAGLE-1/2 head drafts "
+                         "with the target's LM head over its whole vocabulary; leave it out, or train --version 3")
+
+
+def check_init_from_is_not_out(init_from: str | Path, out_dir: str | Path) -> None:
+    if Path(init_from).resolve() == Path(out_dir).resolve():
+        raise ValueError(f"--init-from {init_from} is also --out: its checkpoint would take precedence and the head "
+                         "would overwrite itself; write the fine-tuned head to another --out (the one given stays "
+                         "as it is)")
+
+
+def head_to_fine_tune_config(target, path: str | Path, *, version: int | None = None,
+                             draft_vocab_size: int | None = None, intermediate_size: int | None = None) -> dict:
+    """The `eagle_config.json` of the head in `path` (`--init-from`), with everything that does not need the
+    training set checked: its format and weights, its target against `target`, and the options that would shape a
+    new head (`version`, `draft_vocab_size`, `intermediate_size`: each None or the head's own). Called before any
+    training data is built, so that a head that cannot be fine-tuned is refused at once."""
+    return _read_head_to_fine_tune(target, path, version, draft_vocab_size, intermediate_size)[0]
+
+
+def _read_head_to_fine_tune(target, path: str | Path, version: int | None, draft_vocab_size: int | None,
+                            intermediate_size: int | None) -> tuple[dict, dict[str, torch.Tensor]]:
+    path = Path(path)
+    what = f"--init-from {path}"
+    if not (path / CONFIG_NAME).is_file():
+        from .head_convert import CONFIG_NAME as OTHER_HEAD_CONFIG
+
+        if (path / OTHER_HEAD_CONFIG).is_file():
+            raise ValueError(f"{what} holds an MLP speculator or Medusa head ({OTHER_HEAD_CONFIG}); train-eagle "
+                             "fine-tunes EAGLE heads only: give an EAGLE head's directory, or leave --init-from out "
+                             "to train a new head")
+        raise ValueError(f"{what}: no {CONFIG_NAME} there; give a head directory in our format (one written by "
+                         "train-eagle or convert-eagle, or a shipped head: hf_specdec.models.trained_head(NAME), or "
+                         "--init-from eagle for the --target's own)")
     try:
-        check_head_target(target, config["target"], "EAGLE")
-    except ValueError as error:
-        raise ValueError(f"--init-from {path}: {error}") from None
-    return config
+        config, tensors = load_eagle_dir(path)
+        check_head_target(target, config["target"], "EAGLE", fix="fine-tune a head made for this target, or leave "
+                          "--init-from out to train a new one")
+        head_version, vocab = config["eagle_version"], config["target"]["vocab_size"]
+        head_draft_vocab, width = config.get("draft_vocab_size", vocab), config["head_config"]["intermediate_size"]
+    except KeyError as error:
+        raise ValueError(f"{what}: its {CONFIG_NAME} has no {error} entry; give a head written by train-eagle or "
+                         "convert-eagle, or a shipped one") from None
+    except ValueError as error:  # the format, the weights, the target
+        raise ValueError(f"{what}: {error}") from None
+    if version is not None and version != head_version:
+        raise ValueError(f"{what} is an EAGLE-{head_version} head, not EAGLE-{version}; leave --version out to "
+                         "fine-tune it as it is")
+    if draft_vocab_size is not None:
+        if head_version == 1:
+            raise ValueError(f"{what} is an EAGLE-1/2 head, which drafts with the target's LM head over its whole "
+                             "vocabulary: --draft-vocab applies to EAGLE-3 heads only (leave it out)")
+        if min(draft_vocab_size, vocab) != head_draft_vocab:
+            raise ValueError(f"{what} drafts from {head_draft_vocab} tokens, not {draft_vocab_size}; a fine-tuned "
+                             "head keeps its draft vocabulary (leave --draft-vocab out, or at the head's size)")
+    if intermediate_size is not None and intermediate_size != width:
+        raise ValueError(f"{what} has MLP width {width}, not {intermediate_size}; a fine-tuned head keeps its "
+                         "architecture")
+    return config, tensors
 
 
-def _head_to_fine_tune(target, data: TrainingSet, path: str | Path, version: int, draft_vocab_size: int | None,
-                       intermediate_size: int | None) -> EagleHead:
+def _head_to_fine_tune(target, data: TrainingSet, path: str | Path, version: int | None,
+                       draft_vocab_size: int | None, intermediate_size: int | None) -> EagleHead:
     """The head in `path` as a float32 module to train on, checked against the target, the training set and the
     options that would otherwise shape a new head."""
-    head_to_fine_tune_config(target, path)
-    config, tensors = load_eagle_dir(path)
-    what = f"--init-from {path}"
-    if config["eagle_version"] != version:
-        raise ValueError(f"{what} is an EAGLE-{config['eagle_version']} head, not EAGLE-{version}; pass --version "
-                         f"{config['eagle_version']} to fine-tune it")
+    config, tensors = _read_head_to_fine_tune(target, path, version, draft_vocab_size, intermediate_size)
     layers = list(config["target_hidden_states"]["layers"])
     if layers != list(data.layers):
-        raise ValueError(f"{what} reads target layers {layers}, but the training set holds layers "
+        raise ValueError(f"--init-from {path} reads target layers {layers}, but the training set holds layers "
                          f"{list(data.layers)}; build the set for this head in another --out directory")
-    vocab = config["target"]["vocab_size"]
-    if draft_vocab_size is not None and min(draft_vocab_size, vocab) != config.get("draft_vocab_size", vocab):
-        raise ValueError(f"{what} drafts from {config.get('draft_vocab_size', vocab)} tokens, not "
-                         f"{draft_vocab_size}; a fine-tuned head keeps its draft vocabulary (leave --draft-vocab "
-                         "out, or at the head's size)")
-    if intermediate_size is not None and intermediate_size != config["head_config"]["intermediate_size"]:
-        raise ValueError(f"{what} has MLP width {config['head_config']['intermediate_size']}, not "
-                         f"{intermediate_size}; a fine-tuned head keeps its architecture")
     config = {k: v for k, v in config.items() if k != "weight_storage"}  # loaded weights are float
     # the head is now trained for this target: its config names it (as a new head's would)
     config["target"] = {**config["target"], "name_or_path": getattr(target.config, "_name_or_path", "") or ""}
@@ -571,6 +614,29 @@ def _head_to_fine_tune(target, data: TrainingSet, path: str | Path, version: int
     if head.embed_tokens is not None:  # a converted head's own embeddings stay as published, like the target's
         head.embed_tokens.weight.requires_grad_(False)  # that a head trained here shares
     return head
+
+
+def _head_digest(path: str | Path) -> str:
+    """Identifies the head a fine-tune started from (its config and weights), to tell its checkpoints apart."""
+    digest = hashlib.sha1()
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        digest.update((Path(path) / name).read_bytes())
+    return digest.hexdigest()
+
+
+def _check_checkpoint_run(checkpoint_file: Path, saved: dict | None, run: dict) -> None:
+    """Refuses to resume a checkpoint written by a run on another training set or from another start head
+    (checkpoints written before runs were recorded are taken as they are)."""
+    if saved is None:
+        return
+    fix = "pass another output directory, or --no-resume (resume=False) to start over"
+    if (saved["sequences"], saved["tokens"]) != (run["sequences"], run["tokens"]):
+        raise ValueError(f"{checkpoint_file} is from a run on another training set ({saved['sequences']} sequences, "
+                         f"{saved['tokens']} tokens; this one has {run['sequences']} and {run['tokens']}); {fix}")
+    if saved["init_from"] != run["init_from"]:
+        started = {None: "a new head"}.get(saved["init_from"], "another --init-from head")
+        now = "a new head" if run["init_from"] is None else "this --init-from head"
+        raise ValueError(f"{checkpoint_file} is from a run that started from {started}, not from {now}; {fix}")
 
 
 def _without_name(config: dict) -> dict:
@@ -704,16 +770,17 @@ def cmd_train_eagle(args) -> int:
             except ValueError as error:
                 raise SystemExit(f"--init-from eagle: {error}") from None
         try:
-            config = head_to_fine_tune_config(target, args.init_from)
+            check_init_from_is_not_out(args.init_from, args.out)
+            config = head_to_fine_tune_config(target, args.init_from, version=args.version,
+                                              draft_vocab_size=args.draft_vocab)
         except ValueError as error:
             raise SystemExit(str(error)) from None
-        if args.version is not None and args.version != config["eagle_version"]:
-            raise SystemExit(f"--init-from {args.init_from} is an EAGLE-{config['eagle_version']} head, not "
-                             f"EAGLE-{args.version}; leave --version out to fine-tune it")
-        if Path(args.init_from).resolve() == Path(args.out).resolve():
-            raise SystemExit(f"--init-from {args.init_from} is also --out: write the fine-tuned head to another "
-                             "directory (the one given stays as it is)")
         version, layers = config["eagle_version"], list(config["target_hidden_states"]["layers"])
+    else:
+        try:
+            check_new_head_options(version, args.draft_vocab)
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
     start = time.perf_counter()
     if args.rebuild_data:
         shutil.rmtree(parts_dir, ignore_errors=True)
@@ -757,7 +824,7 @@ def cmd_train_eagle(args) -> int:
         result = train_eagle_head(target, data, out, version=version, steps=args.steps,
                                   batch_size=args.batch_size, lr=args.lr, num_unroll=args.unroll,
                                   draft_vocab_size=(args.draft_vocab if args.draft_vocab is not None
-                                                    else None if args.init_from else 8192),
+                                                    else 8192 if version == 3 and not args.init_from else None),
                                   save_every=args.save_every, seed=args.seed, resume=not args.no_resume,
                                   mixed_precision=args.mixed_precision, weight_bits=args.weight_bits,
                                   init_from=args.init_from)

@@ -64,9 +64,10 @@ def test_training_set_holds_the_targets_own_continuations_and_states(target, dat
 def test_training_reduces_loss_and_raises_acceptance(tmp_path, target, data1, version, mixed_precision):
     data = data1 if version == 1 else build_training_set(target, prompts(32, 1), default_layers(target, 3),
                                                          max_new_tokens=24)
-    kwargs = dict(version=version, batch_size=16, lr=1e-2, draft_vocab_size=64, progress=False,
+    draft_vocab = 64 if version == 3 else None  # an EAGLE-1/2 head drafts over the target's vocabulary
+    kwargs = dict(version=version, batch_size=16, lr=1e-2, draft_vocab_size=draft_vocab, progress=False,
                   mixed_precision=mixed_precision)
-    config, draft_to_target = head_config_for(target, data, version, draft_vocab_size=64)
+    config, draft_to_target = head_config_for(target, data, version, draft_vocab_size=draft_vocab)
     untrained = acceptance(target, EagleSpeculator.from_pretrained(
         save_head(new_head(target, config, draft_to_target), tmp_path / "untrained")))
     result = train_eagle_head(target, data, tmp_path / "trained", steps=60, **kwargs)
@@ -231,8 +232,15 @@ def test_fine_tuning_refuses_a_head_that_does_not_fit(tmp_path, target, data1, d
     kwargs = dict(steps=1, progress=False)
     v3 = train_eagle_head(target, data3, tmp_path / "v3", version=3, draft_vocab_size=64, **kwargs).path
     v1 = train_eagle_head(target, data1, tmp_path / "v1", version=1, **kwargs).path
-    with pytest.raises(ValueError, match="EAGLE-1 head, not EAGLE-3; pass --version 1"):
+    with pytest.raises(ValueError, match="EAGLE-1 head, not EAGLE-3; leave --version out"):
         train_eagle_head(target, data3, tmp_path / "a", version=3, init_from=v1, **kwargs)
+    with pytest.raises(ValueError, match="EAGLE-1/2 head, .*--draft-vocab applies to EAGLE-3 heads only"):
+        train_eagle_head(target, data1, tmp_path / "a", draft_vocab_size=64, init_from=v1, **kwargs)
+    with pytest.raises(ValueError, match="--draft-vocab .* applies to EAGLE-3 heads only"):
+        train_eagle_head(target, data1, tmp_path / "a", version=1, draft_vocab_size=64, **kwargs)
+    # the version defaults to the head's own
+    assert EagleSpeculator.from_pretrained(train_eagle_head(target, data1, tmp_path / "v1-tuned", init_from=v1,
+                                                            **kwargs).path).head.version == 1
     with pytest.raises(ValueError, match=r"reads target layers .* training set holds layers"):
         train_eagle_head(target, data1, tmp_path / "b", version=3, init_from=v3, **kwargs)
     with pytest.raises(ValueError, match="keeps its draft vocabulary"):
@@ -243,10 +251,28 @@ def test_fine_tuning_refuses_a_head_that_does_not_fit(tmp_path, target, data1, d
         train_eagle_head(make_target(num_layers=3), data3, tmp_path / "e", version=3, init_from=v3, **kwargs)
     with pytest.raises(Exception, match="eagle_config.json"):
         train_eagle_head(target, data3, tmp_path / "f", version=3, init_from=tmp_path / "missing", **kwargs)
-    with pytest.raises(ValueError, match="also the output directory"):
+    with pytest.raises(ValueError, match="also --out"):
         train_eagle_head(target, data3, v3, version=3, init_from=v3, **kwargs)
     with pytest.raises(ValueError, match="at least 1"):
         train_eagle_head(target, data3, tmp_path / "g", version=3, draft_vocab_size=0, **kwargs)
+    with pytest.raises(ValueError, match="made for a target with num_hidden_layers=2.*fine-tune a head made for "
+                       "this target"):
+        train_eagle_head(make_target(num_layers=3), data3, tmp_path / "e", init_from=v3, **kwargs)
+    config = json.loads((v3 / "eagle_config.json").read_text())
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "model.safetensors").write_bytes((v3 / "model.safetensors").read_bytes())
+    (broken / "eagle_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "head_config"}))
+    with pytest.raises(ValueError, match=r"--init-from .*broken: its eagle_config.json has no 'head_config' entry"):
+        train_eagle_head(target, data3, tmp_path / "i", init_from=broken, **kwargs)
+    (broken / "eagle_config.json").write_text(json.dumps(config))
+    (broken / "model.safetensors").write_bytes((v3 / "model.safetensors").read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"--init-from .*broken: could not read .*truncated"):
+        train_eagle_head(target, data3, tmp_path / "i", init_from=broken, **kwargs)
+    (broken / "eagle_config.json").unlink()
+    (broken / "head_config.json").write_text("{}")
+    with pytest.raises(ValueError, match="MLP speculator or Medusa head .* EAGLE heads only"):
+        train_eagle_head(target, data3, tmp_path / "i", init_from=broken, **kwargs)
     # the head's own size, or any larger than the target's vocabulary, is its draft vocabulary: accepted
     same = train_eagle_head(target, data3, tmp_path / "h", version=3, draft_vocab_size=64, init_from=v3, **kwargs)
     assert EagleSpeculator.from_pretrained(same.path).config["draft_vocab_size"] == 64
@@ -316,6 +342,27 @@ def test_data_order_is_seeded_and_covers_every_sequence():
     assert sorted(epoch.tolist()) == list(range(20))
     assert torch.equal(te._batch_indices(20, 5, 3, 2), te._batch_indices(20, 5, 3, 2))
     assert not torch.equal(te._batch_indices(20, 5, 3, 4), te._batch_indices(20, 5, 3, 0))  # a new epoch, reshuffled
+
+
+def test_a_checkpoint_from_another_training_set_or_start_head_is_refused(tmp_path, target, data3):
+    """Resuming needs the checkpoint's own training set (its batches and draft vocabulary come from it) and its
+    own start head, even where the head's config would match."""
+    kwargs = dict(batch_size=16, draft_vocab_size=64, progress=False)
+    a = train_eagle_head(target, data3, tmp_path / "a", steps=2, **kwargs).path
+    b = train_eagle_head(target, data3, tmp_path / "b", steps=3, **kwargs).path
+    other = build_training_set(target, prompts(24, 7), default_layers(target, 3), max_new_tokens=24)
+    with pytest.raises(ValueError, match=r"another training set \(32 sequences, 960 tokens; this one has 24 and "
+                       r"720\); .*--no-resume"):
+        train_eagle_head(target, other, a, steps=4, **kwargs)
+    tune = dict(kwargs, draft_vocab_size=None, steps=4, save_every=1)
+    train_eagle_head(target, data3, tmp_path / "tuned", init_from=a, **dict(tune, steps=1))
+    with pytest.raises(ValueError, match="started from another --init-from head, not from this --init-from head"):
+        train_eagle_head(target, data3, tmp_path / "tuned", init_from=b, **tune)
+    with pytest.raises(ValueError, match="started from another --init-from head, not from a new head"):
+        train_eagle_head(target, data3, tmp_path / "tuned", **dict(kwargs, steps=4))
+    with pytest.raises(ValueError, match="started from a new head, not from this --init-from head"):
+        train_eagle_head(target, data3, b, init_from=a, **tune)
+    assert train_eagle_head(target, data3, tmp_path / "tuned", init_from=a, **tune).losses.__len__() == 4
 
 
 def test_bad_input_is_explained(tmp_path, target, data1):
@@ -396,6 +443,11 @@ def test_cli_trains_resumes_and_writes_a_loadable_head(tmp_path, capsys):
         main([*tune, "--init-from", str(tmp_path / "head"), "--version", "1"])
     with pytest.raises(SystemExit, match="also --out"):
         main([*tune, "--init-from", str(tmp_path / "tuned")])
+    with pytest.raises(SystemExit, match="keeps its draft vocabulary"):
+        main([*fresh, "--target", str(tmp_path / "target"), "--init-from", str(tmp_path / "head"), "--draft-vocab",
+              "40"])
+    with pytest.raises(SystemExit, match="--draft-vocab .* applies to EAGLE-3 heads only"):
+        main([*fresh, "--version", "1", "--draft-vocab", "40"])
     with pytest.raises(SystemExit, match="--init-from eagle: no trained EAGLE head ships"):
         main([*fresh, "--init-from", "eagle"])
     assert "generating" not in capsys.readouterr().out and not (tmp_path / "fresh").exists()
@@ -435,7 +487,8 @@ def test_built_in_prompt_set_grows_only_at_its_end():
     assert any(p.startswith("Write a short story about a") and " who " in p for p in later)  # story prompts
     assert any(p.startswith("What are some good habits for") for p in later)  # advice requests
     third = built_in_prompts(max_prompts())[10914:]
-    for start in ("Write a short email to", "What is the difference between", "How does", "Why ", "Suggest five"):
+    for start in ("Write a short email to", "What is the difference between", "How does", "Explain to a child why",
+                  "Suggest five"):
         assert any(p.startswith(start) for p in third), start  # the kinds of request the third group adds
 
 

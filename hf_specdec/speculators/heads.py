@@ -35,15 +35,16 @@ class EagleCheckpointError(ValueError):
     wrong shapes or dtypes, unreadable files."""
 
 
-def check_head_target(target, expected: dict, kind: str) -> None:
-    """Raises if `target` differs from the target a head was converted for (`expected`: its config's "target")."""
+def check_head_target(target, expected: dict, kind: str, fix: str | None = None) -> None:
+    """Raises if `target` differs from the target a head was made for (`expected`: its config's "target"); `fix`
+    replaces the advice that ends the message."""
     text = target.config.get_text_config()
     for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
         if getattr(text, key, None) != expected[key]:
             raise ValueError(
-                f"this {kind} head was converted for a target with {key}={expected[key]}, but the target has "
-                f"{key}={getattr(text, key, None)}; use the head trained for this target, or re-convert it with "
-                "--target pointing at this model")
+                f"this {kind} head was made for a target with {key}={expected[key]}, but the target has "
+                f"{key}={getattr(text, key, None)}; " + (fix or "use the head trained for this target, or re-convert "
+                                                          "it with --target pointing at this model"))
 
 
 def expected_tensors(config: dict) -> dict[str, tuple[tuple[int, ...], str]]:
