@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from hf_specdec.models import load_model
-from hf_specdec.train_eagle import TrainingSet, _batch_indices, eagle_loss, head_config_for, new_head
+from hf_specdec.train_eagle import TrainingSet, eagle_loss, head_config_for, new_head
+from hf_specdec.train_eagle.loop import _batch_indices
 
 torch.set_num_threads(2)
 source = Path(sys.argv[1]).expanduser()

@@ -137,12 +137,12 @@ def test_resumed_run_equals_an_uninterrupted_one(tmp_path, target, data1, monkey
             raise failure("stopped")
         return loss(*args, **kw)
 
-    monkeypatch.setattr(te, "eagle_loss", failing)
+    monkeypatch.setattr(te.loop, "eagle_loss", failing)
     with pytest.raises(failure):
         train_eagle_head(target, data1, tmp_path / "resumed", **kwargs)
     saved = torch.load(tmp_path / "resumed" / te.CHECKPOINT_NAME, weights_only=True)["step"]
     assert saved == (6 if failure is KeyboardInterrupt else 4)
-    monkeypatch.setattr(te, "eagle_loss", loss)
+    monkeypatch.setattr(te.loop, "eagle_loss", loss)
     resumed = train_eagle_head(target, data1, tmp_path / "resumed", **kwargs)
     assert resumed.losses == straight.losses
     a = EagleSpeculator.from_pretrained(straight.path).head.state_dict()
@@ -195,11 +195,11 @@ def test_an_interrupted_fine_tune_resumes_from_its_checkpoint_not_from_the_initi
             raise KeyboardInterrupt
         return loss(*args, **kw)
 
-    monkeypatch.setattr(te, "eagle_loss", failing)
+    monkeypatch.setattr(te.loop, "eagle_loss", failing)
     with pytest.raises(KeyboardInterrupt):
         train_eagle_head(target, data3, tmp_path / "resumed", **tune)
     calls.clear()
-    monkeypatch.setattr(te, "eagle_loss", lambda *args, **kw: calls.append(1) or loss(*args, **kw))
+    monkeypatch.setattr(te.loop, "eagle_loss", lambda *args, **kw: calls.append(1) or loss(*args, **kw))
     resumed = train_eagle_head(target, data3, tmp_path / "resumed", **tune)
     assert len(calls) == 4  # steps 6 to 9: from the checkpoint, not from the initial head
     assert resumed.losses == straight.losses
@@ -314,7 +314,7 @@ def test_training_set_built_in_parts_resumes_extends_and_checks_its_recipe(tmp_p
             raise KeyboardInterrupt
         return build(target, prompt_ids, *args, **kw)
 
-    monkeypatch.setattr(te, "build_training_set", counting)
+    monkeypatch.setattr(te.data, "build_training_set", counting)
     with pytest.raises(KeyboardInterrupt):
         te.build_in_parts(target, ids[:7], layers, tmp_path, recipe, part_size=3, **kwargs)
     first = te.build_in_parts(target, ids[:7], layers, tmp_path, recipe, part_size=3, **kwargs)
@@ -338,10 +338,11 @@ def test_training_set_built_in_parts_resumes_extends_and_checks_its_recipe(tmp_p
 
 
 def test_data_order_is_seeded_and_covers_every_sequence():
-    epoch = torch.cat([te._batch_indices(20, 5, seed=3, step=s) for s in range(4)])
+    batch_indices = te.loop._batch_indices
+    epoch = torch.cat([batch_indices(20, 5, seed=3, step=s) for s in range(4)])
     assert sorted(epoch.tolist()) == list(range(20))
-    assert torch.equal(te._batch_indices(20, 5, 3, 2), te._batch_indices(20, 5, 3, 2))
-    assert not torch.equal(te._batch_indices(20, 5, 3, 4), te._batch_indices(20, 5, 3, 0))  # a new epoch, reshuffled
+    assert torch.equal(batch_indices(20, 5, 3, 2), batch_indices(20, 5, 3, 2))
+    assert not torch.equal(batch_indices(20, 5, 3, 4), batch_indices(20, 5, 3, 0))  # a new epoch, reshuffled
 
 
 def test_a_checkpoint_from_another_training_set_or_start_head_is_refused(tmp_path, target, data3):
