@@ -148,3 +148,18 @@ def test_draft_in_another_dtype_than_the_target_works():
     first, second = sample(), sample()
     assert torch.equal(first.sequences, second.sequences)
     assert first.speculative_metrics.num_draft_tokens > 0
+
+
+def test_every_package_is_in_the_wheel():
+    """pyproject lists packages by name: a new subpackage missing there would install only in editable mode."""
+    import tomllib
+
+    repo = pathlib.Path(hf_specdec.__file__).resolve().parents[1]
+    settings = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {"hf_specdec": repo / "hf_specdec", **{name: repo / folder for name, folder in
+                                                     settings["package-dir"].items()}}
+    found = set()
+    for name, folder in folders.items():
+        for init in folder.rglob("__init__.py"):
+            found.add(".".join([name, *init.parent.relative_to(folder).parts]))
+    assert found == set(settings["packages"])
