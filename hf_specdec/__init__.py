@@ -17,9 +17,10 @@ from .paged_cache import PagedKVCache
 from .pipeline import SpeculativeTextGenerationPipeline, register_pipeline
 from .quantization import QuantizationUnavailableError, QuantizedCheckpointError, load_draft
 from .speculators import (
-    DraftModelSpeculator, EagleCheckpointError, EagleSpeculator, HybridSpeculator, MedusaSpeculator, MlpSpeculator,
+    DraftModelSpeculator, EagleCheckpointError, EagleSpeculator, GrammarSpeculator, HybridSpeculator, MedusaSpeculator, MlpSpeculator,
     NgramSpeculator, Speculator,
 )
+from .structured import Grammar, GrammarError, StructuredOutputUnavailableError
 from .tokenizers import TokenizerMismatchError, check_tokenizers_match
 from .train_eagle import TrainingSet, build_training_set, train_eagle_head
 from .types import DraftProposal, VerifyResult
@@ -38,5 +39,6 @@ __all__ = [
     "UnsupportedModelError", "VerifyResult", "check_tokenizers_match", "convert_eagle", "register_pipeline",
     "load_draft", "resolve_speculator", "TrainingSet", "build_training_set", "train_eagle_head",
     "verify", "HeadCheckpointError", "MedusaSpeculator", "MlpSpeculator", "convert_head",
-    "trained_head", "HybridSpeculator",
+    "trained_head", "HybridSpeculator", "Grammar", "GrammarError", "GrammarSpeculator",
+    "StructuredOutputUnavailableError",
 ]

@@ -27,6 +27,7 @@ from .model_runner import ModelRunner, TargetHiddenStates, committed_hidden_stat
 from .speculators.base import Speculator
 from .stopping import StopRules
 from .paged_cache import TreeAttention
+from .constraints import RowConstraints
 from .types import PAD_ID, DraftProposal, DraftTree, SequenceBatch, gather_right_aligned
 from .verify import verify, verify_tree
 
@@ -72,18 +73,24 @@ class SpeculativeEngine:
         self.tree_branching = tree_branching
 
     def generate(self, input_ids, attention_mask, max_new_tokens: int, do_sample: bool, logits_processor=None,
-                 stopping_criteria=None, eos_token_ids=None, pad_token_id: int = 0, streamer=None):
+                 stopping_criteria=None, eos_token_ids=None, pad_token_id: int = 0, streamer=None,
+                 constraints: RowConstraints | None = None):
         """Generates up to `max_new_tokens` per row.
 
         Args:
             input_ids: `[batch, prompt_width]` prompts, padded on either side as `attention_mask` says.
             attention_mask: `[batch, prompt_width]` or `None` (no padding).
+            constraints: grammars or a `prefix_allowed_tokens_fn` constraining rows (`constraints.py`).
         Returns:
             `(sequences, metrics)`: `[batch, prompt_width + generated]` sequences as transformers returns them (the
             input, then generated tokens padded with `pad_token_id`), and the call's `SpeculativeMetrics`.
         """
         metrics = SpeculativeMetrics()
         start = time.perf_counter()
+        self._constraints = constraints if constraints else None
+        if self._constraints is not None and self.tree_nodes is not None:
+            raise ValueError("grammar= and prefix_allowed_tokens_fn= are not supported with draft trees yet; drop "
+                             "speculative_tree_nodes=")
         batch = self._make_batch(input_ids, attention_mask, max_new_tokens, do_sample, logits_processor, pad_token_id)
         self._check_pool_fits(batch.lengths, max_new_tokens)
         num_generated = [0] * len(batch.lengths)
@@ -111,6 +118,8 @@ class SpeculativeEngine:
                     streamer.put(batch.token_ids[0, batch.prompt_width + num_generated[0] - emitted[0]:
                                                  batch.prompt_width + num_generated[0]].cpu())
                 self._retire(batch, target, finished)
+                if self._constraints is not None:
+                    self._constraints.release(finished)
         if streamer is not None:
             streamer.end()
         metrics.num_emitted_tokens = sum(num_generated)
@@ -125,6 +134,10 @@ class SpeculativeEngine:
         rows, rows_t = list(batch.active), batch.active_tensor()
         t0 = time.perf_counter()
         draft, classes = self._propose(batch, budget)
+        constrained = None
+        if self._constraints is not None:
+            constrained = self._constraints.constrain(batch, rows, draft, [max(0, min(self.k, b - 1)) for b in budget])
+            draft = constrained.draft
         t1 = time.perf_counter()
         k = draft.k
         end = batch.end_cols(rows)  # [rows] first column after each row's committed tokens
@@ -139,9 +152,12 @@ class SpeculativeEngine:
         wants_states = self.speculator.needs_hidden_states
         out = target.forward(rows, input_ids, num_fed, num_logits=k + 1, output_hidden_states=wants_states)
         logits = out.logits  # [rows, k + 1, vocab]
+        masked = constrained.mask(logits) if constrained is not None else logits
         history = end[:, None] + torch.arange(k + 1, device=end.device)  # [rows, k + 1] history length per position
         scores = batch.processing(batch.token_ids, rows_t.repeat_interleave(k + 1), history.reshape(-1),
-                                  logits.reshape(-1, logits.shape[-1])).view(logits.shape)
+                                  masked.reshape(-1, logits.shape[-1])).view(logits.shape)
+        if constrained is not None and batch.do_sample:
+            scores = constrained.residual(scores)
         result = verify(scores, draft, batch.do_sample)
 
         output = result.output_token_ids
@@ -156,6 +172,13 @@ class SpeculativeEngine:
         num_emit, num_accepted, num_drafted, finished = self._commit(
             batch, target, rows, [num_emit, result.num_accepted, draft.num_tokens, finished, broken],
             "the target or draft model" if draft.probs is not None else "the target model")
+        if constrained is not None:
+            self._constraints.commit(rows, output, num_emit, finished)
+            # Forced drafts were never the speculator's: it, adaptive k and the metrics see only its own.
+            num_forced = [max(0, a - n) for a, n in zip(num_accepted, constrained.num_speculated)]
+            num_accepted = [min(a, n) for a, n in zip(num_accepted, constrained.num_speculated)]
+            num_drafted = list(constrained.num_speculated)
+            metrics.num_forced_tokens += sum(num_forced)
         if wants_states:
             # Only tokens now committed have valid states: every one but the newest (its state comes next step).
             num_committed = [max(0, batch.lengths[r] - 1 - c) for r, c in zip(rows, cached)]

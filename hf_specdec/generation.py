@@ -11,24 +11,30 @@ import functools
 from dataclasses import dataclass
 
 from transformers import GenerationMixin, PreTrainedModel
+from transformers.generation.logits_process import LogitsProcessorList, PrefixConstrainedLogitsProcessor
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .adaptive import StepCost
 from .compat import check_model_supported
+from .constraints import RowConstraints
 from .engine import SpeculativeEngine
 from .metrics import SpeculativeMetrics
 from .speculators.base import Speculator
 from .speculators.draft_model import DraftModelSpeculator
+from .speculators.grammar import GrammarSpeculator
 from .speculators.ngram import NgramSpeculator
+from .structured import Grammar, compile_grammars, xgrammar
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+# speculator="grammar" drafts only tokens the grammar forces, which are always accepted: verify long runs of them.
+DEFAULT_GRAMMAR_TOKENS = 16
 MAX_NUM_SPECULATIVE_TOKENS = 64
 MAX_TREE_NODES = 256
 DEFAULT_TREE_BRANCHING = 4
 # model_kwargs that transformers prepares on its own and our engine replaces (mask handled, positions recomputed).
-_PREPARED_MODEL_KWARGS = ("attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep",
-                          "cache_position")
+_PREPARED_MODEL_KWARGS = ("attention_mask", "position_ids", "past_key_values", "cache", "use_cache",
+                          "logits_to_keep", "cache_position")  # transformers >= 5.24 names the cache `cache`
 _OWN_OPTIONS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "custom_generate")
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
@@ -49,8 +55,11 @@ def resolve_speculator(speculator) -> Speculator:
     if isinstance(speculator, str):
         if speculator == "ngram":
             return NgramSpeculator()
+        if speculator == "grammar":
+            return GrammarSpeculator()
         raise ValueError(
-            f"speculator={speculator!r} is not a known speculator name; pass 'ngram', a draft PreTrainedModel "
+            f"speculator={speculator!r} is not a known speculator name; pass 'ngram', 'grammar' (with grammar=), "
+            "a draft PreTrainedModel "
             "(load one with AutoModelForCausalLM.from_pretrained) or an hf_specdec.Speculator"
         )
     raise TypeError(
@@ -90,7 +99,14 @@ def _check_tree(nodes, branching, schedule) -> tuple[int | None, int]:
 
 def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=None, speculative_schedule=None,
                           speculative_step_cost=None, speculative_tree_nodes=None, speculative_tree_branching=None,
-                          **kwargs):
+                          grammar=None, **kwargs):
+    if grammar is not None and speculator is None:  # plain constrained decoding, through xgrammar's own processor
+        compiled = compile_grammars(grammar, 1 if isinstance(grammar, Grammar) else len(grammar),
+                                    kwargs.get("tokenizer"), _vocab_size(self), _eos_ids(self, kwargs))
+        if compiled is not None:
+            kwargs["logits_processor"] = LogitsProcessorList(
+                [*(kwargs.get("logits_processor") or []),
+                 xgrammar().contrib.hf.LogitsProcessor(compiled if len(compiled) > 1 else compiled[0])])
     if speculator is None:
         for name, value in (("num_speculative_tokens", num_speculative_tokens),
                             ("speculative_schedule", speculative_schedule),
@@ -102,6 +118,8 @@ def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=N
         return _speculative_generate.original(self, *args, **kwargs)
     spec = resolve_speculator(speculator)
     k = _check_num_speculative_tokens(num_speculative_tokens)
+    if isinstance(spec, GrammarSpeculator) and num_speculative_tokens is None:
+        k = DEFAULT_GRAMMAR_TOKENS
     tree_nodes, tree_branching = _check_tree(speculative_tree_nodes, speculative_tree_branching,
                                              speculative_schedule)
     schedule = speculative_schedule or ("adaptive" if tree_nodes is None else "constant")
@@ -135,16 +153,18 @@ def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=N
         criteria.append(StopStringCriteria(tokenizer, stop_strings))
         kwargs["stopping_criteria"] = criteria
     streamer = kwargs.get("streamer")
+    constraint = (grammar, tokenizer)
 
     def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
         return _decode(model, spec, k, schedule, speculative_step_cost, input_ids, logits_processor,
-                       stopping_criteria, generation_config, streamer, model_kwargs, (tree_nodes, tree_branching))
+                       stopping_criteria, generation_config, streamer, model_kwargs, (tree_nodes, tree_branching),
+                       constraint)
 
     return _speculative_generate.original(self, *args, custom_generate=decode, **kwargs)
 
 
 def _decode(model, speculator, k, schedule, step_cost, input_ids, logits_processor, stopping_criteria,
-            generation_config, streamer, model_kwargs, tree=(None, DEFAULT_TREE_BRANCHING)):
+            generation_config, streamer, model_kwargs, tree=(None, DEFAULT_TREE_BRANCHING), constraint=(None, None)):
     config = generation_config
     if config.num_beams > 1:
         raise ValueError(f"speculative decoding does not support beam search (num_beams={config.num_beams}); "
@@ -154,7 +174,7 @@ def _decode(model, speculator, k, schedule, step_cost, input_ids, logits_process
         raise NotImplementedError(f"{', '.join(requested)} are not supported with speculator= yet; drop them")
     if config.use_cache is False:
         raise ValueError("speculative decoding needs a KV cache; drop use_cache=False")
-    cache = model_kwargs.get("past_key_values")
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("speculator= cannot continue from a filled past_key_values; pass the full prompt instead")
     unknown = sorted(set(model_kwargs) - set(_PREPARED_MODEL_KWARGS))
@@ -172,15 +192,71 @@ def _decode(model, speculator, k, schedule, step_cost, input_ids, logits_process
     eos = config._eos_token_tensor
     pad = config._pad_token_tensor
     pad_token_id = int(pad) if pad is not None else (int(eos.flatten()[0]) if eos is not None else 0)
+    logits_processor, constraints = _constraints(model, speculator, k, input_ids.shape[0], logits_processor,
+                                                 constraint, config)
     engine = SpeculativeEngine(model, speculator, k, schedule=schedule, step_cost=step_cost, tree_nodes=tree[0],
                                tree_branching=tree[1])
     sequences, metrics = engine.generate(
         input_ids, model_kwargs.get("attention_mask"), max_new_tokens, config.do_sample, logits_processor,
-        stopping_criteria, eos.flatten() if eos is not None else None, pad_token_id, streamer,
+        stopping_criteria, eos.flatten() if eos is not None else None, pad_token_id, streamer, constraints,
     )
     if config.return_dict_in_generate:
         return SpeculativeGenerateOutput(sequences=sequences, speculative_metrics=metrics)
     return sequences
+
+
+def _vocab_size(model) -> int:
+    return model.config.get_text_config().vocab_size
+
+
+def _eos_ids(model, kwargs) -> list[int] | None:
+    """The EOS ids a plain `generate` call with these kwargs stops at (a grammar's completion token)."""
+    eos = kwargs.get("eos_token_id")
+    if eos is None:
+        eos = getattr(kwargs.get("generation_config") or model.generation_config, "eos_token_id", None)
+    if eos is None:
+        return None
+    return [int(e) for e in (eos.flatten().tolist() if hasattr(eos, "flatten") else
+                             eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def _constraints(model, speculator, k, num_rows, logits_processor, constraint, config):
+    """Takes the call's constraints out of its logits processors: `grammar=`, transformers'
+    `PrefixConstrainedLogitsProcessor` (from `prefix_allowed_tokens_fn=`) and xgrammar's transformers processor.
+    Returns `(the other processors, RowConstraints or None)`."""
+    grammar, tokenizer = constraint
+    kept, prefix_fn, found = LogitsProcessorList(), None, []
+    for p in logits_processor or []:
+        if isinstance(p, PrefixConstrainedLogitsProcessor):
+            prefix_fn = p._prefix_allowed_tokens_fn
+            found.append("prefix_allowed_tokens_fn=")
+        elif type(p).__module__.startswith("xgrammar") and hasattr(p, "compiled_grammars"):
+            if getattr(p, "matchers", None):
+                raise ValueError("this xgrammar LogitsProcessor was already used by a generate call; xgrammar's "
+                                 "processor holds one call's state: make a new one per call (or pass grammar=)")
+            grammar = [Grammar.compiled(c) for c in p.compiled_grammars]
+            found.append("xgrammar's LogitsProcessor")
+        else:
+            kept.append(p)
+    if constraint[0] is not None:
+        found.append("grammar=")
+    if len(found) > 1:
+        raise ValueError(f"one constraint per call: got {' and '.join(found)}; pass only one")
+    compiled = None
+    if grammar is not None:
+        if isinstance(grammar, (list, tuple)) and len(grammar) == 1:
+            grammar = grammar[0]
+        if isinstance(grammar, (list, tuple)) and num_rows % len(grammar) == 0 and num_rows != len(grammar):
+            grammar = [g for g in grammar for _ in range(num_rows // len(grammar))]  # num_return_sequences
+        eos = config._eos_token_tensor
+        compiled = compile_grammars(grammar, num_rows, tokenizer, _vocab_size(model),
+                                    eos.flatten().tolist() if eos is not None else None)
+    if getattr(speculator, "needs_constraint", False) and compiled is None and prefix_fn is None:
+        raise ValueError("speculator='grammar' drafts only the tokens a grammar forces: pass grammar= (an "
+                         "hf_specdec.Grammar) or prefix_allowed_tokens_fn=, or use another speculator")
+    if compiled is None and prefix_fn is None:
+        return kept, None
+    return kept, RowConstraints(num_rows, _vocab_size(model), k, compiled, prefix_fn)
 
 
 def register_generation_strategy() -> None:

@@ -29,6 +29,7 @@ _HISTORY_FREE = tuple(
 )
 
 # Processors whose output depends on a row's index in the batch or on state kept between calls cannot be regrouped.
+# (`prefix_allowed_tokens_fn` and xgrammar's processor are taken out before this and run as constraints.)
 _REFUSED = tuple(
     getattr(lp, name)
     for name in ("PrefixConstrainedLogitsProcessor", "UnbatchedClassifierFreeGuidanceLogitsProcessor",
@@ -36,6 +37,8 @@ _REFUSED = tuple(
                  "SynthIDTextWatermarkLogitsProcessor")
     if hasattr(lp, name)
 )
+# Structured-generation libraries whose transformers processors track each row's parse between calls.
+_STATEFUL_LIBRARIES = ("outlines", "transformers_cfg", "llguidance", "guidance", "lmformatenforcer", "xgrammar")
 
 
 class LogitsProcessing:
@@ -51,9 +54,14 @@ class LogitsProcessing:
             if isinstance(p, _REFUSED):
                 raise ValueError(
                     f"{type(p).__name__} is not supported with speculative decoding: its output depends on batch "
-                    "order or on state between calls. Drop it (e.g. prefix_allowed_tokens_fn, guidance_scale, "
-                    "watermarking) or call generate without speculator="
+                    "order or on state between calls. Drop it (e.g. guidance_scale, watermarking) or call "
+                    "generate without speculator="
                 )
+            if type(p).__module__.split(".")[0] in _STATEFUL_LIBRARIES:
+                raise ValueError(f"{_name(p)} keeps each row's parse state between calls, which speculative "
+                                 "decoding cannot replay; pass the constraint as grammar=hf_specdec.Grammar."
+                                 "json_schema(...) / .regex(...) / .ebnf(...) instead")
+        self._unchecked = [p for p in self.processors if not type(p).__module__.startswith("transformers.")]
         self.history_free = all(isinstance(p, _HISTORY_FREE) for p in self.processors)
         self.sampling_params = _sampling_params(self.processors)
         self._param_tensors: dict = {}
@@ -81,6 +89,30 @@ class LogitsProcessing:
             out[idx] = self._call(token_ids[rows[idx], :length], scores[idx], batch_rows[idx])
         return out
 
+    def _guarded(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        # A processor from outside transformers is watched on its first call: one whose attributes change when
+        # called keeps state between calls, and would silently see a history it cannot handle. Its own errors are
+        # reported as its own, not as a bare failure from inside the loop.
+        before = {id(p): _fingerprint(p) for p in self._unchecked}
+        try:
+            out = self.processors(input_ids, scores)
+        except Exception as error:
+            culprits = ", ".join(_name(p) for p in self._unchecked) or "a logits processor"
+            raise RuntimeError(
+                f"logits processor {culprits} failed under speculative decoding ({type(error).__name__}: {error}). "
+                "Processors are called for every verified position with that position's history, several per "
+                "step; one that keeps state between calls cannot work: for structured output pass grammar="
+            ) from error
+        for p in self._unchecked:
+            if _fingerprint(p) != before[id(p)]:
+                raise ValueError(
+                    f"logits processor {_name(p)} changed its own state when called, so it keeps state between "
+                    "calls, which speculative decoding cannot replay; make it depend only on input_ids, or for "
+                    "structured output pass grammar=hf_specdec.Grammar... (or call generate without speculator=)"
+                )
+        self._unchecked = []
+        return out
+
     def _call(self, input_ids: torch.Tensor, scores: torch.Tensor, batch_rows: torch.Tensor) -> torch.Tensor:
         # A group holds any subset of the batch's rows, in any order, so settings given per batch row (the
         # repetition penalty's per-row prompt padding, say) are indexed to match for the call.
@@ -91,7 +123,7 @@ class LogitsProcessing:
                 saved.append((p, per_row))
                 p.prompt_ignore_length = per_row.to(batch_rows.device)[batch_rows]
         try:
-            return self.processors(input_ids, scores)
+            return self._guarded(input_ids, scores) if self._unchecked else self.processors(input_ids, scores)
         finally:
             for p, per_row in saved:
                 p.prompt_ignore_length = per_row
@@ -106,6 +138,16 @@ class LogitsProcessing:
                 None if top_p is None else torch.full((n,), top_p, dtype=torch.float32, device=device),
             )}
         return self._param_tensors[key]
+
+
+def _name(p) -> str:
+    return f"{type(p).__module__}.{type(p).__qualname__}"
+
+
+def _fingerprint(p) -> dict:
+    """What a call may change on processor `p`: its attributes' identities, and the values of plain scalars."""
+    return {name: (value if isinstance(value, (int, float, bool, str, type(None))) else id(value))
+            for name, value in vars(p).items()} if hasattr(p, "__dict__") else {}
 
 
 def _sampling_params(processors: LogitsProcessorList) -> tuple | None:

@@ -21,6 +21,8 @@ class SpeculativeMetrics:
             `i + 1`).
         num_steps: verify steps (target forwards) of the decode loop.
         num_emitted_tokens: tokens added to the outputs.
+        num_forced_tokens: tokens a grammar (or `prefix_allowed_tokens_fn`) allowed alone at their position, drafted
+            and verified for free (not counted in the draft and acceptance figures, which are the speculator's).
         draft_time_s / verify_time_s / total_time_s: wall time in proposing, verifying (target forward, logits
             processing, acceptance) and the whole loop.
     """
@@ -31,6 +33,7 @@ class SpeculativeMetrics:
     accepted_per_position: list[int] = field(default_factory=list)
     num_steps: int = 0
     num_emitted_tokens: int = 0
+    num_forced_tokens: int = 0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     total_time_s: float = 0.0
@@ -67,7 +70,9 @@ class SpeculativeMetrics:
             f"Speculative decoding: acceptance rate {self.acceptance_rate:.3f}, mean acceptance length "
             f"{self.mean_acceptance_length:.2f}, drafts {self.num_drafts}, draft tokens {self.num_draft_tokens}, "
             f"accepted {self.num_accepted_tokens}, per-position acceptance [{per_pos}], target forwards "
-            f"{self.num_steps}, emitted tokens {self.num_emitted_tokens}, draft {self.draft_time_s:.3f}s, "
+            f"{self.num_steps}, emitted tokens {self.num_emitted_tokens}"
+            + (f", forced by the grammar {self.num_forced_tokens}" if self.num_forced_tokens else "")
+            + f", draft {self.draft_time_s:.3f}s, "
             f"verify {self.verify_time_s:.3f}s, total {self.total_time_s:.3f}s"
         )
 
@@ -77,6 +82,7 @@ class SpeculativeMetrics:
             "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
             "accepted_per_position": list(self.accepted_per_position), "num_steps": self.num_steps,
-            "num_emitted_tokens": self.num_emitted_tokens, "draft_time_s": self.draft_time_s,
+            "num_emitted_tokens": self.num_emitted_tokens, "num_forced_tokens": self.num_forced_tokens,
+            "draft_time_s": self.draft_time_s,
             "verify_time_s": self.verify_time_s, "total_time_s": self.total_time_s,
         }

@@ -3,11 +3,13 @@
 from .base import Speculator
 from .draft_model import DraftModelSpeculator
 from .eagle import EagleSpeculator
+from .grammar import GrammarSpeculator
 from .heads import EagleCheckpointError
 from .hybrid import HybridSpeculator
 from .medusa import MedusaSpeculator
 from .mlp import MlpSpeculator
 from .ngram import NgramSpeculator
 
-__all__ = ["Speculator", "DraftModelSpeculator", "EagleCheckpointError", "EagleSpeculator", "HybridSpeculator",
+__all__ = ["Speculator", "DraftModelSpeculator", "EagleCheckpointError", "EagleSpeculator", "GrammarSpeculator",
+           "HybridSpeculator",
            "MedusaSpeculator", "MlpSpeculator", "NgramSpeculator"]

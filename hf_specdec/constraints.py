@@ -1,0 +1,280 @@
+"""Constrained rows under speculation: which tokens each draft position allows, exactly as plain decoding would.
+
+A row is constrained by a grammar (an xgrammar matcher: `grammar=`, or xgrammar's own transformers logits
+processor) or by a `prefix_allowed_tokens_fn`. Before a step's verify forward, each constrained row's drafts are
+walked through its constraint (`RowConstraints.constrain`):
+
+- position j's allowed tokens are those the constraint allows after the committed tokens and the j drafts before it;
+- the speculator's drafts are cut at the first one the constraint forbids (it would be rejected, so it is not fed);
+- where a position allows exactly one token, that token is drafted (a "forced" draft, possibly several in a row,
+  with any speculator or none): the constrained target puts all its mass on it, so it is always accepted.
+
+The verify forward's logits are masked with those allowed sets before the logits processors run (masking commutes
+with the elementwise processors transformers puts first, and comes before the warpers, as a constraint given to
+plain `generate` does). Greedy output is then the constrained argmax, token for token. Sampling stays exact too:
+a deterministic draft cut at a forbidden token leaves the target's own distribution at that position (the recovered
+distribution of a point mass the target gives probability 0 is the target's), and for a sampled draft (draft_probs
+q) the cut position samples from `max(p - q, 0)`, as rejecting it would have (`residual`). Grammar matchers are
+advanced over drafts to fill the masks and rolled back at once; after the step they accept the tokens emitted.
+
+The walk runs on the host (xgrammar's matchers are CPU objects): a constrained step reads its drafts and emitted
+tokens once each.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .structured import xgrammar
+from .types import PAD_ID, DraftProposal
+
+
+@dataclass
+class ConstrainedDraft:
+    """A step's drafts after the walk.
+
+    Attributes:
+        draft: the drafts to verify (the speculator's, cut, then forced tokens).
+        allowed: `[rows, k + 1, vocab]` bool, the tokens each verified position allows.
+        num_speculated: per row, how many leading drafts are the speculator's own (the rest were forced).
+        residual_rows: `[rows]` bool, rows whose last position had a sampled draft the constraint forbids.
+        residual_probs: `[rows, vocab]` that draft's draft_probs (zeros elsewhere), or `None`.
+    """
+
+    draft: DraftProposal
+    allowed: torch.Tensor
+    num_speculated: list[int]
+    residual_rows: torch.Tensor | None = None
+    residual_probs: torch.Tensor | None = None
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` `[rows, k + 1, vocab]` with forbidden tokens at -inf."""
+        vocab = min(logits.shape[-1], self.allowed.shape[-1])
+        allowed = self.allowed[..., :vocab]
+        if logits.shape[-1] > vocab:  # logits past the tokenizer's vocabulary are never allowed
+            allowed = torch.nn.functional.pad(allowed, (0, logits.shape[-1] - vocab), value=False)
+        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+    def residual(self, scores: torch.Tensor) -> torch.Tensor:
+        """Processed scores `[rows, k + 1, vocab]` where each residual row's last position scores
+        `log(max(p - q, 0))`: sampling from it is sampling the recovered token of the rejected draft."""
+        if self.residual_rows is None:
+            return scores
+        rows = self.residual_rows.nonzero().flatten()
+        pos = self.draft.num_tokens[rows]
+        target_probs = torch.softmax(scores[rows, pos], dim=-1)
+        draft_probs = torch.zeros_like(target_probs)
+        q = self.residual_probs[rows]
+        draft_probs[:, : q.shape[-1]] = q[:, : target_probs.shape[-1]]
+        scores = scores.clone()
+        scores[rows, pos] = torch.log((target_probs - draft_probs).clamp(min=0))
+        return scores
+
+
+class RowConstraints:
+    """What constrains each row of one `generate` call.
+
+    Args:
+        num_rows (`int`): batch rows.
+        vocab_size (`int`): width of the target's logits.
+        max_tokens (`int`): the most drafts a step verifies (the matchers keep that much rollback history).
+        compiled (`list`, *optional*): an xgrammar `CompiledGrammar` or `None` per row.
+        prefix_allowed_tokens_fn (*optional*): transformers' `prefix_allowed_tokens_fn(batch_id, input_ids)`.
+    """
+
+    def __init__(self, num_rows: int, vocab_size: int, max_tokens: int, compiled: list | None = None,
+                 prefix_allowed_tokens_fn=None):
+        self.vocab_size = vocab_size
+        self.words = math.ceil(vocab_size / 32)
+        self.states: list = [None] * num_rows
+        for row, grammar in enumerate(compiled or []):
+            if grammar is not None:
+                self.states[row] = _MatcherState(grammar, max_tokens)
+        if prefix_allowed_tokens_fn is not None:
+            self.states = [_PrefixFnState(prefix_allowed_tokens_fn, row) for row in range(num_rows)]
+
+    def __bool__(self) -> bool:
+        return any(state is not None for state in self.states)
+
+    def constrain(self, batch, rows: list[int], draft: DraftProposal, limits: list[int]) -> ConstrainedDraft:
+        """Walks each row's drafts (at most `limits[i]` verified drafts for row i) through its constraint."""
+        drafted, counts = draft.token_ids.tolist(), draft.num_tokens.tolist()
+        depth = max(limits, default=0) + 1
+        bitmask = torch.full((len(rows), depth, self.words), -1, dtype=torch.int32)  # all ones: unconstrained
+        walked, num_speculated, cut = [], [], []
+        for i, row in enumerate(rows):
+            own = drafted[i][: counts[i]][: limits[i]]
+            state = self.states[row]
+            if state is None:
+                walked.append(own), num_speculated.append(len(own)), cut.append(False)
+                continue
+            history = batch.token_ids[row, : int(batch.first_col[row]) + batch.lengths[row]]
+            tokens, n, forbidden = state.walk(own, limits[i], bitmask[i].numpy(), history)
+            if draft.probs is not None and any(t >= draft.probs.shape[-1] for t in tokens[n:]):
+                tokens = tokens[: n + next(j for j, t in enumerate(tokens[n:]) if t >= draft.probs.shape[-1])]
+            walked.append(tokens), num_speculated.append(n), cut.append(forbidden)
+        width = max(map(len, walked), default=0)
+        device = draft.token_ids.device
+        token_ids = torch.tensor([t + [PAD_ID] * (width - len(t)) for t in walked], dtype=torch.long,
+                                 device=device).view(len(rows), width)
+        num_tokens = torch.tensor([len(t) for t in walked], dtype=torch.long, device=device)
+        probs = residual_rows = residual_probs = None
+        if draft.probs is not None:
+            probs, residual_rows, residual_probs = self._draft_probs(draft, walked, num_speculated, cut, width)
+        allowed = _unpack(bitmask[:, : width + 1], self.vocab_size).to(device)
+        proposal = DraftProposal(token_ids, num_tokens, probs, draft.confidence)
+        return ConstrainedDraft(proposal, allowed, num_speculated, residual_rows, residual_probs)
+
+    @staticmethod
+    def _draft_probs(draft, walked, num_speculated, cut, width):
+        """draft_probs for the walked drafts: the speculator's where its drafts stand, point masses where tokens
+        were forced; and the probs of each cut row's forbidden draft."""
+        rows, vocab = len(walked), draft.probs.shape[-1]
+        probs = torch.zeros(rows, width, vocab, dtype=draft.probs.dtype, device=draft.probs.device)
+        keep = min(width, draft.probs.shape[1])
+        probs[:, :keep] = draft.probs[:, :keep]
+        for i, (tokens, n) in enumerate(zip(walked, num_speculated)):
+            for j in range(n, len(tokens)):
+                probs[i, j] = 0
+                probs[i, j, tokens[j]] = 1
+        residual_rows = torch.tensor(cut, dtype=torch.bool, device=draft.probs.device)
+        residual_probs = torch.zeros(rows, vocab, dtype=draft.probs.dtype, device=draft.probs.device)
+        for i, (tokens, c) in enumerate(zip(walked, cut)):
+            if c:
+                residual_probs[i] = draft.probs[i, len(tokens)]
+        return probs, (residual_rows if any(cut) else None), residual_probs
+
+    def commit(self, rows: list[int], output: torch.Tensor, num_emit: list[int], finished: list[bool]) -> None:
+        """Advances each constrained row that goes on over the tokens it emitted (`output` `[rows, k + 1]`)."""
+        tokens = None
+        for i, (row, n, done) in enumerate(zip(rows, num_emit, finished)):
+            state = self.states[row]
+            if state is None or done:
+                continue
+            if tokens is None:
+                tokens = output.tolist()
+            state.advance(tokens[i][:n])
+
+    def release(self, rows: list[int]) -> None:
+        for row in rows:
+            self.states[row] = None
+
+
+class _MatcherState:
+    """A row under an xgrammar grammar."""
+
+    def __init__(self, compiled, max_tokens: int):
+        xgr = xgrammar()
+        self.matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=max_tokens + 1)
+        self.scratch = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+        self.stop_token_ids = list(self.matcher.stop_token_ids)
+
+    def walk(self, drafts: list[int], limit: int, masks: np.ndarray, history) -> tuple[list[int], int, bool]:
+        """Fills `masks[j]` for every position it verifies and returns `(tokens, num_speculated, cut)`: the drafts
+        to verify, how many lead from `drafts`, and whether the position after them had a forbidden draft."""
+        tokens: list[int] = []
+        num_speculated, cut = 0, False
+        for j in range(limit + 1):
+            self._fill(masks[j])
+            if j == limit or self.matcher.is_terminated():
+                break
+            if j == len(tokens) == num_speculated and j < len(drafts) and _allows(masks[j], drafts[j]):
+                token = drafts[j]
+                num_speculated += 1
+            else:
+                cut = j < len(drafts) and j == num_speculated
+                token = _single(masks[j])
+                if token is None:
+                    break
+                cut = False
+            self._accept(token)
+            tokens.append(token)
+        if tokens:
+            self.matcher.rollback(len(tokens))
+        return tokens, num_speculated, cut
+
+    def advance(self, tokens: list[int]) -> None:
+        for token in tokens:
+            if self.matcher.is_terminated():
+                return
+            self._accept(token)
+
+    def _accept(self, token: int) -> None:
+        if not self.matcher.accept_token(token):
+            raise RuntimeError(f"the grammar matcher refused token {token}, which its own mask allowed; please "
+                               "report this with the grammar")
+
+    def _fill(self, mask: np.ndarray) -> None:
+        mask[:] = 0
+        if self.matcher.is_terminated():  # only the stop tokens, as a finished constraint leaves it
+            for token in self.stop_token_ids:
+                if token < 32 * len(mask):
+                    mask.view(np.uint32)[token >> 5] |= np.uint32(1 << (token & 31))
+            return
+        self.matcher.fill_next_token_bitmask(self.scratch, 0)
+        words = min(len(mask), self.scratch.shape[1])
+        mask[:words] = self.scratch[0, :words].numpy()
+
+
+class _PrefixFnState:
+    """A row under transformers' `prefix_allowed_tokens_fn(batch_id, input_ids)` (stateless: called per position
+    with that position's history, as plain `generate` would call it)."""
+
+    def __init__(self, fn, batch_id: int):
+        self.fn = fn
+        self.batch_id = batch_id
+
+    def walk(self, drafts: list[int], limit: int, masks: np.ndarray, history) -> tuple[list[int], int, bool]:
+        tokens: list[int] = []
+        num_speculated, cut = 0, False
+        for j in range(limit + 1):
+            prefix = torch.cat([history, history.new_tensor(tokens)]) if tokens else history
+            allowed = self.fn(self.batch_id, prefix)
+            if len(allowed) == 0:
+                raise ValueError(f"prefix_allowed_tokens_fn returned an empty list for batch ID {self.batch_id}; "
+                                 "it must allow at least one token at every position")
+            masks[j] = 0
+            ids = np.asarray(allowed, dtype=np.int64)
+            ids = ids[ids < 32 * len(masks[j])]
+            np.bitwise_or.at(masks[j].view(np.uint32), ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
+            if j == limit:
+                break
+            if j == len(tokens) == num_speculated and j < len(drafts) and _allows(masks[j], drafts[j]):
+                token = drafts[j]
+                num_speculated += 1
+            else:
+                cut = j < len(drafts) and j == num_speculated
+                token = _single(masks[j])
+                if token is None:
+                    break
+                cut = False
+            tokens.append(token)
+        return tokens, num_speculated, cut
+
+    def advance(self, tokens: list[int]) -> None:
+        pass
+
+
+def _allows(mask: np.ndarray, token: int) -> bool:
+    return token < 32 * len(mask) and bool((int(mask.view(np.uint32)[token >> 5]) >> (token & 31)) & 1)
+
+
+def _single(mask: np.ndarray) -> int | None:
+    """The one token `mask` allows, or `None` when it allows several (or none)."""
+    nonzero = np.flatnonzero(mask)
+    if len(nonzero) != 1:
+        return None
+    word = int(mask.view(np.uint32)[nonzero[0]])
+    if word & (word - 1):
+        return None
+    return int(nonzero[0]) * 32 + word.bit_length() - 1
+
+
+def _unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """`[..., words]` int32 bitmask -> `[..., vocab_size]` bool."""
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.flatten(-2)[..., :vocab_size].bool()
