@@ -81,19 +81,18 @@ class RowConstraints:
     Args:
         num_rows (`int`): batch rows.
         vocab_size (`int`): width of the target's logits.
-        max_tokens (`int`): the most drafts a step verifies (the matchers keep that much rollback history).
         compiled (`list`, *optional*): an xgrammar `CompiledGrammar` or `None` per row.
         prefix_allowed_tokens_fn (*optional*): transformers' `prefix_allowed_tokens_fn(batch_id, input_ids)`.
     """
 
-    def __init__(self, num_rows: int, vocab_size: int, max_tokens: int, compiled: list | None = None,
+    def __init__(self, num_rows: int, vocab_size: int, compiled: list | None = None,
                  prefix_allowed_tokens_fn=None):
         self.vocab_size = vocab_size
         self.words = math.ceil(vocab_size / 32)
         self.states: list = [None] * num_rows
         for row, grammar in enumerate(compiled or []):
             if grammar is not None:
-                self.states[row] = _MatcherState(grammar, max_tokens)
+                self.states[row] = _MatcherState(grammar)
         if prefix_allowed_tokens_fn is not None:
             self.states = [_PrefixFnState(prefix_allowed_tokens_fn, row) for row in range(num_rows)]
 
@@ -167,9 +166,9 @@ class RowConstraints:
 class _MatcherState:
     """A row under an xgrammar grammar."""
 
-    def __init__(self, compiled, max_tokens: int):
+    def __init__(self, compiled):
         xgr = xgrammar()
-        self.matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=max_tokens + 1)
+        self.matcher = xgr.GrammarMatcher(compiled)  # rollback history is unlimited in xgrammar >= 0.2
         self.scratch = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
         self.stop_token_ids = list(self.matcher.stop_token_ids)
 

@@ -192,7 +192,7 @@ def _decode(model, speculator, k, schedule, step_cost, input_ids, logits_process
     eos = config._eos_token_tensor
     pad = config._pad_token_tensor
     pad_token_id = int(pad) if pad is not None else (int(eos.flatten()[0]) if eos is not None else 0)
-    logits_processor, constraints = _constraints(model, speculator, k, input_ids.shape[0], logits_processor,
+    logits_processor, constraints = _constraints(model, speculator, input_ids.shape[0], logits_processor,
                                                  constraint, config)
     engine = SpeculativeEngine(model, speculator, k, schedule=schedule, step_cost=step_cost, tree_nodes=tree[0],
                                tree_branching=tree[1])
@@ -220,7 +220,7 @@ def _eos_ids(model, kwargs) -> list[int] | None:
                              eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
-def _constraints(model, speculator, k, num_rows, logits_processor, constraint, config):
+def _constraints(model, speculator, num_rows, logits_processor, constraint, config):
     """Takes the call's constraints out of its logits processors: `grammar=`, transformers'
     `PrefixConstrainedLogitsProcessor` (from `prefix_allowed_tokens_fn=`) and xgrammar's transformers processor.
     Returns `(the other processors, RowConstraints or None)`."""
@@ -256,7 +256,7 @@ def _constraints(model, speculator, k, num_rows, logits_processor, constraint, c
                          "hf_specdec.Grammar) or prefix_allowed_tokens_fn=, or use another speculator")
     if compiled is None and prefix_fn is None:
         return kept, None
-    return kept, RowConstraints(num_rows, _vocab_size(model), k, compiled, prefix_fn)
+    return kept, RowConstraints(num_rows, _vocab_size(model), compiled, prefix_fn)
 
 
 def register_generation_strategy() -> None:

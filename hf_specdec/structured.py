@@ -159,10 +159,11 @@ def compile_grammars(grammar, num_rows: int, tokenizer, vocab_size: int, stop_to
                             f".ebnf(...), .json()), got {type(g).__name__}")
     if all(g is None for g in grammars):
         return None
-    compiled: dict[Grammar, object] = {}
+    compiled: dict[tuple, object] = {}  # one compilation per distinct grammar
     out = []
     for g in grammars:
-        if g is not None and g not in compiled:
-            compiled[g] = g.compile(tokenizer, vocab_size, stop_token_ids)
-        out.append(None if g is None else compiled[g])
+        key = None if g is None else (g.kind, g.source, id(g.precompiled))
+        if g is not None and key not in compiled:
+            compiled[key] = g.compile(tokenizer, vocab_size, stop_token_ids)
+        out.append(None if g is None else compiled[key])
     return out

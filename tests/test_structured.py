@@ -1,0 +1,441 @@
+"""Structured output under speculation: equal to constrained plain `generate`, token for token, and exact when
+sampling; prefix_allowed_tokens_fn and xgrammar's own processor keep working; bad constraints refused up front."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("xgrammar")
+import xgrammar as xgr  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList  # noqa: E402
+
+import hf_specdec  # noqa: E402
+from hf_specdec import Grammar, GrammarError  # noqa: E402
+from hf_specdec.constraints import RowConstraints  # noqa: E402
+from hf_specdec.speculators.base import Speculator  # noqa: E402
+from hf_specdec.types import DraftProposal  # noqa: E402
+
+from conftest import VOCAB, make_model  # noqa: E402
+
+EOS = 2
+# Pieces a JSON value, a regex and a small grammar can be spelled with, several of them multi-character, so the
+# grammar sometimes allows exactly one token and sometimes several.
+PIECES = ["{", "}", "[", "]", '"', ":", ",", " ", '{"', '":', '": "', '", "', '"}', ', "', "true", "false", "null",
+          *"0123456789", *"abcdefghijklmnopqrstuvwxyz", "name", "age", "city", "tags", "-", ".", "\n", "ab", "er",
+          "on", "an", "in", "th", "es", "or", "at", "en", "ing", "ed", "re", "it", "is", "to", "he", "ou", "nd",
+          "ha", "ar", "te", "se", "ne", "ti", "me", "le", "de", "co", "al", "ro", "ve"]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "tags": {"type": "array", "items": {"type": "string"}}},
+          "required": ["name", "age"]}
+
+
+def piece_tokenizer(pieces=PIECES, size=VOCAB):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for piece in pieces:
+        vocab.setdefault(piece, len(vocab))
+    assert len(vocab) == size, len(vocab)
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                                   pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return piece_tokenizer()
+
+
+def constrained_model(arch="llama", seed=0):
+    model = make_model(arch, seed=seed)
+    model.generation_config.eos_token_id = EOS
+    return model
+
+
+def prompts(rows=3, width=10, seed=0):
+    """A ragged left-padded batch whose rows repeat a phrase (so n-gram lookup proposes)."""
+    g = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(4, VOCAB, (rows, 4), generator=g)
+    input_ids = phrase.repeat(1, width // 4 + 1)[:, :width]
+    mask = torch.ones_like(input_ids)
+    for i in range(rows):
+        mask[i, : (3 * i) % (width - 2)] = 0
+    return input_ids.masked_fill(mask == 0, 0), mask
+
+
+def reference(model, tokenizer, grammars, input_ids, mask, max_new_tokens):
+    """Plain `generate` with xgrammar's own transformers processor: the output we must equal."""
+    compiled = [g.compile(tokenizer, VOCAB, [EOS]) for g in grammars]
+    processor = xgr.contrib.hf.LogitsProcessor(compiled if len(compiled) > 1 else compiled[0])
+    return model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                          logits_processor=LogitsProcessorList([processor]), pad_token_id=0)
+
+
+def speculators(name, arch):
+    if name == "same_draft":
+        return constrained_model(arch)
+    if name == "random_draft":
+        return constrained_model(arch, seed=3)
+    return name
+
+
+GRAMMARS = {
+    "json_schema": Grammar.json_schema(SCHEMA),
+    "json": Grammar.json(),
+    "regex": Grammar.regex(r"(ab|[a-z]{2,5})(-[0-9]{1,3}){1,3}\.(true|false)"),
+    "ebnf": Grammar.ebnf('root ::= "{" pair ("," pair)* "}"\npair ::= "\\"" [a-z]+ "\\":" ("null" | [0-9]+)'),
+}
+
+
+@pytest.mark.parametrize("kind", list(GRAMMARS))
+@pytest.mark.parametrize("speculator", ["grammar", "ngram", "same_draft", "random_draft"])
+def test_greedy_equals_constrained_generate(tokenizer, kind, speculator):
+    model = constrained_model()
+    input_ids, mask = prompts()
+    expected = reference(model, tokenizer, [GRAMMARS[kind]], input_ids, mask, 40)
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0,
+                         speculator=speculators(speculator, "llama"), grammar=GRAMMARS[kind], tokenizer=tokenizer,
+                         speculative_schedule="constant", num_speculative_tokens=4)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3", "mistral"])
+@pytest.mark.parametrize("speculator", ["grammar", "ngram", "random_draft"])
+def test_greedy_equality_other_architectures_adaptive(tokenizer, arch, speculator):
+    model = constrained_model(arch)
+    input_ids, mask = prompts(rows=4, width=12, seed=1)
+    expected = reference(model, tokenizer, [GRAMMARS["json_schema"]], input_ids, mask, 48)
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=48, do_sample=False, pad_token_id=0,
+                         speculator=speculators(speculator, arch), grammar=GRAMMARS["json_schema"],
+                         tokenizer=tokenizer)
+    assert torch.equal(out, expected)
+
+
+def test_a_grammar_per_row_and_early_completion(tokenizer):
+    model = constrained_model()
+    input_ids, mask = prompts(rows=4)
+    # Row 1 completes within a few tokens (then EOS ends it, as in plain constrained decoding); row 3 is free.
+    grammars = [GRAMMARS["json_schema"], Grammar.regex("[a-c]{2}"), GRAMMARS["ebnf"], None]
+    compiled_rows = [g for g in grammars if g is not None]
+    expected = model.generate(input_ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0,
+                              logits_processor=[_PerRowReference(tokenizer, grammars)])
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0,
+                         speculator="ngram", grammar=grammars, tokenizer=tokenizer, num_speculative_tokens=4)
+    assert torch.equal(out, expected)
+    assert (out[1, input_ids.shape[1]:] == EOS).any(), "the short regex row should have completed"
+    assert len(compiled_rows) == 3
+
+
+class _PerRowReference:
+    """xgrammar's processor for the constrained rows, nothing for the others (the per-row reference)."""
+
+    def __init__(self, tokenizer, grammars):
+        self.rows = [i for i, g in enumerate(grammars) if g is not None]
+        self.inner = xgr.contrib.hf.LogitsProcessor([grammars[i].compile(tokenizer, VOCAB, [EOS]) for i in self.rows])
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        scores[self.rows] = self.inner(input_ids[self.rows], scores[self.rows])
+        return scores
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 7])
+def test_max_new_tokens_inside_a_string(tokenizer, max_new_tokens):
+    model = constrained_model()
+    input_ids, mask = prompts()
+    expected = reference(model, tokenizer, [GRAMMARS["json_schema"]], input_ids, mask, max_new_tokens)
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=0, speculator="grammar", grammar=GRAMMARS["json_schema"], tokenizer=tokenizer)
+    assert torch.equal(out, expected)
+
+
+def test_forced_tokens_are_drafted_and_accepted(tokenizer):
+    model = constrained_model()
+    input_ids, mask = prompts(rows=2)
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0,
+                         speculator="grammar", grammar=Grammar.json_schema(SCHEMA), tokenizer=tokenizer,
+                         return_dict_in_generate=True)
+    metrics = out.speculative_metrics
+    assert metrics.num_forced_tokens > 0
+    assert metrics.num_steps < metrics.num_emitted_tokens  # fewer target forwards than tokens
+    assert metrics.num_draft_tokens == 0  # the grammar speculator drafts nothing of its own
+
+
+def test_xgrammar_processor_is_run_as_a_constraint(tokenizer):
+    model = constrained_model()
+    input_ids, mask = prompts()
+    compiled = GRAMMARS["json_schema"].compile(tokenizer, VOCAB, [EOS])
+    expected = reference(model, tokenizer, [GRAMMARS["json_schema"]], input_ids, mask, 30)
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0,
+                         speculator="ngram", logits_processor=[xgr.contrib.hf.LogitsProcessor(compiled)])
+    assert torch.equal(out, expected)
+
+
+def test_plain_generate_takes_grammar_too(tokenizer):
+    model = constrained_model()
+    input_ids, mask = prompts()
+    expected = reference(model, tokenizer, [GRAMMARS["regex"]], input_ids, mask, 20)
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0,
+                         grammar=GRAMMARS["regex"], tokenizer=tokenizer)
+    assert torch.equal(out, expected)
+
+
+def allowed_by_row_and_prefix(batch_id, prefix):
+    """A constraint that depends on the row and on its prefix, and sometimes allows a single token."""
+    last = int(prefix[-1])
+    if len(prefix) % 4 == 0:
+        return [4 + (last * 7 + batch_id) % (VOCAB - 4)]
+    return [t for t in range(4, VOCAB) if (t + last + batch_id) % 3 == 0]
+
+
+@pytest.mark.parametrize("speculator", ["grammar", "ngram", "random_draft"])
+def test_prefix_allowed_tokens_fn_equals_generate(speculator):
+    model = constrained_model()
+    model.generation_config.eos_token_id = None
+    input_ids, mask = prompts()
+    expected = model.generate(input_ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0,
+                              prefix_allowed_tokens_fn=allowed_by_row_and_prefix)
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0,
+                         prefix_allowed_tokens_fn=allowed_by_row_and_prefix,
+                         speculator=speculators(speculator, "llama"), return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert out.speculative_metrics.num_forced_tokens > 0
+
+
+class _CountingProcessor:
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        return scores
+
+
+class _AssertingProcessor:
+    def __call__(self, input_ids, scores):
+        assert input_ids.shape[1] < 0, "expects one new token per call"
+        return scores
+
+
+def test_stateful_processors_are_refused_with_their_name():
+    model = constrained_model()
+    input_ids, mask = prompts()
+    with pytest.raises(ValueError, match="_CountingProcessor.*keeps state"):
+        model.generate(input_ids, attention_mask=mask, max_new_tokens=8, speculator="ngram",
+                       logits_processor=[_CountingProcessor()], pad_token_id=0)
+    with pytest.raises(RuntimeError, match="(?s)_AssertingProcessor.*grammar="):
+        model.generate(input_ids, attention_mask=mask, max_new_tokens=8, speculator="ngram",
+                       logits_processor=[_AssertingProcessor()], pad_token_id=0)
+
+
+def test_a_used_xgrammar_processor_is_refused(tokenizer):
+    model = constrained_model()
+    input_ids, mask = prompts()
+    processor = xgr.contrib.hf.LogitsProcessor(GRAMMARS["json"].compile(tokenizer, VOCAB, [EOS]))
+    model.generate(input_ids, attention_mask=mask, max_new_tokens=3, logits_processor=[processor], pad_token_id=0)
+    with pytest.raises(ValueError, match="make a new one per call"):
+        model.generate(input_ids, attention_mask=mask, max_new_tokens=3, speculator="ngram",
+                       logits_processor=[processor], pad_token_id=0)
+
+
+@pytest.mark.parametrize("grammar, message", [
+    (lambda: Grammar.json_schema({"type": "object", "properties": {"a": {"type": "no-such-type"}}}), "JSON schema"),
+    (lambda: Grammar.regex("(unclosed"), "regex"),
+    (lambda: Grammar.ebnf("root ::= undefined_rule"), "EBNF"),
+])
+def test_invalid_constraints_are_refused_before_generation(tokenizer, monkeypatch, grammar, message):
+    model = constrained_model()
+    input_ids, mask = prompts()
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("the model ran before the grammar was checked")
+
+    monkeypatch.setattr(model, "forward", no_forward)
+    with pytest.raises(GrammarError, match=f"invalid {message}"):
+        model.generate(input_ids, attention_mask=mask, max_new_tokens=8, speculator="ngram", grammar=grammar(),
+                       tokenizer=tokenizer, pad_token_id=0)
+
+
+def test_misuse_is_refused(tokenizer):
+    model = constrained_model()
+    input_ids, mask = prompts()
+    with pytest.raises(ValueError, match="needs tokenizer="):
+        model.generate(input_ids, attention_mask=mask, speculator="ngram", grammar=Grammar.json(), pad_token_id=0)
+    with pytest.raises(ValueError, match="speculator='grammar' drafts only"):
+        model.generate(input_ids, attention_mask=mask, speculator="grammar", pad_token_id=0)
+    with pytest.raises(ValueError, match="one per row"):
+        model.generate(input_ids, attention_mask=mask, speculator="ngram", grammar=[Grammar.json()] * 2,
+                       tokenizer=tokenizer, pad_token_id=0)
+    with pytest.raises(ValueError, match="one constraint per call"):
+        model.generate(input_ids, attention_mask=mask, speculator="ngram", grammar=Grammar.json(),
+                       tokenizer=tokenizer, prefix_allowed_tokens_fn=allowed_by_row_and_prefix, pad_token_id=0)
+    with pytest.raises(GrammarError, match="not valid JSON"):
+        Grammar.json_schema("{not json")
+
+
+def test_draft_trees_with_a_constraint_are_refused(tokenizer):
+    class TreeSpeculator(Speculator):
+        supports_trees = True
+
+    model = constrained_model()
+    input_ids, mask = prompts()
+    constraints = RowConstraints(3, VOCAB, [GRAMMARS["json"].compile(tokenizer, VOCAB, [EOS])] * 3)
+    engine = hf_specdec.SpeculativeEngine(model, TreeSpeculator(), 4, schedule="constant", tree_nodes=4)
+    with pytest.raises(ValueError, match="draft trees"):
+        engine.generate(input_ids, mask, 8, False, constraints=constraints)
+
+
+def test_no_matcher_or_block_is_left_after_a_call(tokenizer, monkeypatch):
+    from hf_specdec import constraints as constraints_module
+    from hf_specdec import model_runner
+
+    runners, tables = [], []
+    original_runner, original_constraints = model_runner.ModelRunner.__init__, RowConstraints.__init__
+
+    def spy_runner(self, *args, **kwargs):
+        original_runner(self, *args, **kwargs)
+        runners.append(self)
+
+    def spy_constraints(self, *args, **kwargs):
+        original_constraints(self, *args, **kwargs)
+        tables.append(self)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "__init__", spy_runner)
+    monkeypatch.setattr(constraints_module.RowConstraints, "__init__", spy_constraints)
+    model = constrained_model()
+    input_ids, mask = prompts(rows=4)
+    model.generate(input_ids, attention_mask=mask, max_new_tokens=30, pad_token_id=0, speculator=constrained_model(
+        seed=3), grammar=[GRAMMARS["json_schema"], Grammar.regex("[a-c]{2}"), GRAMMARS["regex"], None],
+        tokenizer=tokenizer)
+    assert len(runners) == 2 and len(tables) == 1
+    for runner in runners:
+        manager = runner.cache.manager
+        assert manager.sequences() == []
+        assert manager.num_free_blocks == manager.num_blocks - manager.num_reserved
+    assert all(state is None for state in tables[0].states)
+
+
+def test_response_format():
+    assert Grammar.from_response_format({"type": "json_object"}) == Grammar.json()
+    assert Grammar.from_response_format({"type": "text"}) is None
+    spec = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    assert Grammar.from_response_format(spec) == Grammar.json_schema(SCHEMA)
+    with pytest.raises(ValueError, match="json_schema"):
+        Grammar.from_response_format({"type": "json_schema"})
+
+
+# --- sampling: the exact constrained distribution -------------------------------------------------------------
+
+SMALL = 8  # <pad> <s> </s> <unk> a b c d
+SAMPLES = 6000
+
+
+def small_model():
+    torch.manual_seed(5)
+    config = LlamaConfig(vocab_size=SMALL, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=EOS, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).double().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+class FixedDistributionSpeculator(Speculator):
+    """Samples every draft from one fixed distribution: much of its mass on tokens the grammar forbids at the first
+    position, so the cut-and-resample path carries weight."""
+
+    def __init__(self, draft_probs):
+        self.draft_probs = draft_probs
+
+    def propose(self, batch, k):
+        rows = len(batch.active)
+        if k == 0 or not batch.do_sample:
+            return DraftProposal.empty(rows, batch.device)
+        probs = self.draft_probs.expand(rows, k, -1).contiguous()
+        tokens = torch.multinomial(probs.view(-1, SMALL), 1).view(rows, k)
+        return DraftProposal(tokens, torch.full((rows,), k), probs)
+
+
+def exact_pairs(model, prompt, first_allowed, second_allowed):
+    """`{(t1, t2): probability}` of the first two tokens under the target constrained to the allowed sets."""
+    def masked_probs(ids, allowed):
+        logits = model(ids).logits[:, -1].double()
+        keep = torch.zeros(SMALL, dtype=torch.bool)
+        keep[allowed] = True
+        return torch.softmax(logits.masked_fill(~keep, float("-inf")), -1)
+
+    with torch.no_grad():
+        first = masked_probs(prompt, first_allowed)[0]
+        out = {}
+        for t1 in first_allowed:
+            second = masked_probs(torch.cat([prompt, torch.tensor([[t1]])], dim=1), second_allowed)[0]
+            for t2 in second_allowed:
+                out[(t1, t2)] = float(first[t1] * second[t2])
+    return out
+
+
+@pytest.mark.parametrize("speculator", ["fixed", "grammar", "ngram"])
+def test_sampling_follows_the_constrained_distribution(speculator):
+    tokenizer = piece_tokenizer(["a", "b", "c", "d"], size=SMALL)
+    a, b, c, d = 4, 5, 6, 7
+    model = small_model()
+    prompt = torch.tensor([[1, a, b, d, a, b]])
+    # First token in {a, b}, then "c" is forced, then any of a-d, then the grammar completes (EOS).
+    grammar = Grammar.regex("[ab]c[abcd]")
+    draft_probs = torch.zeros(SMALL, dtype=torch.float64)
+    draft_probs[[d, a, c, 3]] = torch.tensor([0.45, 0.3, 0.15, 0.1], dtype=torch.float64)
+    spec = FixedDistributionSpeculator(draft_probs) if speculator == "fixed" else speculator
+    torch.manual_seed(0)
+    out = model.generate(prompt.expand(SAMPLES, -1), attention_mask=torch.ones(SAMPLES, prompt.shape[1],
+                         dtype=torch.long), do_sample=True, max_new_tokens=5, pad_token_id=0, speculator=spec,
+                         grammar=grammar, tokenizer=tokenizer, speculative_schedule="constant",
+                         num_speculative_tokens=3)
+    generated = out[:, prompt.shape[1]:]
+    assert (generated[:, 1] == c).all() and (generated[:, 3] == EOS).all()
+    exact = {(t1, t3): p for (t1, t3), p in exact_pairs_through_c(model, prompt, [a, b], [a, b, c, d]).items()}
+    counts: dict = {}
+    for t1, t3 in zip(generated[:, 0].tolist(), generated[:, 2].tolist()):
+        counts[(t1, t3)] = counts.get((t1, t3), 0) + 1
+    assert set(counts) <= set(exact)
+    tv = 0.5 * sum(abs(counts.get(key, 0) / SAMPLES - p) for key, p in exact.items())
+    # 8 outcomes, 6000 samples: sampling noise puts TV near 0.01-0.02; the bound is several times that, and far
+    # below what a wrong recovered distribution gives (resampling from the target after a cut: ~0.1 here).
+    assert tv < 0.04, tv
+
+
+def exact_pairs_through_c(model, prompt, first_allowed, third_allowed):
+    c = 6
+    with torch.no_grad():
+        pairs = exact_pairs(model, prompt, first_allowed, [c])
+        out = {}
+        for (t1, _), p1 in pairs.items():
+            ids = torch.cat([prompt, torch.tensor([[t1, c]])], dim=1)
+            logits = model(ids).logits[0, -1].double()
+            keep = torch.zeros(SMALL, dtype=torch.bool)
+            keep[third_allowed] = True
+            third = torch.softmax(logits.masked_fill(~keep, float("-inf")), -1)
+            for t3 in third_allowed:
+                out[(t1, t3)] = p1 * float(third[t3])
+    return out
+
+
+def test_without_xgrammar_the_error_says_what_to_install(tokenizer, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_xgrammar(name, *args, **kwargs):
+        if name == "xgrammar" or name.startswith("xgrammar."):
+            raise ImportError("No module named 'xgrammar'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_xgrammar)
+    model = constrained_model()
+    input_ids, mask = prompts()
+    with pytest.raises(hf_specdec.StructuredOutputUnavailableError, match=r"pip install .*structured"):
+        model.generate(input_ids, attention_mask=mask, speculator="ngram", grammar=Grammar.json(),
+                       tokenizer=piece_tokenizer(), pad_token_id=0)
