@@ -38,10 +38,10 @@ def _speculator(spec: str, target, target_tokenizer, quantization: str | None = 
     'ngram+eagle' or 'ngram+HEAD_DIR' (`HybridSpeculator`: lookup where the text repeats, the head elsewhere), or a
     draft model loaded like the target (its tokenizer, when it has one, must match), optionally quantized as it
     loads (`hf_specdec.load_draft`); pre-quantized checkpoints load as they are."""
-    if (spec in ("ngram", "eagle") or spec.startswith("ngram+")) and quantization is not None:
+    if (spec in ("ngram", "eagle", "grammar") or spec.startswith("ngram+")) and quantization is not None:
         raise SystemExit(f"--draft-quantization {quantization} applies to draft models, not to {spec!r}")
-    if spec == "ngram":
-        return "ngram"
+    if spec in ("ngram", "grammar"):
+        return spec
     if spec.startswith("ngram+"):
         head = _speculator(spec[len("ngram+"):], target, target_tokenizer, model_name=model_name)
         if not isinstance(head, EagleSpeculator):
@@ -167,6 +167,18 @@ def cmd_generate(args) -> int:
     inputs = chat_inputs(tokenizer, [args.prompt]).to(model.device)
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k) \
         if args.sample else dict(do_sample=False)
+    grammar = _grammar(args)
+    if args.speculator == "grammar" and grammar is None:
+        raise SystemExit("--speculator grammar drafts the tokens a grammar forces: give --json-schema, --json, "
+                         "--regex or --grammar")
+    if grammar is not None:
+        try:  # refuse an invalid schema, regex or grammar before loading anything else
+            eos = model.generation_config.eos_token_id
+            grammar.compile(tokenizer, model.config.get_text_config().vocab_size,
+                            None if eos is None else [eos] if isinstance(eos, int) else list(eos))
+        except ValueError as error:
+            raise SystemExit(f"hf-specdec generate: {error}") from None
+        sampling.update(grammar=grammar, tokenizer=tokenizer)
     speculator = _speculator(args.speculator, model, tokenizer, _quantizations(args.draft_quantization)[0],
                              model_name=args.model)
     start = time.perf_counter()
@@ -178,6 +190,28 @@ def cmd_generate(args) -> int:
     print(f"\n[acceptance rate {m.acceptance_rate:.3f}, mean acceptance length {m.mean_acceptance_length:.2f}, "
           f"{m.num_emitted_tokens / elapsed:.1f} tokens/s]", file=sys.stderr)
     return 0
+
+
+def _grammar(args):
+    """The `hf_specdec.Grammar` that `generate`'s --json-schema FILE / --json / --regex PATTERN / --grammar FILE
+    ask for, or None."""
+    from .structured import Grammar, GrammarError
+
+    given = [name for name in ("json_schema", "json", "regex", "grammar") if getattr(args, name)]
+    if len(given) > 1:
+        raise SystemExit(f"give one of --json-schema, --json, --regex, --grammar (got {len(given)})")
+    try:
+        if args.json_schema:
+            return Grammar.json_schema(Path(args.json_schema).read_text())
+        if args.grammar:
+            return Grammar.ebnf(Path(args.grammar).read_text())
+    except OSError as error:
+        raise SystemExit(f"hf-specdec generate: cannot read {error.filename}: {error.strerror}") from None
+    except GrammarError as error:
+        raise SystemExit(f"hf-specdec generate: {args.json_schema}: {error}") from None
+    if args.regex:
+        return Grammar.regex(args.regex)
+    return Grammar.json() if args.json else None
 
 
 def cmd_bench(args) -> int:
@@ -316,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream one prompt's speculative generation")
     gen.add_argument("prompt")
     _add_model_arguments(gen)
-    gen.add_argument("--speculator", default="ngram", help="'ngram', 'eagle' (the trained head shipped for --model), "
+    gen.add_argument("--speculator", default="ngram", help="'ngram', 'grammar' (only the tokens a --json-schema/"
+                     "--regex/--grammar forces), 'eagle' (the trained head shipped for --model), "
                      "an EAGLE head directory, 'ngram+eagle' or 'ngram+HEAD_DIR' (lookup where the text repeats, the "
                      "head elsewhere) or a draft model (name, id or path)")
     gen.add_argument("-k", type=int, default=5, help="num_speculative_tokens")
@@ -327,6 +362,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--draft-quantization", default="none", choices=["none", *QUANTIZATIONS],
                      help="quantize the draft model as it loads (see hf_specdec.load_draft)")
+    structured = gen.add_argument_group("structured output (needs the structured extra; see docs/structured.md)")
+    structured.add_argument("--json-schema", metavar="FILE", help="the output is JSON following this JSON schema")
+    structured.add_argument("--json", action="store_true", help="the output is any JSON value")
+    structured.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression")
+    structured.add_argument("--grammar", metavar="FILE", help="the output follows this EBNF grammar (root rule: root)")
     gen.set_defaults(func=cmd_generate)
 
     convert = sub.add_parser("convert-eagle", help="convert a published EAGLE-1/2 or EAGLE-3 head (see docs/eagle.md)")

@@ -10,6 +10,7 @@ from .head_convert import head_speculator_from_dir
 from .quantization import load_draft
 from .speculators.base import Speculator
 from .speculators.draft_model import DraftModelSpeculator
+from .structured import Grammar
 from .tokenizers import check_tokenizers_match
 
 TASK = "speculative-text-generation"
@@ -28,6 +29,10 @@ class SpeculativeTextGenerationPipeline(TextGenerationPipeline):
             `"gptq"` (calibrated on the target's own generations); see `hf_specdec.load_draft`. Pre-quantized
             checkpoints (GPTQ, FP8) load as they are without it.
         num_speculative_tokens (`int`, *optional*): drafts per step (k); may also be given per call.
+
+    Per call it also takes `grammar=` (an `hf_specdec.Grammar`, applied to every prompt) or an OpenAI-style
+    `response_format={"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}` (or
+    `{"type": "json_object"}`): the output then follows it exactly (see docs/structured.md).
     """
 
     def __init__(self, *args, assistant=None, assistant_tokenizer=None, assistant_quantization=None, **kwargs):
@@ -67,10 +72,20 @@ class SpeculativeTextGenerationPipeline(TextGenerationPipeline):
             speculator.validate(self.model)
         return speculator
 
-    def _sanitize_parameters(self, num_speculative_tokens=None, **kwargs):
+    def _sanitize_parameters(self, num_speculative_tokens=None, grammar=None, response_format=None, **kwargs):
         preprocess, forward, postprocess = super()._sanitize_parameters(**kwargs)
         if num_speculative_tokens is not None:
             forward["num_speculative_tokens"] = num_speculative_tokens
+        if response_format is not None:
+            if grammar is not None:
+                raise ValueError("pass grammar= or response_format=, not both")
+            grammar = Grammar.from_response_format(response_format)
+        if grammar is not None:
+            if not isinstance(grammar, Grammar):
+                raise TypeError(f"grammar= takes one hf_specdec.Grammar, applied to every prompt (for a grammar per "
+                                f"row call model.generate(grammar=[...])), got {type(grammar).__name__}")
+            forward["grammar"] = grammar
+            forward["tokenizer"] = self.tokenizer
         return preprocess, forward, postprocess
 
     def _forward(self, model_inputs, **generate_kwargs):

@@ -439,3 +439,54 @@ def test_without_xgrammar_the_error_says_what_to_install(tokenizer, monkeypatch)
     with pytest.raises(hf_specdec.StructuredOutputUnavailableError, match=r"pip install .*structured"):
         model.generate(input_ids, attention_mask=mask, speculator="ngram", grammar=Grammar.json(),
                        tokenizer=piece_tokenizer(), pad_token_id=0)
+
+
+def test_pipeline_takes_grammar_and_response_format():
+    from tokenizers import pre_tokenizers
+    from transformers import pipeline
+
+    tokenizer = piece_tokenizer()
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.padding_side = "left"
+    model = constrained_model()
+    texts = ["name age city", "tags ab er on an in th", "a b c"]
+    stock = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    expected = []
+    for text in texts:
+        compiled = GRAMMARS["json_schema"].compile(tokenizer, VOCAB, [EOS])
+        expected.append(stock(text, max_new_tokens=24, do_sample=False, return_full_text=False,
+                              logits_processor=LogitsProcessorList([xgr.contrib.hf.LogitsProcessor(compiled)]))
+                        [0]["generated_text"])
+    ours = pipeline("speculative-text-generation", model=model, tokenizer=tokenizer, assistant="ngram")
+    by_grammar = ours(texts, max_new_tokens=24, do_sample=False, return_full_text=False,
+                      grammar=GRAMMARS["json_schema"], batch_size=3)
+    by_format = ours(texts, max_new_tokens=24, do_sample=False, return_full_text=False, batch_size=2,
+                     response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
+    assert all(expected)
+    assert [r[0]["generated_text"] for r in by_grammar] == expected
+    assert [r[0]["generated_text"] for r in by_format] == expected
+    with pytest.raises(TypeError, match="one hf_specdec.Grammar"):
+        ours(texts, grammar=[GRAMMARS["json"]] * 3)
+
+
+def test_cli_generate_with_a_json_schema(tmp_path, capsys):
+    import json
+
+    from hf_specdec.cli import main
+
+    tokenizer = piece_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    model = constrained_model()
+    model.to(torch.float32).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    (tmp_path / "schema.json").write_text(json.dumps(SCHEMA))
+    args = ["generate", "--model", str(tmp_path / "model"), "--max-new-tokens", "12", "name"]
+    assert main([*args[:-1], "--speculator", "grammar", "--json-schema", str(tmp_path / "schema.json"), "name"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.lstrip().startswith("{") and "tokens/s" in captured.err
+    with pytest.raises(SystemExit, match="invalid regex"):
+        main([*args[:-1], "--regex", "(unclosed", "name"])
+    with pytest.raises(SystemExit, match="give one of"):
+        main([*args[:-1], "--regex", "a", "--json", "name"])
+    with pytest.raises(SystemExit, match="--speculator grammar drafts"):
+        main([*args[:-1], "--speculator", "grammar", "name"])
