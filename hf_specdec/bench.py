@@ -1,8 +1,8 @@
 """`hf-specdec bench`: plain generate, transformers' assisted generation and hf_specdec, side by side in one process.
 
-For every workload (grounded or open chat) and batch size, each configuration runs on the same prompts: at batch 1
-every prompt of the workload alone, one after the other (a sample is their summed time), at larger batches one
-ragged batch cycling through the prompts. Repeats are interleaved across configurations so machine noise hits them
+For every workload (grounded, open chat, or json: extraction constrained by a JSON schema per request) and batch
+size, each configuration runs on the same prompts: at batch 1 every prompt of the workload alone, one after the other
+(a sample is their summed time), at larger batches one ragged batch cycling through the prompts. Repeats are interleaved across configurations so machine noise hits them
 alike, and medians are reported. Definitions:
 - tokens/s: new tokens of the batch / end-to-end latency.
 - TTFT: latency of the same call with `max_new_tokens=1` (prefill + first token).
@@ -26,9 +26,14 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .speculators.base import Speculator
+from .extraction import PROMPTS as EXTRACTION_PROMPTS
+from .extraction import SCHEMAS as EXTRACTION_SCHEMAS
 from .workloads import GROUNDED, OPEN_CHAT, chat_inputs
 
-WORKLOADS = {"grounded": list(GROUNDED.values()), "open_chat": list(OPEN_CHAT.values())}
+WORKLOADS = {"grounded": list(GROUNDED.values()), "open_chat": list(OPEN_CHAT.values()), "json": EXTRACTION_PROMPTS}
+# The json workload: each row constrained by its request's schema. Its baseline is plain generate with xgrammar's
+# own transformers processor; "hf_specdec grammar" (forced tokens only) runs beside the chosen speculators.
+CONSTRAINED = {"json": EXTRACTION_SCHEMAS}
 
 
 @dataclass
@@ -97,30 +102,58 @@ def run_bench(model, tokenizer, speculators: dict, batch_sizes=(1, 4, 16), workl
         for n, s in speculators.items() if not isinstance(s, str)
     }
     configs = build_configs(model, speculators, k, draft_costs, schedule, assisted, trees, tree_depth)
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown:
+        raise ValueError(f"unknown workloads {unknown}; choose from {sorted(WORKLOADS)}")
     plan = [(w, b) for w in workloads for b in batch_sizes]
-    total = sum(len([c for c in configs if b == 1 or not c.batch_one_only]) for _, b in plan) * (repeats + 1)
+    per_workload = {w: _workload_configs(configs, w, k, schedule) for w in workloads}
+    total = sum(len([c for c in per_workload[w] if b == 1 or not c.batch_one_only]) for w, b in plan) * (repeats + 1)
     bar = tqdm(total=total, disable=not progress, desc="bench")
     results = []
     for workload, batch_size in plan:
         prompts = WORKLOADS[workload]
         if batch_size == 1:  # every prompt of the workload, one call each
-            groups = [chat_inputs(tokenizer, [p]).to(model.device) for p in prompts]
+            picks = [[i] for i in range(len(prompts))]
         else:  # one ragged batch, prompts cycling through the workload
-            groups = [chat_inputs(tokenizer, [prompts[i % len(prompts)] for i in range(batch_size)]).to(model.device)]
-        active = [c for c in configs if batch_size == 1 or not c.batch_one_only]
+            picks = [[i % len(prompts) for i in range(batch_size)]]
+        groups = [(chat_inputs(tokenizer, [prompts[i] for i in pick]).to(model.device),
+                   _constraint(workload, pick, tokenizer)) for pick in picks]
+        active = [c for c in per_workload[workload] if batch_size == 1 or not c.batch_one_only]
         results += _measure(model, groups, active, workload, batch_size, max_new_tokens, repeats, bar)
     bar.close()
     return results
 
 
+def _workload_configs(configs: list[Config], workload: str, k: int, schedule: str) -> list[Config]:
+    """The configurations a workload runs: a constrained one leaves out transformers' assisted generation (it
+    cannot take a grammar) and adds `speculator="grammar"`."""
+    if workload not in CONSTRAINED:
+        return configs
+    kept = [c for c in configs if not c.batch_one_only]
+    if not any(c.kwargs.get("speculator") == "grammar" for c in kept):
+        kept.append(Config("hf_specdec grammar", dict(speculator="grammar", speculative_schedule=schedule)))
+    return kept
+
+
+def _constraint(workload: str, picks: list[int], tokenizer) -> dict:
+    """`generate` arguments constraining a constrained workload's rows (one grammar per row)."""
+    if workload not in CONSTRAINED:
+        return {}
+    from .structured import Grammar
+
+    return dict(grammar=[Grammar.json_schema(CONSTRAINED[workload][i]) for i in picks], tokenizer=tokenizer)
+
+
 def _measure(model, groups, configs, workload, batch_size, max_new_tokens, repeats, bar) -> list[Result]:
-    """Times each configuration on `groups` (inputs run one after the other; a sample is their summed latency)."""
+    """Times each configuration on `groups`, `(inputs, extra generate arguments)` pairs run one after the other (a
+    sample is their summed latency)."""
     pad = model.generation_config.pad_token_id
 
-    def call(config, inputs, n):
+    def call(config, group, n):
+        inputs, extra = group
         start = time.perf_counter()
         out = model.generate(**inputs, max_new_tokens=n, do_sample=False, return_dict_in_generate=True,
-                             **config.kwargs)
+                             **extra, **config.kwargs)
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)  # the timing must include the last kernels
         return time.perf_counter() - start, out
@@ -129,13 +162,13 @@ def _measure(model, groups, configs, workload, batch_size, max_new_tokens, repea
     ttfts = {c.name: [] for c in configs}
     outputs = {}
     for config in configs:  # warm-up, and TTFT's first sample
-        for inputs in groups:
-            call(config, inputs, 4)
+        for group in groups:
+            call(config, group, 4)
         bar.update(1)
     for _ in range(repeats):
         for config in configs:
-            ttfts[config.name].append(sum(call(config, inputs, 1)[0] for inputs in groups))
-            timed = [call(config, inputs, max_new_tokens) for inputs in groups]
+            ttfts[config.name].append(sum(call(config, group, 1)[0] for group in groups))
+            timed = [call(config, group, max_new_tokens) for group in groups]
             latencies[config.name].append(sum(t for t, _ in timed))
             outputs[config.name] = [out for _, out in timed]
             bar.update(1)
@@ -145,7 +178,7 @@ def _measure(model, groups, configs, workload, batch_size, max_new_tokens, repea
     for config in configs:
         outs = outputs[config.name]
         latency, ttft = statistics.median(latencies[config.name]), statistics.median(ttfts[config.name])
-        widths = [inputs["input_ids"].shape[1] for inputs in groups]
+        widths = [inputs["input_ids"].shape[1] for inputs, _ in groups]
         per_row = [out.sequences.shape[1] - w for out, w in zip(outs, widths)]  # longest row of each call
         new_tokens = sum(int((out.sequences[:, w:] != pad).sum()) if batch_size > 1 else n
                          for out, w, n in zip(outs, widths, per_row))

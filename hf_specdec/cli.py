@@ -330,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "shipped for --model), EAGLE head directories, 'ngram+eagle' or 'ngram+HEAD_DIR' (lookup where "
                        "the text repeats, the head elsewhere) and/or draft models")
     bench.add_argument("--batch-sizes", default="1,4,16")
-    bench.add_argument("--workloads", default="grounded,open_chat")
+    bench.add_argument("--workloads", default="grounded,open_chat", help="comma-separated: grounded, open_chat, json "
+                       "(extraction under a JSON schema per request; plain generate runs with xgrammar's processor)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("-k", type=int, default=10, help="num_speculative_tokens (the most per step)")
     bench.add_argument("--repeats", type=int, default=3, help="timed repeats; medians are reported")

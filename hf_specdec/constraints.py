@@ -179,6 +179,9 @@ class _MatcherState:
         num_speculated, cut = 0, False
         for j in range(limit + 1):
             self._fill(masks[j])
+            if not masks[j].any():
+                raise ValueError("the grammar allows no token of this vocabulary here: the tokenizer cannot spell "
+                                 "what the grammar requires next (or its stop tokens are not in the vocabulary)")
             if j == limit or self.matcher.is_terminated():
                 break
             if j == len(tokens) == num_speculated and j < len(drafts) and _allows(masks[j], drafts[j]):

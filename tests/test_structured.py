@@ -490,3 +490,33 @@ def test_cli_generate_with_a_json_schema(tmp_path, capsys):
         main([*args[:-1], "--regex", "a", "--json", "name"])
     with pytest.raises(SystemExit, match="--speculator grammar drafts"):
         main([*args[:-1], "--speculator", "grammar", "name"])
+
+
+def test_bench_json_workload_is_constrained_and_identical():
+    """The json workload runs each row under its own schema: plain generate (xgrammar's processor) is the baseline,
+    every hf_specdec configuration equals it, and speculator='grammar' runs beside the chosen speculators."""
+    from hf_specdec.bench import run_bench
+    from hf_specdec.extraction import PROMPTS
+
+    from tokenizers import pre_tokenizers
+
+    model = constrained_model()
+    model.to(torch.float32)
+    tokenizer = piece_tokenizer()
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    results = run_bench(model, tokenizer, {"ngram": "ngram"}, batch_sizes=(1, 3), workloads=("json",),
+                        max_new_tokens=10, repeats=1, progress=False)
+    configs = {r.config for r in results}
+    assert configs == {"plain generate", "hf_specdec ngram", "hf_specdec grammar"}
+    assert all(r.identical for r in results)
+    assert len(PROMPTS) >= 8
+
+
+def test_a_grammar_the_vocabulary_cannot_spell_is_a_clear_error():
+    from conftest import make_tokenizer
+
+    model = constrained_model()
+    input_ids, mask = prompts()
+    with pytest.raises(ValueError, match="cannot spell"):
+        model.generate(input_ids, attention_mask=mask, max_new_tokens=8, speculator="ngram", pad_token_id=0,
+                       grammar=Grammar.json(), tokenizer=make_tokenizer())  # words w4..w95: no "{" to start with
