@@ -6,8 +6,9 @@ walked through its constraint (`RowConstraints.constrain`):
 
 - position j's allowed tokens are those the constraint allows after the committed tokens and the j drafts before it;
 - the speculator's drafts are cut at the first one the constraint forbids (it would be rejected, so it is not fed);
-- where a position allows exactly one token, that token is drafted (a "forced" draft, possibly several in a row,
-  with any speculator or none): the constrained target puts all its mass on it, so it is always accepted.
+- then the grammar drafts: where a position allows exactly one token, that token (a "forced" draft: the
+  constrained target puts all its mass on it, so it is always accepted), else the next token of the grammar's fixed
+  text (a schema's next key and its punctuation, as the tokenizer spells it), with any speculator or none.
 
 The verify forward's logits are masked with those allowed sets before the logits processors run (masking commutes
 with the elementwise processors transformers puts first, and comes before the warpers, as a constraint given to
@@ -83,16 +84,21 @@ class RowConstraints:
         vocab_size (`int`): width of the target's logits.
         compiled (`list`, *optional*): an xgrammar `CompiledGrammar` or `None` per row.
         prefix_allowed_tokens_fn (*optional*): transformers' `prefix_allowed_tokens_fn(batch_id, input_ids)`.
+        tokenizer (*optional*): the target's; with it, grammars also draft their fixed text (see `_MatcherState`).
     """
 
     def __init__(self, num_rows: int, vocab_size: int, compiled: list | None = None,
-                 prefix_allowed_tokens_fn=None):
+                 prefix_allowed_tokens_fn=None, tokenizer=None):
         self.vocab_size = vocab_size
         self.words = math.ceil(vocab_size / 32)
         self.states: list = [None] * num_rows
+        encode = None
+        if tokenizer is not None:
+            def encode(text: str) -> list[int]:
+                return tokenizer.encode(text, add_special_tokens=False) if text else []
         for row, grammar in enumerate(compiled or []):
             if grammar is not None:
-                self.states[row] = _MatcherState(grammar)
+                self.states[row] = _MatcherState(grammar, encode)
         if prefix_allowed_tokens_fn is not None:
             self.states = [_PrefixFnState(prefix_allowed_tokens_fn, row) for row in range(num_rows)]
 
@@ -112,7 +118,7 @@ class RowConstraints:
                 walked.append(own), num_speculated.append(len(own)), cut.append(False)
                 continue
             history = batch.token_ids[row, : int(batch.first_col[row]) + batch.lengths[row]]
-            tokens, n, forbidden = state.walk(own, limits[i], bitmask[i].numpy(), history)
+            tokens, n, forbidden = state.walk(own, limits[i], bitmask[i].numpy(), history, draft.probs is not None)
             if draft.probs is not None and any(t >= draft.probs.shape[-1] for t in tokens[n:]):
                 tokens = tokens[: n + next(j for j, t in enumerate(tokens[n:]) if t >= draft.probs.shape[-1])]
             walked.append(tokens), num_speculated.append(n), cut.append(forbidden)
@@ -164,18 +170,26 @@ class RowConstraints:
 
 
 class _MatcherState:
-    """A row under an xgrammar grammar."""
+    """A row under an xgrammar grammar. With `encode` (the tokenizer's), it also drafts the grammar's fixed text
+    (xgrammar's jump-forward string: a schema's next key, closing brackets) as the tokenizer spells it."""
 
-    def __init__(self, compiled):
+    def __init__(self, compiled, encode=None):
         xgr = xgrammar()
         self.matcher = xgr.GrammarMatcher(compiled)  # rollback history is unlimited in xgrammar >= 0.2
         self.scratch = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
         self.stop_token_ids = list(self.matcher.stop_token_ids)
+        self.encode = encode
 
-    def walk(self, drafts: list[int], limit: int, masks: np.ndarray, history) -> tuple[list[int], int, bool]:
+    def walk(self, drafts: list[int], limit: int, masks: np.ndarray, history,
+             stochastic: bool = False) -> tuple[list[int], int, bool]:
         """Fills `masks[j]` for every position it verifies and returns `(tokens, num_speculated, cut)`: the drafts
-        to verify, how many lead from `drafts`, and whether the position after them had a forbidden draft."""
+        to verify, how many lead from `drafts`, and whether the position after them had a forbidden draft.
+
+        After the speculator's drafts come the grammar's: the one token a position allows, else the next token of
+        the grammar's fixed text. A sampled draft (`stochastic`) the grammar forbids is replaced only by a token the
+        grammar forces: its position must otherwise sample the recovered distribution, so the walk stops there."""
         tokens: list[int] = []
+        fixed: list[int] = []  # the grammar's fixed text, tokenized, not drafted yet
         num_speculated, cut = 0, False
         for j in range(limit + 1):
             self._fill(masks[j])
@@ -184,14 +198,19 @@ class _MatcherState:
                                  "what the grammar requires next (or its stop tokens are not in the vocabulary)")
             if j == limit or self.matcher.is_terminated():
                 break
-            if j == len(tokens) == num_speculated and j < len(drafts) and _allows(masks[j], drafts[j]):
+            if j == num_speculated and j < len(drafts) and _allows(masks[j], drafts[j]):
                 token = drafts[j]
                 num_speculated += 1
             else:
-                cut = j < len(drafts) and j == num_speculated
+                cut = j == num_speculated and j < len(drafts)
                 token = _single(masks[j])
+                if token is None and not (cut and stochastic):
+                    if not fixed and self.encode is not None:
+                        fixed = self.encode(self.matcher.find_jump_forward_string())
+                    token = fixed[0] if fixed and _allows(masks[j], fixed[0]) else None
                 if token is None:
                     break
+                fixed = fixed[1:] if fixed and fixed[0] == token else []
                 cut = False
             self._accept(token)
             tokens.append(token)
@@ -230,7 +249,8 @@ class _PrefixFnState:
         self.fn = fn
         self.batch_id = batch_id
 
-    def walk(self, drafts: list[int], limit: int, masks: np.ndarray, history) -> tuple[list[int], int, bool]:
+    def walk(self, drafts: list[int], limit: int, masks: np.ndarray, history,
+             stochastic: bool = False) -> tuple[list[int], int, bool]:
         tokens: list[int] = []
         num_speculated, cut = 0, False
         for j in range(limit + 1):
@@ -245,7 +265,7 @@ class _PrefixFnState:
             np.bitwise_or.at(masks[j].view(np.uint32), ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
             if j == limit:
                 break
-            if j == len(tokens) == num_speculated and j < len(drafts) and _allows(masks[j], drafts[j]):
+            if j == num_speculated and j < len(drafts) and _allows(masks[j], drafts[j]):
                 token = drafts[j]
                 num_speculated += 1
             else:

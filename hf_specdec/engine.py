@@ -174,11 +174,11 @@ class SpeculativeEngine:
             "the target or draft model" if draft.probs is not None else "the target model")
         if constrained is not None:
             self._constraints.commit(rows, output, num_emit, finished)
-            # Forced drafts were never the speculator's: it, adaptive k and the metrics see only its own.
-            num_forced = [max(0, a - n) for a, n in zip(num_accepted, constrained.num_speculated)]
+            # The grammar's drafts were never the speculator's: it, adaptive k and the metrics see only its own.
+            metrics.num_grammar_draft_tokens += sum(d - n for d, n in zip(num_drafted, constrained.num_speculated))
+            metrics.num_grammar_tokens += sum(max(0, a - n) for a, n in zip(num_accepted, constrained.num_speculated))
             num_accepted = [min(a, n) for a, n in zip(num_accepted, constrained.num_speculated)]
             num_drafted = list(constrained.num_speculated)
-            metrics.num_forced_tokens += sum(num_forced)
         if wants_states:
             # Only tokens now committed have valid states: every one but the newest (its state comes next step).
             num_committed = [max(0, batch.lengths[r] - 1 - c) for r, c in zip(rows, cached)]

@@ -256,7 +256,7 @@ def _constraints(model, speculator, num_rows, logits_processor, constraint, conf
                          "hf_specdec.Grammar) or prefix_allowed_tokens_fn=, or use another speculator")
     if compiled is None and prefix_fn is None:
         return kept, None
-    return kept, RowConstraints(num_rows, _vocab_size(model), compiled, prefix_fn)
+    return kept, RowConstraints(num_rows, _vocab_size(model), compiled, prefix_fn, tokenizer)
 
 
 def register_generation_strategy() -> None:

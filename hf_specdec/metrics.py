@@ -21,10 +21,13 @@ class SpeculativeMetrics:
             `i + 1`).
         num_steps: verify steps (target forwards) of the decode loop.
         num_emitted_tokens: tokens added to the outputs.
-        num_forced_tokens: tokens a grammar (or `prefix_allowed_tokens_fn`) allowed alone at their position, drafted
-            and verified for free (not counted in the draft and acceptance figures, which are the speculator's).
+        num_grammar_draft_tokens / num_grammar_tokens: tokens a grammar (or `prefix_allowed_tokens_fn`) drafted
+            itself, where it allows only one token or its next text is fixed (a schema's next key), and how many of
+            them the target accepted. Not counted in the draft and acceptance figures, which are the speculator's.
         draft_time_s / verify_time_s / total_time_s: wall time in proposing, verifying (target forward, logits
             processing, acceptance) and the whole loop.
+        k_per_step: the k chosen at each step (adaptive k's choice, 0 where it kept drafting off; with
+            `speculative_schedule="constant"`, `num_speculative_tokens`). Rows may draft fewer when they have fewer.
     """
 
     num_drafts: int = 0
@@ -33,10 +36,12 @@ class SpeculativeMetrics:
     accepted_per_position: list[int] = field(default_factory=list)
     num_steps: int = 0
     num_emitted_tokens: int = 0
-    num_forced_tokens: int = 0
+    num_grammar_draft_tokens: int = 0
+    num_grammar_tokens: int = 0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     total_time_s: float = 0.0
+    k_per_step: list[int] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -71,7 +76,8 @@ class SpeculativeMetrics:
             f"{self.mean_acceptance_length:.2f}, drafts {self.num_drafts}, draft tokens {self.num_draft_tokens}, "
             f"accepted {self.num_accepted_tokens}, per-position acceptance [{per_pos}], target forwards "
             f"{self.num_steps}, emitted tokens {self.num_emitted_tokens}"
-            + (f", forced by the grammar {self.num_forced_tokens}" if self.num_forced_tokens else "")
+            + (f", grammar drafts {self.num_grammar_draft_tokens} (accepted {self.num_grammar_tokens})"
+               if self.num_grammar_draft_tokens else "")
             + f", draft {self.draft_time_s:.3f}s, "
             f"verify {self.verify_time_s:.3f}s, total {self.total_time_s:.3f}s"
         )
@@ -82,7 +88,9 @@ class SpeculativeMetrics:
             "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
             "accepted_per_position": list(self.accepted_per_position), "num_steps": self.num_steps,
-            "num_emitted_tokens": self.num_emitted_tokens, "num_forced_tokens": self.num_forced_tokens,
+            "num_emitted_tokens": self.num_emitted_tokens, "num_grammar_draft_tokens": self.num_grammar_draft_tokens,
+            "num_grammar_tokens": self.num_grammar_tokens,
             "draft_time_s": self.draft_time_s,
             "verify_time_s": self.verify_time_s, "total_time_s": self.total_time_s,
+            "k_per_step": list(self.k_per_step),
         }

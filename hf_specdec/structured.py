@@ -46,19 +46,25 @@ class Grammar:
     source: str | None = None
     precompiled: object = None
 
+    any_whitespace: bool = False
+
     @classmethod
-    def json_schema(cls, schema) -> Grammar:
-        """A JSON value that follows `schema` (a dict, a JSON string, or a pydantic model class)."""
+    def json_schema(cls, schema, any_whitespace: bool = False) -> Grammar:
+        """A JSON value that follows `schema` (a dict, a JSON string, or a pydantic model class).
+
+        By default the JSON is laid out as `json.dumps` writes it (`{"key": value, "other": [1, 2]}`): its text
+        between values is then fixed, so the grammar drafts it itself, and a small model cannot wander into endless
+        whitespace. `any_whitespace=True` allows any JSON whitespace between tokens instead."""
         if hasattr(schema, "model_json_schema"):  # a pydantic model class
             schema = schema.model_json_schema()
         if isinstance(schema, dict):
-            return cls("json_schema", json.dumps(schema))
+            return cls("json_schema", json.dumps(schema), any_whitespace=any_whitespace)
         if isinstance(schema, str):
             try:
                 json.loads(schema)
             except json.JSONDecodeError as error:
                 raise GrammarError(f"the JSON schema is not valid JSON: {error}") from error
-            return cls("json_schema", schema)
+            return cls("json_schema", schema, any_whitespace=any_whitespace)
         raise TypeError(f"Grammar.json_schema takes a dict, a JSON string or a pydantic model, "
                         f"got {type(schema).__name__}")
 
@@ -119,7 +125,7 @@ class Grammar:
         compiler = _compiler(tokenizer, vocab_size, stop_token_ids)
         try:
             if self.kind == "json_schema":
-                return compiler.compile_json_schema(self.source)
+                return compiler.compile_json_schema(self.source, any_whitespace=self.any_whitespace)
             if self.kind == "regex":
                 return compiler.compile_regex(self.source)
             if self.kind == "ebnf":
@@ -162,7 +168,7 @@ def compile_grammars(grammar, num_rows: int, tokenizer, vocab_size: int, stop_to
     compiled: dict[tuple, object] = {}  # one compilation per distinct grammar
     out = []
     for g in grammars:
-        key = None if g is None else (g.kind, g.source, id(g.precompiled))
+        key = None if g is None else (g.kind, g.source, g.any_whitespace, id(g.precompiled))
         if g is not None and key not in compiled:
             compiled[key] = g.compile(tokenizer, vocab_size, stop_token_ids)
         out.append(None if g is None else compiled[key])

@@ -24,7 +24,7 @@ EOS = 2
 PIECES = ["{", "}", "[", "]", '"', ":", ",", " ", '{"', '":', '": "', '", "', '"}', ', "', "true", "false", "null",
           *"0123456789", *"abcdefghijklmnopqrstuvwxyz", "name", "age", "city", "tags", "-", ".", "\n", "ab", "er",
           "on", "an", "in", "th", "es", "or", "at", "en", "ing", "ed", "re", "it", "is", "to", "he", "ou", "nd",
-          "ha", "ar", "te", "se", "ne", "ti", "me", "le", "de", "co", "al", "ro", "ve"]
+          "ha", "ar", "te", "se", "ne", "ti", "me", "_", "de", "co", "al", "ro", "ve"]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "tags": {"type": "array", "items": {"type": "string"}}},
           "required": ["name", "age"]}
@@ -157,7 +157,7 @@ def test_forced_tokens_are_drafted_and_accepted(tokenizer):
                          speculator="grammar", grammar=Grammar.json_schema(SCHEMA), tokenizer=tokenizer,
                          return_dict_in_generate=True)
     metrics = out.speculative_metrics
-    assert metrics.num_forced_tokens > 0
+    assert metrics.num_grammar_tokens > 0
     assert metrics.num_steps < metrics.num_emitted_tokens  # fewer target forwards than tokens
     assert metrics.num_draft_tokens == 0  # the grammar speculator drafts nothing of its own
 
@@ -200,7 +200,7 @@ def test_prefix_allowed_tokens_fn_equals_generate(speculator):
                          prefix_allowed_tokens_fn=allowed_by_row_and_prefix,
                          speculator=speculators(speculator, "llama"), return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected)
-    assert out.speculative_metrics.num_forced_tokens > 0
+    assert out.speculative_metrics.num_grammar_tokens > 0
 
 
 class _CountingProcessor:
