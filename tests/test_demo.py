@@ -383,7 +383,7 @@ def test_app_handlers_show_messages_not_tracebacks(session, monkeypatch):
     with pytest.warns(UserWarning, match="The prompt is empty"):  # gr.Warning's toast, outside a request
         status, *_ = list(handlers["compare"]("  ", *settings))[-1]
     assert "sd-status-error" in status and "The prompt is empty" in status
-    status, plain, speculative, metrics, chart = list(handlers["compare"](word_prompt(5, 12), *settings))[-1]
+    status, plain, speculative, metrics, chart, _ = list(handlers["compare"](word_prompt(5, 12), *settings))[-1]
     assert "Done:" in status and 'data-state="done"' in plain and "speedup" in metrics and "sd-chart" in chart
     status, result = handlers["run_batch"]("w5 w6\n---\nw7", *settings)
     assert "2 prompts in one batch" in status and "tokens/s" in result

@@ -520,3 +520,26 @@ def test_a_grammar_the_vocabulary_cannot_spell_is_a_clear_error():
     with pytest.raises(ValueError, match="cannot spell"):
         model.generate(input_ids, attention_mask=mask, max_new_tokens=8, speculator="ngram", pad_token_id=0,
                        grammar=Grammar.json(), tokenizer=make_tokenizer())  # words w4..w95: no "{" to start with
+
+
+def test_demo_json_mode():
+    pytest.importorskip("gradio")
+    import json
+
+    from hf_specdec.demo import app as demo_app
+    from hf_specdec.demo.session import NGRAM_LABEL, DemoInputError, DemoSession
+
+    tokenizer = piece_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    session = DemoSession(constrained_model().to(torch.float32), tokenizer, {NGRAM_LABEL: "ngram"})
+    settings = session.check_settings(NGRAM_LABEL, 4, 40, json_mode=True, json_schema=json.dumps(SCHEMA))
+    *_, last = session.compare("name age", settings)
+    assert last.plain.text == last.speculative.text and last.speculative.text.startswith("{")
+    with pytest.raises(DemoInputError, match="JSON schema cannot be used"):
+        session.check_settings(NGRAM_LABEL, 4, 40, json_mode=True, json_schema='{"type": "no-such-type"}')
+    handlers = {f.name: f.fn for f in demo_app.build_app(session).fns.values()}
+    *_, shown = list(handlers["compare"]("name age", NGRAM_LABEL, 4, 40, False, 0.8, 0.95, 0, "adaptive", True,
+                                         json.dumps(SCHEMA)))[-1]
+    assert shown["visible"] and shown["value"].startswith("{")
+    assert demo_app.json_view('{"a": [1, 2]}', True) == '{\n  "a": [\n    1,\n    2\n  ]\n}'
+    assert "incomplete" in demo_app.json_view('{"a": ', True)

@@ -7,10 +7,13 @@ of hf_specdec does not need it (`pip install "hf_specdec[demo]"` brings it).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from collections.abc import Callable
 
+from ..extraction import ITEMS as EXTRACTION_ITEMS
+from ..extraction import extraction_prompt
 from ..models import DEFAULT_MODEL
 from ..workloads import GROUNDED, OPEN_CHAT
 from .render import CSS, LEGEND, batch_html, chart_html, metrics_html, pane_html, status_html
@@ -20,7 +23,20 @@ logger = logging.getLogger("hf_specdec.demo")
 
 EXAMPLES = {**{f"grounded: {name}": text for name, text in GROUNDED.items()},
             **{f"open chat: {name}": text for name, text in OPEN_CHAT.items()}}
+# JSON mode examples: a passage and the schema its fields go into (the prompt shows the schema too).
+JSON_EXAMPLES = {f"json: {passage.split(',')[0].split('.')[0][:40]}": (extraction_prompt(passage, schema),
+                                                                     json.dumps(schema, indent=2))
+                 for passage, schema in EXTRACTION_ITEMS}
 DEFAULT_HOST = "127.0.0.1"
+
+
+def json_view(text: str, done: bool) -> str:
+    """The speculative output laid out as JSON once it parses; the raw text (with a note) while it does not."""
+    try:
+        return json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+    except ValueError:
+        note = "(not complete JSON yet)" if not done else "(incomplete: raise max new tokens)"
+        return f"{text}\n\n{note}" if text else ""
 
 
 def _import_gradio():
@@ -46,30 +62,34 @@ def build_app(session: DemoSession, gpu: Callable | None = None):
     wrap = gpu or (lambda fn: fn)
     limits = session.limits
 
-    def compare(prompt, speculator, k, max_new_tokens, do_sample, temperature, top_p, seed, schedule):
+    def compare(prompt, speculator, k, max_new_tokens, do_sample, temperature, top_p, seed, schedule, json_mode=False,
+                json_schema=""):
+        skip = (gr.skip(),) * 5
         try:
             settings = session.check_settings(speculator, k, max_new_tokens, do_sample, temperature, top_p, seed,
-                                              schedule)
+                                              schedule, json_mode, json_schema)
             running = ""
             for state in session.compare(prompt, settings):
                 now = "Running speculative generation..." if state.plain.done else "Running plain generate..."
                 status = (f"Done: {state.speedup:.2f}x the plain tokens/s, acceptance rate "
                           f"{state.metrics.acceptance_rate:.2f}." if state.metrics is not None else now)
+                shown = json_view(state.speculative.text, state.metrics is not None) if json_mode else ""
                 yield (status_html(status) if status != running else gr.skip(),
                        pane_html(state.plain, "plain generate"), pane_html(state.speculative, "speculative"),
-                       metrics_html(state), chart_html(state.metrics))
+                       metrics_html(state), chart_html(state.metrics), gr.update(value=shown, visible=json_mode))
                 running = status
         except DemoInputError as error:
             gr.Warning(str(error))
-            yield status_html(str(error), error=True), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            yield status_html(str(error), error=True), *skip
         except Exception as error:  # shown as one line; the traceback goes to the server log only
             logger.exception("demo generation failed")
-            yield status_html(f"Generation failed: {error}", error=True), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            yield status_html(f"Generation failed: {error}", error=True), *skip
 
-    def run_batch(text, speculator, k, max_new_tokens, do_sample, temperature, top_p, seed, schedule):
+    def run_batch(text, speculator, k, max_new_tokens, do_sample, temperature, top_p, seed, schedule,
+                  json_mode=False, json_schema=""):
         try:
             settings = session.check_settings(speculator, k, max_new_tokens, do_sample, temperature, top_p, seed,
-                                              schedule)
+                                              schedule, json_mode, json_schema)
             result = session.run_batch(session.check_batch(text), settings)
             return status_html(f"Done: {len(result.prompts)} prompts in one batch."), batch_html(result)
         except DemoInputError as error:
@@ -97,7 +117,14 @@ def build_app(session: DemoSession, gpu: Callable | None = None):
             temperature = gr.Number(0.8, label="Temperature")
             top_p = gr.Number(0.95, label="Top-p")
             seed = gr.Number(0, label="Seed", precision=0)
-        settings = [speculator, k, max_new_tokens, do_sample, temperature, top_p, seed, schedule]
+        with gr.Accordion("JSON mode", open=False):
+            with gr.Row():
+                json_mode = gr.Checkbox(False, label="JSON output (both runs follow the schema, exactly)",
+                                        elem_id="json-mode")
+                json_example = gr.Dropdown(list(JSON_EXAMPLES), value=None, label="Extraction example")
+            json_schema = gr.Code("", language="json", label="JSON schema (empty: any JSON)", elem_id="json-schema")
+        settings = [speculator, k, max_new_tokens, do_sample, temperature, top_p, seed, schedule, json_mode,
+                    json_schema]
         with gr.Tab("Compare"):
             with gr.Row():
                 prompt = gr.Textbox(label="Prompt", lines=4, scale=4, max_length=limits.max_prompt_chars,
@@ -109,6 +136,8 @@ def build_app(session: DemoSession, gpu: Callable | None = None):
             with gr.Row(equal_height=True):
                 plain_pane = gr.HTML(pane_html(None, "plain generate"), elem_id="plain-pane", js_on_load=None)
                 spec_pane = gr.HTML(pane_html(None, "speculative"), elem_id="spec-pane", js_on_load=None)
+            json_output = gr.Code("", language="json", label="Speculative output as JSON", visible=False,
+                                  elem_id="json-output")
             with gr.Row():
                 metrics = gr.HTML(elem_id="metrics", js_on_load=None)
                 chart = gr.HTML(elem_id="chart", js_on_load=None)
@@ -122,8 +151,11 @@ def build_app(session: DemoSession, gpu: Callable | None = None):
             batch_result = gr.HTML(elem_id="batch-result", js_on_load=None)
 
         example.change(lambda name: EXAMPLES.get(name, gr.skip()) if name else gr.skip(), example, prompt)
-        button.click(wrap(compare), [prompt, *settings], [status, plain_pane, spec_pane, metrics, chart])
-        prompt.submit(wrap(compare), [prompt, *settings], [status, plain_pane, spec_pane, metrics, chart])
+        json_example.change(lambda name: (*JSON_EXAMPLES[name], True) if name else (gr.skip(),) * 3, json_example,
+                            [prompt, json_schema, json_mode])
+        outputs = [status, plain_pane, spec_pane, metrics, chart, json_output]
+        button.click(wrap(compare), [prompt, *settings], outputs)
+        prompt.submit(wrap(compare), [prompt, *settings], outputs)
         builtin = list(EXAMPLES.values())[: limits.max_batch_prompts]
         load_builtin.click(lambda: "\n---\n".join(builtin), None, batch_prompts)
         batch_button.click(wrap(run_batch), [batch_prompts, *settings], [batch_status, batch_result])

@@ -58,12 +58,15 @@ class Settings:
     top_p: float = 1.0
     seed: int = 0
     schedule: str = "adaptive"
+    grammar: object = None  # JSON mode: an hf_specdec.Grammar both runs follow
+    tokenizer: object = None  # the target's, which compiles the grammar
 
     def generate_kwargs(self) -> dict:
+        constraint = dict(grammar=self.grammar, tokenizer=self.tokenizer) if self.grammar is not None else {}
         if not self.do_sample:
-            return dict(max_new_tokens=self.max_new_tokens, do_sample=False)
+            return dict(max_new_tokens=self.max_new_tokens, do_sample=False, **constraint)
         return dict(max_new_tokens=self.max_new_tokens, do_sample=True, temperature=self.temperature,
-                    top_p=self.top_p, top_k=0)
+                    top_p=self.top_p, top_k=0, **constraint)
 
 
 def load_speculators(model, tokenizer, drafts: list[str] = (), eagle: str | None = None,
@@ -157,8 +160,11 @@ class DemoSession:
         return prompt
 
     def check_settings(self, speculator, k, max_new_tokens, do_sample=False, temperature=1.0, top_p=1.0, seed=0,
-                       schedule="adaptive") -> Settings:
-        """Returns checked `Settings`, or raises `DemoInputError` naming the bad field and its allowed range."""
+                       schedule="adaptive", json_mode=False, json_schema="") -> Settings:
+        """Returns checked `Settings`, or raises `DemoInputError` naming the bad field and its allowed range.
+
+        With `json_mode`, both runs write JSON: following `json_schema` (text) when given, else any JSON value."""
+        grammar = self._check_json(json_schema) if json_mode else None
         if speculator not in self.speculators:
             raise DemoInputError(f"Unknown speculator {speculator!r}: choose one of {', '.join(self.speculators)}.")
         k = _whole_number("k (drafts per step)", k, 1, self.limits.max_k)
@@ -174,7 +180,22 @@ class DemoSession:
                 raise DemoInputError(f"Temperature {temperature:g} is out of range: use a value from 0.05 to 2.")
             if not 0.0 < top_p <= 1.0:
                 raise DemoInputError(f"Top-p {top_p:g} is out of range: use a value above 0 and at most 1.")
-        return Settings(speculator, k, max_new_tokens, bool(do_sample), temperature, top_p, seed, schedule)
+        return Settings(speculator, k, max_new_tokens, bool(do_sample), temperature, top_p, seed, schedule, grammar,
+                        self.tokenizer if grammar is not None else None)
+
+    def _check_json(self, schema_text: str | None):
+        from ..structured import Grammar, StructuredOutputUnavailableError
+
+        try:
+            grammar = Grammar.json_schema(schema_text) if (schema_text or "").strip() else Grammar.json()
+            eos = self.model.generation_config.eos_token_id
+            grammar.compile(self.tokenizer, self.model.config.get_text_config().vocab_size,
+                            None if eos is None else [eos] if isinstance(eos, int) else list(eos))
+        except StructuredOutputUnavailableError as error:
+            raise DemoInputError(f"JSON mode is not available here: {error}") from None
+        except ValueError as error:  # GrammarError included: the schema is shown the library's message
+            raise DemoInputError(f"The JSON schema cannot be used: {error}") from None
+        return grammar
 
     def check_batch(self, text: str | None) -> list[str]:
         """Splits a batch request (prompts separated by lines holding only `---`) and checks each prompt."""
