@@ -39,26 +39,32 @@ class ConstrainedDraft:
     """A step's drafts after the walk.
 
     Attributes:
-        draft: the drafts to verify (the speculator's, cut, then forced tokens).
-        allowed: `[rows, k + 1, vocab]` bool, the tokens each verified position allows.
+        draft: the drafts to verify (the speculator's, cut, then the grammar's).
+        entries: `([n], [n])` row and position of each constrained position the verify reads (a row's positions up
+            to its draft count); the others are unconstrained or unused.
+        allowed: `[n, vocab]` bool, the tokens each entry allows.
         num_speculated: per row, how many leading drafts are the speculator's own (the rest were forced).
         residual_rows: `[rows]` bool, rows whose last position had a sampled draft the constraint forbids.
         residual_probs: `[rows, vocab]` that draft's draft_probs (zeros elsewhere), or `None`.
     """
 
     draft: DraftProposal
+    entries: tuple[torch.Tensor, torch.Tensor]
     allowed: torch.Tensor
     num_speculated: list[int]
     residual_rows: torch.Tensor | None = None
     residual_probs: torch.Tensor | None = None
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` `[rows, k + 1, vocab]` with forbidden tokens at -inf."""
+        """A copy of `logits` `[rows, k + 1, vocab]` with forbidden tokens at -inf."""
         vocab = min(logits.shape[-1], self.allowed.shape[-1])
-        allowed = self.allowed[..., :vocab]
+        allowed = self.allowed[:, :vocab].to(logits.device)
         if logits.shape[-1] > vocab:  # logits past the tokenizer's vocabulary are never allowed
             allowed = torch.nn.functional.pad(allowed, (0, logits.shape[-1] - vocab), value=False)
-        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+        rows, positions = (e.to(logits.device) for e in self.entries)
+        masked = logits.clone()
+        masked[rows, positions] = logits[rows, positions].masked_fill(~allowed, float("-inf"))
+        return masked
 
     def residual(self, scores: torch.Tensor) -> torch.Tensor:
         """Processed scores `[rows, k + 1, vocab]` where each residual row's last position scores
@@ -130,9 +136,14 @@ class RowConstraints:
         probs = residual_rows = residual_probs = None
         if draft.probs is not None:
             probs, residual_rows, residual_probs = self._draft_probs(draft, walked, num_speculated, cut, width)
-        allowed = _unpack(bitmask[:, : width + 1], self.vocab_size).to(device)
+        # Only the positions the verify reads, of constrained rows: unpacking every [rows, k + 1] mask would cost
+        # more than the walk.
+        entry_rows = [i for i, row in enumerate(rows) if self.states[row] is not None for _ in range(len(walked[i]) + 1)]
+        entry_pos = [j for i, row in enumerate(rows) if self.states[row] is not None for j in range(len(walked[i]) + 1)]
+        allowed = _unpack(bitmask.numpy()[entry_rows, entry_pos], self.vocab_size)
+        entries = (torch.tensor(entry_rows, dtype=torch.long), torch.tensor(entry_pos, dtype=torch.long))
         proposal = DraftProposal(token_ids, num_tokens, probs, draft.confidence)
-        return ConstrainedDraft(proposal, allowed, num_speculated, residual_rows, residual_probs)
+        return ConstrainedDraft(proposal, entries, allowed, num_speculated, residual_rows, residual_probs)
 
     @staticmethod
     def _draft_probs(draft, walked, num_speculated, cut, width):
@@ -296,7 +307,7 @@ def _single(mask: np.ndarray) -> int | None:
     return int(nonzero[0]) * 32 + word.bit_length() - 1
 
 
-def _unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """`[..., words]` int32 bitmask -> `[..., vocab_size]` bool."""
-    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-    return bits.flatten(-2)[..., :vocab_size].bool()
+def _unpack(bitmask: np.ndarray, vocab_size: int) -> torch.Tensor:
+    """`[n, words]` int32 bitmask (bit b of word w: token 32 w + b) -> `[n, vocab_size]` bool."""
+    bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=-1, bitorder="little")
+    return torch.from_numpy(bits[:, :vocab_size]).bool()

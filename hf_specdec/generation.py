@@ -116,6 +116,10 @@ def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=N
             if value is not None:
                 raise ValueError(f"{name}= only applies together with speculator=")
         return _speculative_generate.original(self, *args, **kwargs)
+    if grammar is not None:  # an invalid schema, regex or grammar is refused before anything runs
+        for g in {id(g): g for g in (grammar if isinstance(grammar, (list, tuple)) else [grammar])}.values():
+            if isinstance(g, Grammar):
+                g.compile(kwargs.get("tokenizer"), _vocab_size(self), _eos_ids(self, kwargs))
     spec = resolve_speculator(speculator)
     k = _check_num_speculative_tokens(num_speculative_tokens)
     if isinstance(spec, GrammarSpeculator) and num_speculative_tokens is None:
