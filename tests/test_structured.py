@@ -331,8 +331,8 @@ SMALL = 8  # <pad> <s> </s> <unk> a b c d
 SAMPLES = 6000
 
 
-def small_model():
-    torch.manual_seed(5)
+def small_model(seed=5):
+    torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=SMALL, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, pad_token_id=0, bos_token_id=1,
                          eos_token_id=EOS, tie_word_embeddings=False)
@@ -378,7 +378,7 @@ def exact_pairs(model, prompt, first_allowed, second_allowed):
     return out
 
 
-@pytest.mark.parametrize("speculator", ["fixed", "grammar", "ngram"])
+@pytest.mark.parametrize("speculator", ["fixed", "draft_model", "grammar", "ngram"])
 def test_sampling_follows_the_constrained_distribution(speculator):
     tokenizer = piece_tokenizer(["a", "b", "c", "d"], size=SMALL)
     a, b, c, d = 4, 5, 6, 7
@@ -388,7 +388,8 @@ def test_sampling_follows_the_constrained_distribution(speculator):
     grammar = Grammar.regex("[ab]c[abcd]")
     draft_probs = torch.zeros(SMALL, dtype=torch.float64)
     draft_probs[[d, a, c, 3]] = torch.tensor([0.45, 0.3, 0.15, 0.1], dtype=torch.float64)
-    spec = FixedDistributionSpeculator(draft_probs) if speculator == "fixed" else speculator
+    spec = {"fixed": FixedDistributionSpeculator(draft_probs), "draft_model": small_model(seed=9)}.get(speculator,
+                                                                                                   speculator)
     torch.manual_seed(0)
     out = model.generate(prompt.expand(SAMPLES, -1), attention_mask=torch.ones(SAMPLES, prompt.shape[1],
                          dtype=torch.long), do_sample=True, max_new_tokens=5, pad_token_id=0, speculator=spec,
