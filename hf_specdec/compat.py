@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+from contextlib import contextmanager
+
 # Layer kinds our paged cache handles exactly; anything else (recurrent, linear or chunked attention) is refused.
 _SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 # Vocabulary sizes of models sharing a tokenizer differ only by embedding padding (e.g. 151936 vs 152064).
 _MAX_VOCAB_PADDING = 1024
+# Models whose attention layers compute a mask of their own from the cached states; our attention masks by the step
+# plan and would ignore it (it refuses such a mask at run time; these are known before the first forward).
+_OWN_ATTENTION_MASKS = {
+    "doge": "computes a dynamic attention mask from its cached value states",
+}
 
 
 class UnsupportedModelError(ValueError):
@@ -20,11 +28,16 @@ def check_model_supported(model, role: str = "model") -> None:
         raise UnsupportedModelError(
             f"the {role} {name} is an encoder-decoder model; speculative decoding supports decoder-only causal LMs"
         )
-    if not (getattr(model, "_supports_attention_backend", False) and model._can_set_attn_implementation()):
+    if not model._can_set_attn_implementation():
         raise UnsupportedModelError(
             f"the {role} {name} does not use transformers' AttentionInterface, so its KV cache cannot be paged or "
             "rolled back per row; use a model that supports attn_implementation switching (Llama, Mistral, Qwen2/3, "
             "Phi-3, Gemma 3, ...)"
+        )
+    own_mask = _OWN_ATTENTION_MASKS.get(getattr(config.get_text_config(), "model_type", None))
+    if own_mask:
+        raise UnsupportedModelError(
+            f"the {role} {name} {own_mask}, which hf_specdec's paged attention cannot apply"
         )
     layer_types = set(getattr(config.get_text_config(), "layer_types", None) or [])
     if not layer_types <= _SUPPORTED_LAYER_TYPES or getattr(model, "_is_stateful", False):
@@ -33,6 +46,62 @@ def check_model_supported(model, role: str = "model") -> None:
             "whose state cannot be rolled back to an earlier token; only full and sliding-window attention are "
             "supported"
         )
+    _trial_forward(model, role, name)
+
+
+def _trial_forward(model, role: str, name: str) -> None:
+    """A trial before anything is generated: two rows of different lengths through the paged cache, two steps.
+
+    Every layer must write the cache and attend through our function (some models dispatch only part of their
+    attention through the interface, or keep their own state), and the shorter row's logits must equal what it gives
+    alone (a model that takes positions from the cache length instead of `position_ids`, as the decoders of BART and
+    its kin do, fails that). This is what lets models that do not declare support for transformers' attention
+    backends (StableLM, BioGPT, ...) run. Passing is remembered on the model, so it costs four forwards of at most 3
+    tokens once per model."""
+    if getattr(model, "_hf_specdec_trial_passed", False):
+        return
+    import torch
+
+    from .model_runner import ModelRunner, paged_attention
+
+    vocab = model.config.get_text_config().vocab_size
+    tokens = (torch.arange(1, 7, device=model.device) % vocab).tolist()
+    try:
+        with torch.no_grad(), paged_attention(model):
+            together = ModelRunner(model, num_blocks=4)
+            alone = ModelRunner(model, num_blocks=4)
+            for seq_id in (0, 1):
+                together.add_sequence(seq_id)
+            alone.add_sequence(1)
+            first = torch.tensor([tokens[0:3], [tokens[3]] * 3], device=model.device)  # right-aligned rows
+            together.forward([0, 1], first, [3, 1], num_logits=1)
+            batched = together.forward([0, 1], torch.tensor([[tokens[4]], [tokens[5]]], device=model.device),
+                                       [1, 1], num_logits=1).logits[1, -1]
+            alone.forward([1], torch.tensor([[tokens[3]]], device=model.device), [1], num_logits=1)
+            single = alone.forward([1], torch.tensor([[tokens[5]]], device=model.device), [1],
+                                   num_logits=1).logits[0, -1]
+            for runner, seq_ids in ((together, (0, 1)), (alone, (1,))):
+                for seq_id in seq_ids:
+                    runner.free(seq_id)
+    except UnsupportedModelError as error:
+        raise UnsupportedModelError(f"the {role} {error}") from None
+    except Exception as error:  # noqa: BLE001 - whatever failed, the model cannot run on the paged cache
+        reason = f"{type(error).__name__}: {error}".splitlines()[0]
+        raise UnsupportedModelError(
+            f"the {role} {name} failed a trial forward through hf_specdec's paged attention ({reason})"
+        ) from None
+    if together.cache.plan.num_updates == 0:  # the plan of the last step
+        raise UnsupportedModelError(
+            f"the {role} {name} keeps no keys and values in the cache it is given, so hf_specdec cannot roll it back"
+        )
+    # Rounding differs between a batch and a single row; a wrong position changes logits by their own magnitude.
+    tolerance = (1e-3 if single.dtype in (torch.float32, torch.float64) else 1e-1) * float(single.abs().max()) + 1e-5
+    if float((batched - single).abs().max()) > tolerance:
+        raise UnsupportedModelError(
+            f"the {role} {name} gives a row of a ragged batch other logits than the same row alone (it likely takes "
+            "positions from the cache length rather than from position_ids), so hf_specdec cannot batch it"
+        )
+    model._hf_specdec_trial_passed = True
 
 
 def check_vocab_compatible(target, draft) -> None:
@@ -44,3 +113,35 @@ def check_vocab_compatible(target, draft) -> None:
             f"the draft model's vocabulary ({draft_vocab} tokens) cannot match the target's ({target_vocab}); "
             "speculative decoding needs both models to share one tokenizer. Pick a draft from the target's family"
         )
+
+
+class _DropKnownSkewMessages(logging.Filter):
+    """Drops the two messages torchao 0.18's import gives under torch 2.13 (see `torchao_skew_messages_dropped`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        cuda_kernel = message.startswith("Failed to load ") and "/torchao/_C" in message
+        enum_constant = "is an Enum subclass" in message and "register_constant()" in message
+        return not (cuda_kernel or enum_constant)
+
+
+@contextmanager
+def torchao_skew_messages_dropped():
+    """Runs the first import of transformers' model code without torchao's two version-skew messages.
+
+    transformers imports torchao, when installed, as soon as its model code loads (`transformers.quantizers`).
+    torchao 0.18, the newest release, predates torch 2.13: its PyPI wheel carries CUDA kernels (`_C_cutlass_90a`,
+    `_C_mxfp8`) that a CPU build of torch cannot load, logged as "Failed to load .../torchao/_C_*.so", and it
+    registers its Enum types with a pytree call torch 2.13 deprecates, logged as one "W... _pytree.py ...
+    register_constant()" line per type. Neither changes what hf_specdec uses torchao for (fp8 weight-only drafts, on
+    its Python path), so exactly those messages are dropped inside this block; anything else still shows.
+    """
+    loggers = [logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")]
+    quiet = _DropKnownSkewMessages()
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)

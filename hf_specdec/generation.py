@@ -181,7 +181,9 @@ def _decode(model, speculator, k, schedule, step_cost, input_ids, logits_process
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("speculator= cannot continue from a filled past_key_values; pass the full prompt instead")
-    unknown = sorted(set(model_kwargs) - set(_PREPARED_MODEL_KWARGS))
+    # A multimodal model given text only gets `mm_encoder_outputs={}` from transformers: empty means not given.
+    unknown = sorted(name for name, value in model_kwargs.items() if name not in _PREPARED_MODEL_KWARGS
+                     and value is not None and not (isinstance(value, dict) and not value))
     if unknown:
         raise ValueError(f"generate arguments {unknown} are not supported with speculator=; drop them")
     if streamer is not None and input_ids.shape[0] > 1:

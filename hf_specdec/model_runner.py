@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -37,6 +38,8 @@ class ModelRunner:
         self.cache = PagedKVCache(block_size=block_size, num_blocks=num_blocks, max_num_blocks=max_num_blocks)
         self.device = model.device
         self.num_forwards = 0
+        # transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name is deprecated there).
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def forward(self, seq_ids: list[int], input_ids: torch.Tensor, num_tokens: list[int], num_logits: int,
                 output_hidden_states: bool = False, tree=None, **model_kwargs):
@@ -53,16 +56,29 @@ class ModelRunner:
         starts = self.cache.reserve(seq_ids, num_tokens)
         plan = self.cache.plan_step(seq_ids, starts, num_tokens, self.device, tree)
         self.num_forwards += 1
-        return self.model(
-            input_ids=input_ids,
-            position_ids=plan.query_positions,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=num_logits,
-            output_hidden_states=output_hidden_states,
-            **model_kwargs,
-            **{PLAN_KWARG: plan},
-        )
+        with self.cache.active(plan):
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=plan.query_positions,
+                **{self._cache_kwarg: self.cache},
+                use_cache=True,
+                logits_to_keep=num_logits,
+                output_hidden_states=output_hidden_states,
+                **model_kwargs,
+                **{PLAN_KWARG: plan},
+            )
+        if plan.num_attended < plan.num_updates:  # (differential attention attends twice per layer: fine)
+            from .compat import UnsupportedModelError
+
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} attended in {plan.num_updates - plan.num_attended} of its "
+                f"{plan.num_updates} layers without transformers' attention interface, so hf_specdec's paged "
+                "attention cannot serve it"
+            )
+        logits = getattr(out, "logits", None)
+        if logits is not None and logits.shape[1] > num_logits:  # the model ignored logits_to_keep (Whisper)
+            out.logits = logits[:, -num_logits:]
+        return out
 
     def add_sequence(self, seq_id: int) -> None:
         self.cache.add_sequence(seq_id)

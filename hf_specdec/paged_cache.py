@@ -16,21 +16,31 @@ context and the attention is masked SDPA. Both follow `hf_specdec.kernels.paged_
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AttentionInterface
-from transformers.cache_utils import Cache
 
-from .block_manager import BlockManager
-from .kernels._backend import resolve_backend
-from .kernels.paged_attention.reference import (
+from .compat import torchao_skew_messages_dropped
+
+with torchao_skew_messages_dropped():  # the first import of transformers' model code (see there)
+    from transformers import AttentionInterface
+from transformers.cache_utils import Cache  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
+
+from .block_manager import BlockManager  # noqa: E402
+from .kernels._backend import resolve_backend  # noqa: E402
+from .kernels.paged_attention.reference import (  # noqa: E402
     TreeMask, attend, attention_mask, context_slots, slots_of, tree_attention_mask,
 )
 
 ATTENTION_NAME = "hf_specdec_paged"
 PLAN_KWARG = "hf_specdec_plan"
 SCRATCH_SLOT = 0  # slot 0 of reserved block 0
+# The plan of the forward running now, for models whose decoder layers drop the keyword arguments on their way to
+# the attention modules (Nemotron): the attention function finds the plan here when its kwargs lack it.
+_ACTIVE_PLAN: ContextVar[StepPlan | None] = ContextVar("hf_specdec_active_plan", default=None)
 
 
 @dataclass
@@ -80,6 +90,10 @@ class StepPlan:
     query_slots: torch.Tensor | None = None  # [rows, q] storage index of each query, when a tree makes it differ
     _masks: dict = field(default_factory=dict)
     _kernel_tree: TreeMask | None = None
+    # Layers that wrote keys/values and layers that attended through our function in this step: they differ when a
+    # model computes some attention itself, which the runner then refuses (see `ModelRunner.forward`).
+    num_updates: int = 0
+    num_attended: int = 0
 
     def kernel_tree(self) -> TreeMask | None:
         """The tree step's masks as the triton kernel takes them, built once per step (every layer reads them)."""
@@ -133,6 +147,7 @@ class PagedKVCache(Cache):
         self.key_pools: dict[int, torch.Tensor] = {}  # layer -> [num_blocks * block_size, kv_heads, head_dim]
         self.value_pools: dict[int, torch.Tensor] = {}
         self.plan: StepPlan | None = None
+        self._past_length = 0
 
     # --- sequences -----------------------------------------------------------------------------------------------
     def add_sequence(self, seq_id: int) -> None:
@@ -183,6 +198,7 @@ class PagedKVCache(Cache):
         starts_t = torch.tensor(starts, dtype=torch.long, device=device)
         counts_t = torch.tensor(num_tokens, dtype=torch.long, device=device)
         context_lens = starts_t + counts_t
+        self._past_length = max(starts)
 
         offset = torch.arange(q, device=device)[None, :] - (q - counts_t)[:, None]  # [rows, q]; < 0 is padding
         is_token = offset >= 0
@@ -230,6 +246,7 @@ class PagedKVCache(Cache):
             self.key_pools[layer_idx] = key_states.new_zeros((size, heads, dim))
             self.value_pools[layer_idx] = value_states.new_zeros((size, heads, value_states.shape[-1]))
         key_pool, value_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
+        plan.num_updates += 1
         key_pool.index_copy_(0, plan.write_slots, key_states.transpose(1, 2).reshape(rows * q, heads, dim))
         value_pool.index_copy_(0, plan.write_slots, value_states.transpose(1, 2).reshape(rows * q, heads, -1))
         if plan.backend == "triton":
@@ -241,35 +258,100 @@ class PagedKVCache(Cache):
         values = value_pool.index_select(0, slots).view(*shape, value_pool.shape[-1]).transpose(1, 2)
         return keys, values
 
+    @contextmanager
+    def active(self, plan: StepPlan):
+        """Makes `plan` the one attention finds when a model does not pass it down (see `_ACTIVE_PLAN`)."""
+        token = _ACTIVE_PLAN.set(plan)
+        try:
+            yield
+        finally:
+            _ACTIVE_PLAN.reset(token)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        raise NotImplementedError(
-            "PagedKVCache holds rows of different lengths; pass explicit position_ids (hf_specdec's runner does)"
-        )
+        """Tokens cached before the current step, in its longest row.
+
+        Rows hold different lengths, so no single number is every row's. Models call this to derive positions when
+        none are given (OPT, CTRL, the BERT family) or to slice position-indexed buffers; hf_specdec always passes
+        each row's `position_ids`, so only the buffer slicing sees this value, and the longest row's keeps every
+        slice inside the buffer. (A model that took its positions from here despite `position_ids` would get the
+        wrong ones for shorter rows: the architecture sweep in the tests compares every model with plain
+        `generate` on a ragged batch, which would show it.)
+        """
+        return self._past_length
 
     def memory_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for pools in (self.key_pools, self.value_pools) for p in pools.values())
+
+
+@dataclass(frozen=True)
+class MaskRequest:
+    """What a model's mask builder asked for, handed to our attention in place of a mask tensor (the step plan
+    holds each row's causal structure). Models that declare a sliding window only to their mask builder (PhiMoE,
+    Doge) have it honoured through `sliding_window`.
+
+    Attributes:
+        sliding_window: the window of a `create_sliding_window_causal_mask` call, or `None`.
+        custom: the model combined the mask with its own mask functions (bidirectional image tokens and the like),
+            which the plan cannot express.
+    """
+
+    sliding_window: int | None = None
+    custom: bool = False
+
+
+def paged_mask(*, local_size: int | None = None, use_vmap: bool = False, **kwargs) -> MaskRequest | None:
+    """transformers' mask interface for our attention: no tensor, only what the plan needs to know."""
+    if local_size is None and not use_vmap:
+        return None
+    return MaskRequest(local_size, use_vmap)
 
 
 def paged_attention_forward(
     module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, softcap=None, **kwargs
 ):
     """Attention over a `PagedKVCache` step: `query` `[rows, heads, q, dim]`, `key`/`value` what `update` returned."""
-    plan: StepPlan | None = kwargs.get(PLAN_KWARG)
+    plan: StepPlan | None = kwargs.get(PLAN_KWARG) or _ACTIVE_PLAN.get()
     if plan is None:
         raise RuntimeError(
-            f"attention implementation {ATTENTION_NAME!r} only runs inside hf_specdec's engine, which passes the "
-            "step plan; this model may not forward its keyword arguments to its attention modules"
+            f"attention implementation {ATTENTION_NAME!r} only runs inside hf_specdec's engine, which sets the "
+            "step plan"
         )
-    for unsupported in ("s_aux", "sinks"):
-        if kwargs.get(unsupported) is not None:
-            raise NotImplementedError(f"attention sinks ({unsupported}) are not supported by hf_specdec's paged cache")
+    if isinstance(attention_mask, torch.Tensor):  # never silently attend past a mask the model computed itself
+        raise NotImplementedError(
+            f"{type(module).__name__} computes an attention mask of its own, which hf_specdec's paged attention "
+            "cannot apply"
+        )
+    if isinstance(attention_mask, MaskRequest):
+        if attention_mask.custom:
+            raise NotImplementedError(
+                f"{type(module).__name__} combines its attention mask with mask functions of its own, which "
+                "hf_specdec's paged attention cannot apply"
+            )
+        sliding_window = sliding_window or attention_mask.sliding_window
+    sinks = _head_sinks(kwargs, query.shape[1])
+    plan.num_attended += 1
     if plan.backend == "triton":
         from .kernels.paged_attention.triton_kernel import paged_attention_triton
 
         out = paged_attention_triton(query, key, value, plan.block_tables, plan.query_positions, plan.block_size,
-                                     sliding_window, scaling, softcap, tree=plan.kernel_tree())
+                                     sliding_window, scaling, softcap, tree=plan.kernel_tree(), sinks=sinks)
         return out, None
-    return attend(query, key, value, plan.mask(sliding_window), scaling, softcap).contiguous(), None
+    return attend(query, key, value, plan.mask(sliding_window), scaling, softcap, sinks).contiguous(), None
+
+
+def _head_sinks(kwargs, heads: int) -> torch.Tensor | None:
+    """The attention-sink logits a model passes (`s_aux`, gpt-oss and its kin), one per head, or `None`."""
+    for name in ("s_aux", "sinks"):
+        sinks = kwargs.get(name)
+        if sinks is not None:
+            if sinks.shape != (heads,):
+                raise NotImplementedError(
+                    f"attention sinks ({name}) of shape {list(sinks.shape)}: hf_specdec's paged attention takes one "
+                    f"sink logit per head ([{heads}])"
+                )
+            return sinks.detach()
+    return None
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+AttentionMaskInterface.register(ATTENTION_NAME, paged_mask)

@@ -67,6 +67,47 @@ def test_draft_with_a_different_vocabulary_is_refused():
         make_model().generate(PROMPT, max_new_tokens=4, speculator=draft)
 
 
+def _small_vocabulary_draft(vocab_size: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    draft = LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    return draft.double().eval()
+
+
+def test_draft_with_a_smaller_vocabulary_is_refused_before_any_forward(monkeypatch):
+    """A draft with fewer ids than the target, given a prompt it cannot read: a clear error, not an IndexError in its
+    embedding, before the first step (only the up-front trial forwards of compat.py have run)."""
+    from hf_specdec.engine import SpeculativeEngine
+
+    steps = []
+    original = SpeculativeEngine._step
+    monkeypatch.setattr(SpeculativeEngine, "_step", lambda self, *a, **k: steps.append(1) or original(self, *a, **k))
+    target, draft = make_model(), _small_vocabulary_draft(48)
+    prompt = torch.tensor([[5, 60, 7, 90, 5, 60]])
+    with pytest.raises(ValueError, match=r"vocabulary has 48 tokens, fewer than the target's 96.*rows \[0\].*up to 90"):
+        target.generate(prompt, max_new_tokens=4, speculator=draft)
+    assert not steps
+    assert target.config._attn_implementation != "hf_specdec_paged"  # the target's attention is restored
+
+
+def test_target_ids_past_a_smaller_draft_vocabulary_keep_the_output_exact():
+    """Embedding padding as in the Qwen2.5 family: the draft reads every prompt id, but the target emits ids past the
+    draft's vocabulary; the draft gets its last id in their place, and the output is still the target's."""
+    target, draft = make_model(), _small_vocabulary_draft(88)
+    with torch.no_grad():
+        target.lm_head.weight[90] *= 40  # make the target emit an id the draft has no embedding for
+    prompt = torch.tensor([[5, 60, 7, 30, 5, 60, 7, 30]])
+    expected = target.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert int(expected[0, 8:].max()) >= 88
+    out = target.generate(prompt, max_new_tokens=12, do_sample=False, speculator=draft,
+                          speculative_schedule="constant", num_speculative_tokens=3)
+    assert torch.equal(out, expected)
+    torch.manual_seed(0)
+    target.generate(prompt, max_new_tokens=12, do_sample=True, speculator=draft)  # sampling runs too
+
+
 def test_empty_prompt_row_is_refused():
     input_ids, mask = ragged_batch(rows=2, width=6)
     mask[1] = 0

@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 
 from hf_specdec.kernels._backend import ENV_VAR, resolve_backend  # noqa: E402
 from hf_specdec.kernels.paged_attention import TreeMask, paged_attention, paged_attention_reference  # noqa: E402
+from hf_specdec.kernels.paged_attention import reference  # noqa: E402
 from hf_specdec.kernels.paged_attention.triton_kernel import paged_attention_triton  # noqa: E402
 from hf_specdec.kernels.rejection_sample import rejection_sample, rejection_sample_reference  # noqa: E402
 from hf_specdec.kernels.rejection_sample.triton_kernel import rejection_sample_triton  # noqa: E402
@@ -357,6 +358,51 @@ def test_paged_attention_kernel_matches_reference_on_draft_trees(inputs):
                                        softcap, backend="torch", tree=tree),
                        paged_attention_reference(query, key_pool, value_pool, tables, positions, block_size, window,
                                                  None, softcap, tree))
+
+
+def test_attention_sinks_in_the_reference_follow_gpt_oss():
+    """The reference's sinks are gpt-oss's: its own eager attention (transformers' spec of `s_aux`) on one context."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    g = torch.Generator().manual_seed(0)
+    rows, kv_heads, groups, num_context, head_dim = 2, 2, 2, 9, 8
+    query = torch.randn(rows, kv_heads * groups, 3, head_dim, generator=g, dtype=torch.float64)
+    keys = torch.randn(rows, kv_heads, num_context, head_dim, generator=g, dtype=torch.float64)
+    values = torch.randn(rows, kv_heads, num_context, head_dim, generator=g, dtype=torch.float64)
+    sinks = torch.tensor([-1.0, 0.0, 2.0, 8.0], dtype=torch.float64)
+    positions = torch.tensor([[6, 7, 8], [4, 5, 6]])
+    mask = reference.attention_mask(positions, num_context, None)
+    module = torch.nn.Module()
+    module.sinks, module.num_key_value_groups, module.training = sinks, groups, False
+    additive = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, float("-inf"))
+    expected, _ = eager_attention_forward(module, query, keys, values, additive, scaling=0.3)
+    got = reference.attend(query, keys, values, mask, 0.3, None, sinks)
+    torch.testing.assert_close(got, expected)
+    assert not torch.allclose(got, reference.attend(query, keys, values, mask, 0.3, None))  # sinks change it
+
+
+@FEW
+@given(st.one_of(attention_inputs().map(lambda inputs: (*inputs, None)), tree_attention_inputs()),
+       st.integers(0, 2**16))
+def test_paged_attention_kernel_matches_reference_with_attention_sinks(inputs, seed):
+    """Attention sinks (one logit per head, gpt-oss's `s_aux`), large and small against the scores, with windows,
+    soft-capping, grouped-query heads, chains and draft trees, fp32/bf16/fp16."""
+    query, key_pool, value_pool, tables, positions, block_size, window, softcap, tree = inputs
+    sinks = (torch.randn(query.shape[1], generator=torch.Generator().manual_seed(seed)) * 4).to(query.dtype)
+    query, key_pool, value_pool, tables, positions, sinks = (t.to(DEVICE) for t in (query, key_pool, value_pool,
+                                                                                    tables, positions, sinks))
+    if tree is not None:
+        tree = TreeMask(*(t.to(DEVICE) for t in tree))
+    expected = paged_attention_reference(query.float(), key_pool.float(), value_pool.float(), tables, positions,
+                                         block_size, window, None, softcap, tree, sinks.float())
+    got = paged_attention_triton(query, key_pool, value_pool, tables, positions, block_size, window, None, softcap,
+                                 block_m=16, block_n=16, tree=tree, sinks=sinks)
+    tolerance = 1e-5 if query.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
+    assert torch.equal(paged_attention(query, key_pool, value_pool, tables, positions, block_size, window, None,
+                                       softcap, backend="torch", tree=tree, sinks=sinks),
+                       paged_attention_reference(query, key_pool, value_pool, tables, positions, block_size, window,
+                                                 None, softcap, tree, sinks))
 
 
 def test_paged_attention_launcher_refuses_bad_input():

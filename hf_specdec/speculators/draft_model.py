@@ -20,6 +20,10 @@ class DraftModelSpeculator(Speculator):
     sampling, drafts are sampled and their draft_probs go to the verifier; greedy drafts are argmax.
     After verification the draft's cache rolls back, per row, to the longest prefix it saw that was committed.
 
+    A draft whose vocabulary is smaller than the target's (embedding padding, as in the Qwen2.5 family) is refused
+    when the prompt holds ids it cannot read; ids the target emits past it (untrained padding rows) reach the draft
+    as its last id: drafts only propose, so the output stays the target's.
+
     Args:
         model (`PreTrainedModel`): the draft model.
         block_size (`int`): KV block size in tokens.
@@ -56,11 +60,28 @@ class DraftModelSpeculator(Speculator):
         return self.model.num_parameters() / target.num_parameters()
 
     def begin(self, target, batch: SequenceBatch) -> None:
+        self._num_embeddings = self.model.get_input_embeddings().num_embeddings
+        self._check_prompts_readable(batch)
         self._stack = ExitStack()
         self._stack.enter_context(paged_attention(self.model))
         self._runner = ModelRunner(self.model, block_size=self.block_size)
         for row in batch.active:
             self._runner.add_sequence(row)
+
+    def _check_prompts_readable(self, batch: SequenceBatch) -> None:
+        if self._num_embeddings >= batch.target_vocab_size:
+            return
+        cols = torch.arange(batch.token_ids.shape[1], device=batch.device)[None, :] - batch.first_col[:, None]
+        real = (cols >= 0) & (cols < batch.lengths_tensor(list(range(len(batch.lengths))))[:, None])
+        unreadable = real & (batch.token_ids >= self._num_embeddings)
+        if bool(unreadable.any()):
+            rows = sorted({int(r) for r in unreadable.nonzero()[:, 0]})
+            raise ValueError(
+                f"the draft model's vocabulary has {self._num_embeddings} tokens, fewer than the target's "
+                f"{batch.target_vocab_size}, and the prompt of rows {rows} holds ids it cannot read (up to "
+                f"{int(batch.token_ids[unreadable].max())}); the two models do not share one tokenizer. Pick a "
+                "draft from the target's family, or use speculator='ngram', which needs no draft model"
+            )
 
     def propose(self, batch: SequenceBatch, k: int) -> DraftProposal:
         rows = list(batch.active)
@@ -76,7 +97,7 @@ class DraftModelSpeculator(Speculator):
         input_ids = gather_right_aligned(
             batch.token_ids, rows_t, first + torch.tensor(cached, device=batch.device),
             torch.tensor(num_fed, device=batch.device), max(num_fed),
-        )
+        ).clamp(max=self._num_embeddings - 1)
         end = batch.end_cols(rows)  # column of the first draft
         vocab = min(batch.target_vocab_size, self.model.config.get_text_config().vocab_size)
         tokens, probs = [], []
@@ -87,7 +108,7 @@ class DraftModelSpeculator(Speculator):
             batch.token_ids[rows_t, end + j] = token  # scratch column: later positions' processors read it
             tokens.append(token)
             probs.append(token_probs)
-            input_ids, num_fed = token[:, None], [1] * len(rows)
+            input_ids, num_fed = token[:, None].clamp(max=self._num_embeddings - 1), [1] * len(rows)
         token_ids = torch.stack(tokens, dim=1)
         draft_probs = torch.stack(probs, dim=1) if batch.do_sample else None
         return DraftProposal(token_ids, torch.full((len(rows),), k, device=batch.device), draft_probs)

@@ -22,6 +22,7 @@ def paged_attention(
     softcap: float | None = None,
     backend: str = "auto",
     tree: TreeMask | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each row's queries attend causally to that row's cached tokens through its block table.
 
@@ -36,6 +37,7 @@ def paged_attention(
         softcap: logit soft-capping value, or `None`.
         backend: `"auto"`, `"torch"` (gather, then SDPA) or `"triton"` (reads the pool in place).
         tree (`TreeMask`, *optional*): a draft-tree step (see `reference.tree_attention_mask`).
+        sinks: `[heads]` attention-sink logits (gpt-oss): each joins its head's softmax with a zero value.
 
     Returns:
         `[rows, q, heads, head_dim]`.
@@ -44,6 +46,6 @@ def paged_attention(
         from .triton_kernel import paged_attention_triton
 
         return paged_attention_triton(query, key_pool, value_pool, block_tables, query_positions, block_size,
-                                      sliding_window, scale, softcap, tree=tree)
+                                      sliding_window, scale, softcap, tree=tree, sinks=sinks)
     return paged_attention_reference(query, key_pool, value_pool, block_tables, query_positions, block_size,
-                                     sliding_window, scale, softcap, tree)
+                                     sliding_window, scale, softcap, tree, sinks)

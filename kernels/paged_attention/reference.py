@@ -5,7 +5,8 @@ offset `o` of block `b`, and row i's token at position p sits in block `block_ta
 queries `[rows, heads, q, head_dim]` carry their positions `[rows, q]`; query (i, j) attends to row i's positions
 `<= query_positions[i, j]` (causal), and within the last `sliding_window` of them when the layer has a window.
 Grouped-query heads share kv head `head // (heads // kv_heads)`. Optional logit soft-capping: `softcap * tanh(s /
-softcap)`.
+softcap)`. Optional attention sinks (gpt-oss): one learned logit per head that joins every query's softmax with a
+zero value, so it only absorbs probability mass: `softmax([scores, sink])` without its last entry.
 """
 
 from __future__ import annotations
@@ -84,18 +85,27 @@ def tree_attention_mask(query_slots: torch.Tensor, query_positions: torch.Tensor
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float | None,
-           softcap: float | None) -> torch.Tensor:
+           softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Masked attention over gathered contexts `[rows, kv_heads, num_context, head_dim]`; returns `[rows, q, heads,
-    head_dim]` (the layout transformers' attention functions return)."""
-    if not softcap:
+    head_dim]` (the layout transformers' attention functions return). `sinks`: `[heads]` sink logits, or `None`."""
+    if not softcap and sinks is None:
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-    else:  # soft-capping needs the scores, so compute them explicitly
+    else:  # soft-capping and sinks need the scores, so compute them explicitly
         groups = query.shape[1] // keys.shape[1]
         keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
         scale = scale if scale is not None else 1 / math.sqrt(query.shape[-1])
-        scores = torch.tanh(query @ keys.transpose(-1, -2) * scale / softcap) * softcap
+        scores = query @ keys.transpose(-1, -2) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        # softmax in float32 at least (float64 stays float64: exactness tests run in it)
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype) @ values
+        if sinks is not None:  # one more logit per (row, head, query), whose value is zero: dropped after softmax
+            sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out = probs.to(query.dtype) @ values
     return out.transpose(1, 2)
 
 
@@ -110,6 +120,7 @@ def paged_attention_reference(
     scale: float | None = None,
     softcap: float | None = None,
     tree: TreeMask | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The spec.
 
@@ -124,6 +135,7 @@ def paged_attention_reference(
         softcap: logit soft-capping value, or `None`.
         tree (`TreeMask`, *optional*): a draft-tree step: queries sit at `tree.query_slots` in storage and see what
             `tree_attention_mask` allows.
+        sinks: `[heads]` attention-sink logits (see the module docstring), or `None`.
 
     Returns:
         `[rows, q, heads, head_dim]` in the query's dtype.
@@ -138,4 +150,4 @@ def paged_attention_reference(
     else:
         mask = tree_attention_mask(tree.query_slots, query_positions, num_context, tree.region_start,
                                    tree.region_mask, tree.region_positions, sliding_window)
-    return attend(query, keys, values, mask, scale, softcap)
+    return attend(query, keys, values, mask, scale, softcap, sinks)

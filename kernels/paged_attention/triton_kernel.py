@@ -6,6 +6,9 @@ position chunks through its block table (only the chunks its queries can see: up
 the first query's window start), with an online softmax in float32 (float64 under the interpreter for float64
 tests).
 
+Attention sinks (`sinks=`, one logit per head) join the softmax once the walk is done: the running maximum and
+denominator take the sink's logit, whose value is zero, so the output only shrinks by the mass the sink absorbs.
+
 Draft-tree steps (`tree=`) walk storage indices instead: a row's committed entries, where storage index and
 position agree, then its tree region, whose entries a query sees only where its ancestor mask says so (the spec is
 `reference.tree_attention_mask`).
@@ -39,9 +42,11 @@ def _paged_attention_kernel(
     region_mask_ptr, stride_region_mask_b, stride_region_mask_q,  # tree steps: [rows, q, region] int8
     region_positions_ptr, stride_region_positions_b,  # tree steps: [rows, region] int64
     region_len,
+    sinks_ptr,  # [heads] float32 sink logits, when HAS_SINKS
     num_queries, groups, head_dim, block_size, sliding_window, scale, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     ACC_DTYPE: tl.constexpr, IEEE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, HAS_TREE: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -123,6 +128,12 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=valid_m, other=0.0).to(ACC_DTYPE)
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.exp(sink - m_new)
+        acc = acc * alpha[:, None]
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + row * stride_out_b + query_idx[:, None] * stride_out_q + head[:, None] * stride_out_h
              + d[None, :], out.to(out_ptr.dtype.element_ty), mask=valid_m[:, None] & valid_d[None, :])
@@ -141,6 +152,7 @@ def paged_attention_triton(
     block_m: int = 32,
     block_n: int = 32,
     tree: TreeMask | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launches the kernel; arguments and result as in `reference.paged_attention_reference`."""
     rows, heads, num_queries, head_dim = query.shape
@@ -159,6 +171,8 @@ def paged_attention_triton(
         check_tensor("tree.region_mask", tree.region_mask, (rows, num_queries, region), (torch.bool, torch.int8),
                      device)
         check_tensor("tree.region_positions", tree.region_positions, (rows, region), (torch.int64,), device)
+    if sinks is not None:
+        check_tensor("sinks", sinks, (heads,), (torch.float32, torch.float16, torch.bfloat16, torch.float64), device)
     if heads % kv_heads:
         raise ValueError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
     if key_pool.stride() != value_pool.stride() or key_pool.stride(1) != head_dim:
@@ -183,6 +197,7 @@ def paged_attention_triton(
         block_tables, block_tables.stride(0),
         query_positions, query_positions.stride(0),
         *tree_args,
+        sinks.contiguous() if sinks is not None else query_positions,  # unused pointer without sinks
         num_queries, groups, head_dim, block_size, sliding_window or 0,
         scale if scale is not None else 1 / math.sqrt(head_dim), softcap or 0.0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
@@ -191,5 +206,6 @@ def paged_attention_triton(
         # The interpreter has no bfloat16 matrix multiply; it multiplies bfloat16 inputs in float32 instead.
         DOT_DTYPE=tl.float32 if query.dtype == torch.bfloat16 and interpreting() else _TL_DTYPES[query.dtype],
         HAS_TREE=tree is not None,
+        HAS_SINKS=sinks is not None,
     )
     return out
