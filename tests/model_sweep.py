@@ -49,7 +49,7 @@ REFERENCE_DIFFERS = {
 VOCAB = 128
 MAX_NEW_TOKENS = 10
 K = 3
-TIME_BUDGET_S = 30
+TIME_BUDGET_S = 60
 
 # Field values of a tiny model; each is set only where the config class has the field (directly or through its
 # attribute_map). Sub-configs (vision towers, text configs of wrappers) get the same treatment.
