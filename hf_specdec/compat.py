@@ -28,7 +28,11 @@ def check_model_supported(model, role: str = "model") -> None:
         raise UnsupportedModelError(
             f"the {role} {name} is an encoder-decoder model; speculative decoding supports decoder-only causal LMs"
         )
-    if not model._can_set_attn_implementation():
+    # A multimodal wrapper's own module may hold a vision tower's attention; text runs through its decoder's.
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    on_interface = model._can_set_attn_implementation() or (
+        decoder is not None and decoder is not model and type(decoder)._can_set_attn_implementation())
+    if not on_interface:
         raise UnsupportedModelError(
             f"the {role} {name} does not use transformers' AttentionInterface, so its KV cache cannot be paged or "
             "rolled back per row; use a model that supports attn_implementation switching (Llama, Mistral, Qwen2/3, "
