@@ -13,9 +13,10 @@ curve(B q)` (`StepCost`), so verifying k drafts costs `cost(B, k + 1, C) / cost(
 drafting costs. On a CPU the curve climbs in steps as the matrix kernels change shape; on a GPU it is nearly flat.
 The step takes the k in `[0, max_k]` that maximises the batch's expected tokens per unit of cost, if that beats plain
 decoding (k = 0) by a margin (`min_gain`, 10%: the cost model leaves out verification work, and a draft that only
-breaks even is not worth the risk). The default curves are static (measured once, not timed during a call), so
-seeded runs choose the same k and stay reproducible, and no step waits on the device; `StepCost.measure(model)` fits
-one to other hardware.
+breaks even is not worth the risk). Costs are never timed during a call, so seeded runs choose the same k and stay
+reproducible, and no step waits on the device: they come from this host's cached profile (`calibration.py`,
+`hf-specdec calibrate`) when there is one, else from the static curves below; `StepCost.measure(model)` fits one by
+hand. `chosen` keeps each step's k, and `idle_explanation` says why drafting stayed off when it mostly did.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class StepCost:
 # 1/4/16, 1-16 tokens per row, 64 and 256 tokens of context; `benchmarks/step_cost.py`, docs/benchmarks.md). On a
 # CPU the weights stream once per forward, each cached token adds attention work, and the per-token part grows in
 # steps as the matrix kernels change shape. On accelerators a forward of a few hundred tokens costs about as much as
-# one of a single token. Other hardware: measure, and pass the result to `generate(..., speculative_step_cost=...)`.
+# one of a single token. Other hardware: `hf-specdec calibrate` (calibration.py) measures and caches one per host.
 DEFAULT_STEP_COST = {
     "cpu": StepCost(per_row=0.0, per_context_token=0.00925, points=(
         (1, 43.7), (2, 43.7), (3, 44.9), (4, 64.2), (6, 70.8), (8, 84.3), (12, 93.0), (16, 93.0), (24, 98.6),
@@ -169,6 +170,9 @@ class AdaptiveK:
         # Host tensors: the policy never touches the device.
         self.accepted = torch.zeros(num_rows, classes, dtype=torch.float64)
         self.tried = torch.zeros(num_rows, classes, dtype=torch.float64)
+        self.chosen: list[int] = []  # the k chosen at each step
+        self.num_declined = 0  # steps where drafts were on offer and k was 0
+        self._last = (num_rows, 0.0)  # the rows and context of the latest choice, to explain it
 
     def acceptance(self, rows: list[int], classes: list[int] | None = None) -> torch.Tensor:
         """`[len(rows)]` each row's estimated chance that a draft of the given class is accepted."""
@@ -189,8 +193,14 @@ class AdaptiveK:
             classes: each row's confidence class for this step's proposal; `None` means class 0.
             context: tokens already in the rows' KV caches, summed (the step cost depends on it).
         """
-        if self.max_k == 0 or not rows:
-            return 0
+        k = self._choose(rows, available, classes, context) if self.max_k and rows else 0
+        self.chosen.append(k)
+        # A step is declined when drafts were possible (a row offered some) and the policy chose none.
+        self.num_declined += k == 0 and bool(rows) and (available is None or any(a > 0 for a in available))
+        self._last = (max(len(rows), 1), context)
+        return k
+
+    def _choose(self, rows, available, classes, context) -> int:
         rates = self.acceptance(rows, classes)
         ks = torch.arange(self.max_k + 1, dtype=torch.float64)
         # Expected emitted tokens summed over rows for each k: sum over j = 0..min(k, available) of rate^j.
@@ -202,6 +212,22 @@ class AdaptiveK:
         value = expected / cost
         best = int(torch.argmax(value))
         return best if value[best] >= self.min_gain * value[0] else 0
+
+    def idle_explanation(self, min_steps: int = 4) -> str | None:
+        """When k was 0 in most steps (at least `min_steps` of them) although drafts were on offer, a sentence
+        saying why: what verifying and drafting cost and the acceptance estimated at the end; otherwise None. Steps
+        where no row had anything to draft (an n-gram lookup with no match) do not count as declined."""
+        idle = self.num_declined
+        if self.max_k == 0 or len(self.chosen) < min_steps or 2 * idle <= len(self.chosen):
+            return None
+        rows, context = self._last
+        verify = self.step_cost.relative(rows, torch.tensor([2.0, self.max_k + 1.0], dtype=torch.float64), context)
+        pooled = (self.accepted.sum(0) + self.strength * self.priors) / (self.tried.sum(0) + self.strength)
+        return (f"adaptive k kept drafting off in {idle} of {len(self.chosen)} steps: at batch {rows} a verify of 1 "
+                f"draft costs {float(verify[0]):.2f} plain steps and one of {self.max_k} drafts "
+                f"{float(verify[1]):.2f}, a drafted token {self.draft_cost_per_token:.2f}, and the acceptance "
+                f"estimated from this call is {', '.join(f'{p:.2f}' for p in pooled.tolist())}, so drafting was "
+                f"not expected to beat plain decoding by {self.min_gain - 1:.0%}")
 
     def update(self, rows: list[int], num_drafted: list[int], num_accepted: list[int],
                classes: list[int] | None = None) -> None:

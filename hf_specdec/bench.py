@@ -66,7 +66,8 @@ class Result:
 
 
 def build_configs(model, speculators: dict, k: int, draft_costs: dict, schedule: str = "adaptive",
-                  assisted: bool = True, trees: tuple = (), tree_depth: int = 5) -> list[Config]:
+                  assisted: bool = True, trees: tuple = (), tree_depth: int = 5,
+                  uncalibrated: bool = False) -> list[Config]:
     configs = [Config("plain generate")]
     if assisted:
         configs.append(Config("transformers prompt lookup", dict(prompt_lookup_num_tokens=k), batch_one_only=True))
@@ -78,6 +79,9 @@ def build_configs(model, speculators: dict, k: int, draft_costs: dict, schedule:
         configs.append(Config(f"hf_specdec {name}", dict(speculator=spec, num_speculative_tokens=k,
                                                          speculative_schedule=schedule),
                               draft_cost=draft_costs.get(name, 0.0)))
+        if uncalibrated:  # the same without this host's profile: static costs, stock linear layers
+            configs.append(Config(f"hf_specdec {name} uncalibrated", dict(configs[-1].kwargs,
+                                  speculative_calibration=False), draft_cost=draft_costs.get(name, 0.0)))
         for nodes, branching in trees if getattr(spec, "supports_trees", False) else ():
             configs.append(Config(f"hf_specdec {name} tree {nodes}x{branching} depth {tree_depth}", dict(
                 speculator=spec, num_speculative_tokens=tree_depth, speculative_tree_nodes=nodes,
@@ -88,12 +92,12 @@ def build_configs(model, speculators: dict, k: int, draft_costs: dict, schedule:
 def run_bench(model, tokenizer, speculators: dict, batch_sizes=(1, 4, 16), workloads=("grounded", "open_chat"),
               max_new_tokens: int = 128, k: int = 10, repeats: int = 3, progress: bool = True,
               schedule: str = "adaptive", assisted: bool = True, trees: tuple = (),
-              tree_depth: int = 5) -> list[Result]:
+              tree_depth: int = 5, uncalibrated: bool = False) -> list[Result]:
     """Runs every configuration; returns one `Result` per (workload, batch size, configuration).
 
     `schedule` is hf_specdec's `speculative_schedule`; `assisted=False` leaves out transformers' own speculation.
     `trees`: `(nodes, branching)` draft-tree shapes, each also run, `tree_depth` deep, by every speculator that
-    drafts trees.
+    drafts trees. `uncalibrated=True` also runs each hf_specdec configuration with `speculative_calibration=False`.
     """
     from tqdm.auto import tqdm
 
@@ -101,7 +105,7 @@ def run_bench(model, tokenizer, speculators: dict, batch_sizes=(1, 4, 16), workl
         n: s.relative_cost(model) if isinstance(s, Speculator) else s.num_parameters() / model.num_parameters()
         for n, s in speculators.items() if not isinstance(s, str)
     }
-    configs = build_configs(model, speculators, k, draft_costs, schedule, assisted, trees, tree_depth)
+    configs = build_configs(model, speculators, k, draft_costs, schedule, assisted, trees, tree_depth, uncalibrated)
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
         raise ValueError(f"unknown workloads {unknown}; choose from {sorted(WORKLOADS)}")

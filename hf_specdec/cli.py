@@ -90,6 +90,34 @@ def _run_speculators(args, model, tokenizer) -> dict[str, object]:
     return {name: _speculator(name, model, tokenizer, model_name=args.model) for name in names}
 
 
+def _calibrate(args, model, speculators, explicit: bool = False) -> None:
+    """Measures this host's costs for `model` and `speculators` where the cache lacks them (`hf-specdec calibrate`);
+    `--no-calibrate` skips it (calls then use what is cached, else the static defaults)."""
+    from .calibration import calibrate, enabled, profile_path
+
+    if not explicit and (getattr(args, "no_calibrate", False) or not enabled()):
+        return
+    profile = calibrate(model, [s for s in speculators if not isinstance(s, str)], force=getattr(args, "force", False),
+                        progress=lambda message: print(f"hf_specdec calibrate: {message}", file=sys.stderr))
+    print(f"hf_specdec calibrate: profile {profile_path(model)}", file=sys.stderr)
+
+
+def cmd_calibrate(args) -> int:
+    """Measures and caches this host's step cost, small-row linear form and draft costs for a model."""
+    from .calibration import describe, load_profile
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model, dtype=_dtype(args), device=args.device)
+    speculators = {}
+    for name in filter(None, args.speculators.split(",")):
+        for quantization in _quantizations(args.draft_quantization) if name not in ("ngram", "eagle") else [None]:
+            speculators[name, quantization] = _speculator(name, model, tokenizer, quantization, model_name=args.model)
+    _calibrate(args, model, speculators.values(), explicit=True)
+    print(describe(load_profile(model)))
+    return 0
+
+
 def cmd_run(args) -> int:
     """Speculative generation on the embedded default model, timed against plain generate in the same run: each
     speculator on a grounded and an open-chat prompt (or on `--prompt`), and which one is best on each."""
@@ -97,6 +125,7 @@ def cmd_run(args) -> int:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, dtype=_dtype(args), device=args.device)
     speculators = _run_speculators(args, model, tokenizer)
+    _calibrate(args, model, speculators.values())
     tree = {}
     if args.tree:
         if not any(getattr(s, "supports_trees", False) for s in speculators.values()):
@@ -229,10 +258,11 @@ def cmd_bench(args) -> int:
     trees = _tree_shapes(args.trees)
     if trees and not any(getattr(s, "supports_trees", False) for s in speculators.values()):
         raise SystemExit("--trees needs a speculator that drafts trees (an EAGLE head directory in --speculators)")
+    _calibrate(args, model, speculators.values())
     results = run_bench(model, tokenizer, speculators, [int(b) for b in args.batch_sizes.split(",")],
                         args.workloads.split(","), args.max_new_tokens, args.k, args.repeats,
                         schedule=args.schedule, assisted=not args.no_assisted, trees=trees,
-                        tree_depth=args.tree_depth)
+                        tree_depth=args.tree_depth, uncalibrated=args.compare_calibration)
     meta = {"model": args.model, "speculators": list(speculators), "k": args.k, "trees": args.trees,
             "tree_depth": args.tree_depth, "max_new_tokens": args.max_new_tokens,
             "repeats": args.repeats, "schedule": args.schedule, "command": "hf-specdec bench " + " ".join(sys.argv[2:]),
@@ -322,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     run.add_argument("--tree", default=None, metavar="NODESxBRANCHING",
                      help="draft trees of this shape (EAGLE heads), -k deep, e.g. 16x4")
+    run.add_argument("--no-calibrate", action="store_true", help="skip measuring this host's costs at start")
     run.set_defaults(func=cmd_run)
 
     bench = sub.add_parser("bench", help="benchmark plain, transformers-assisted and hf_specdec generation")
@@ -346,6 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--trees", default="", help="draft-tree shapes NODESxBRANCHING, comma-separated (e.g. "
                        "16x4,32x4): each also runs with every speculator that drafts trees (EAGLE heads)")
     bench.add_argument("--tree-depth", type=int, default=5, help="num_speculative_tokens (the depth) of --trees runs")
+    bench.add_argument("--no-calibrate", action="store_true", help="skip measuring this host's costs at start")
+    bench.add_argument("--compare-calibration", action="store_true", help="also run each hf_specdec configuration "
+                       "with speculative_calibration=False (static default costs, stock linear layers)")
     bench.set_defaults(func=cmd_bench)
 
     gen = sub.add_parser("generate", help="stream one prompt's speculative generation")
@@ -369,6 +403,17 @@ def build_parser() -> argparse.ArgumentParser:
     structured.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression")
     structured.add_argument("--grammar", metavar="FILE", help="the output follows this EBNF grammar (root rule: root)")
     gen.set_defaults(func=cmd_generate)
+
+    cal = sub.add_parser("calibrate", help="measure and cache this host's costs for a model (adaptive k, drafts, "
+                         "linear layers); run, bench and the demo do it at start")
+    _add_model_arguments(cal)
+    cal.add_argument("--speculators", default="", help="comma-separated draft models or heads whose draft cost to "
+                     "measure too: 'eagle', 'ngram+eagle', head directories, draft models")
+    cal.add_argument("--draft-quantization", default="none", help="comma-separated: 'none' and/or "
+                     f"{', '.join(QUANTIZATIONS)} (draft models)")
+    cal.add_argument("--threads", type=int, default=None, help="torch CPU threads (part of the profile's key)")
+    cal.add_argument("--force", action="store_true", help="measure again even where a profile is cached")
+    cal.set_defaults(func=cmd_calibrate)
 
     convert = sub.add_parser("convert-eagle", help="convert a published EAGLE-1/2 or EAGLE-3 head (see docs/eagle.md)")
     _add_convert_arguments(convert, "model.safetensors or pytorch_model.bin", "EAGLE-3")

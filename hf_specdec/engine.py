@@ -19,7 +19,8 @@ from contextlib import ExitStack
 
 import torch
 
-from .adaptive import DEFAULT_STEP_COST, AdaptiveK, StepCost
+from .adaptive import AdaptiveK, StepCost
+from .calibration import adaptive_costs, host_linear, report_idle
 from .block_manager import OutOfBlocksError
 from .logits import LogitsProcessing
 from .metrics import SpeculativeMetrics, logger
@@ -43,17 +44,18 @@ class SpeculativeEngine:
         max_num_blocks (`int`, *optional*): cap on the target's KV pool; a batch that cannot fit is refused.
         schedule (`str`): `"adaptive"` picks k in `[0, num_speculative_tokens]` each step from the acceptance seen so
             far (see `adaptive.py`); `"constant"` always drafts `num_speculative_tokens`.
-        step_cost (`StepCost`, *optional*): adaptive k's model of a target forward's cost; defaults to one measured
-            for the model's device type.
+        step_cost (`StepCost`, *optional*): adaptive k's model of a target forward's cost; defaults to the cached
+            profile of this host (`calibration.py`), else one measured for the model's device type.
         tree_nodes (`int`, *optional*): draft trees instead of chains: the speculator proposes up to this many nodes
             per row, at most `num_speculative_tokens` deep, and one forward verifies them all (see `_tree_step`).
             Trees use a fixed shape: `schedule` must be `"constant"`.
         tree_branching (`int`): children a tree node may get (the speculator's top-k per expansion).
+        calibration (`bool`): use this host's cached profile (measured costs, the small-row linear form), if any.
     """
 
     def __init__(self, model, speculator: Speculator, num_speculative_tokens: int, block_size: int = 16,
                  max_num_blocks: int | None = None, schedule: str = "adaptive", step_cost: StepCost | None = None,
-                 tree_nodes: int | None = None, tree_branching: int = 4):
+                 tree_nodes: int | None = None, tree_branching: int = 4, calibration: bool = True):
         if schedule not in ("adaptive", "constant"):
             raise ValueError(f"speculative_schedule must be 'adaptive' or 'constant', got {schedule!r}")
         if tree_nodes is not None:
@@ -71,6 +73,7 @@ class SpeculativeEngine:
         self.step_cost = step_cost
         self.tree_nodes = tree_nodes
         self.tree_branching = tree_branching
+        self.calibration = calibration
 
     def generate(self, input_ids, attention_mask, max_new_tokens: int, do_sample: bool, logits_processor=None,
                  stopping_criteria=None, eos_token_ids=None, pad_token_id: int = 0, streamer=None,
@@ -95,16 +98,16 @@ class SpeculativeEngine:
         self._check_pool_fits(batch.lengths, max_new_tokens)
         num_generated = [0] * len(batch.lengths)
         self._policy = None
-        if self.schedule == "adaptive":
-            cost = self.step_cost
-            if cost is None:
-                cost = DEFAULT_STEP_COST.get(self.model.device.type, DEFAULT_STEP_COST["cuda"])
-            self._policy = AdaptiveK(len(batch.lengths), self.k, cost, self.speculator.relative_cost(self.model),
+        if self.schedule == "adaptive":  # costs are read from the cache, never timed here: seeded calls reproduce
+            cost, draft_cost, cost_source = adaptive_costs(self.model, self.speculator, self.step_cost,
+                                                           self.calibration)
+            self._policy = AdaptiveK(len(batch.lengths), self.k, cost, draft_cost,
                                      priors=self.speculator.confidence_priors)
         stop = StopRules(stopping_criteria, eos_token_ids)
         target = ModelRunner(self.model, block_size=self.block_size, max_num_blocks=self.max_num_blocks)
         with ExitStack() as stack:
             stack.enter_context(paged_attention(self.model))
+            stack.enter_context(host_linear(self.model, self.speculator, self.calibration))
             for row in batch.active:
                 target.add_sequence(row)
             self.speculator.begin(self.model, batch)
@@ -124,7 +127,10 @@ class SpeculativeEngine:
             streamer.end()
         metrics.num_emitted_tokens = sum(num_generated)
         metrics.total_time_s = time.perf_counter() - start
+        metrics.k_per_step = list(self._policy.chosen) if self._policy is not None else [self.k] * metrics.num_steps
         logger.info(metrics.summary())
+        if self._policy is not None:
+            report_idle(self._policy, self.model, self.speculator, cost_source)
         return self._sequences(input_ids, batch, num_generated, pad_token_id), metrics
 
     def _step(self, batch, target, stop, budget, metrics, pad_token_id) -> tuple[list[int], list[int]]:

@@ -99,7 +99,7 @@ def _check_tree(nodes, branching, schedule) -> tuple[int | None, int]:
 
 def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=None, speculative_schedule=None,
                           speculative_step_cost=None, speculative_tree_nodes=None, speculative_tree_branching=None,
-                          grammar=None, **kwargs):
+                          grammar=None, speculative_calibration=None, **kwargs):
     if grammar is not None and speculator is None:  # plain constrained decoding, through xgrammar's own processor
         compiled = compile_grammars(grammar, 1 if isinstance(grammar, Grammar) else len(grammar),
                                     kwargs.get("tokenizer"), _vocab_size(self), _eos_ids(self, kwargs))
@@ -112,7 +112,8 @@ def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=N
                             ("speculative_schedule", speculative_schedule),
                             ("speculative_step_cost", speculative_step_cost),
                             ("speculative_tree_nodes", speculative_tree_nodes),
-                            ("speculative_tree_branching", speculative_tree_branching)):
+                            ("speculative_tree_branching", speculative_tree_branching),
+                            ("speculative_calibration", speculative_calibration)):
             if value is not None:
                 raise ValueError(f"{name}= only applies together with speculator=")
         return _speculative_generate.original(self, *args, **kwargs)
@@ -135,6 +136,9 @@ def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=N
                         f"got {type(speculative_step_cost).__name__}")
     if speculative_step_cost is not None and schedule != "adaptive":
         raise ValueError("speculative_step_cost= only applies to speculative_schedule='adaptive'")
+    if speculative_calibration not in (None, True, False):
+        raise TypeError(f"speculative_calibration must be True (use this host's cached profile, the default) or "
+                        f"False (static defaults), got {speculative_calibration!r}")
     for name in _OWN_OPTIONS:
         if kwargs.get(name) is not None:
             raise ValueError(
@@ -162,13 +166,14 @@ def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=N
     def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
         return _decode(model, spec, k, schedule, speculative_step_cost, input_ids, logits_processor,
                        stopping_criteria, generation_config, streamer, model_kwargs, (tree_nodes, tree_branching),
-                       constraint)
+                       constraint, calibration=speculative_calibration is not False)
 
     return _speculative_generate.original(self, *args, custom_generate=decode, **kwargs)
 
 
 def _decode(model, speculator, k, schedule, step_cost, input_ids, logits_processor, stopping_criteria,
-            generation_config, streamer, model_kwargs, tree=(None, DEFAULT_TREE_BRANCHING), constraint=(None, None)):
+            generation_config, streamer, model_kwargs, tree=(None, DEFAULT_TREE_BRANCHING), constraint=(None, None),
+            calibration=True):
     config = generation_config
     if config.num_beams > 1:
         raise ValueError(f"speculative decoding does not support beam search (num_beams={config.num_beams}); "
@@ -201,7 +206,7 @@ def _decode(model, speculator, k, schedule, step_cost, input_ids, logits_process
     logits_processor, constraints = _constraints(model, speculator, input_ids.shape[0], logits_processor,
                                                  constraint, config)
     engine = SpeculativeEngine(model, speculator, k, schedule=schedule, step_cost=step_cost, tree_nodes=tree[0],
-                               tree_branching=tree[1])
+                               tree_branching=tree[1], calibration=calibration)
     sequences, metrics = engine.generate(
         input_ids, model_kwargs.get("attention_mask"), max_new_tokens, config.do_sample, logits_processor,
         stopping_criteria, eos.flatten() if eos is not None else None, pad_token_id, streamer, constraints,

@@ -10,6 +10,9 @@ import torch
 # be set before any kernel module is imported (triton reads it when it decorates a kernel).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tests never read or write this host's calibration profiles (~/.cache/hf_specdec/calibration): adaptive k sees the
+# static default costs, and `run`/`bench` do not measure at start. tests/test_calibration.py turns it on in tmp_path.
+os.environ.setdefault("HF_SPECDEC_CALIBRATION", "off")
 
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402

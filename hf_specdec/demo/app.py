@@ -194,6 +194,10 @@ def launch(args: argparse.Namespace, gpu: Callable | None = None) -> int:
     limits = DemoLimits(max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens)
     session = DemoSession.load(args.model, args.draft, args.eagle, device=device, limits=limits)
     if args.warm_up:
+        from ..calibration import calibrate, enabled
+
+        if enabled():
+            calibrate(session.model, [s for s in session.speculators.values() if not isinstance(s, str)])
         session.warm_up()
     app = build_app(session, gpu)
     app.queue(default_concurrency_limit=1, max_size=32)  # one generation at a time keeps timings honest

@@ -1,0 +1,39 @@
+"""Does computing linear layers as `(W @ x.T).T` (calibration.py's small-row form) keep greedy output equal to plain
+`generate` in float32? SmolLM2-135M-Instruct, the bench's prompts, n-gram and a constant k so every verify runs
+the form at 2+ rows; the form is forced at every row count, whatever this host's profile says. No timing.
+
+    python benchmarks/thin_linear_equality.py [MAX_NEW_TOKENS]
+"""
+import sys
+from contextlib import contextmanager
+
+import torch
+
+import hf_specdec.engine
+from hf_specdec import calibration
+from hf_specdec.models import load_model
+from hf_specdec.workloads import GROUNDED, OPEN_CHAT, chat_inputs
+
+max_new_tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 64
+model, tok = load_model()
+
+
+@contextmanager
+def every_row_count(model, speculator=None, use_profile=True):
+    with calibration.thin_linear([model], range(1, 4097)):
+        yield
+
+
+hf_specdec.engine.host_linear = every_row_count
+same = 0
+prompts = {**GROUNDED, **OPEN_CHAT}
+for name, prompt in prompts.items():
+    inputs = chat_inputs(tok, [prompt])
+    plain = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, speculator="ngram",
+                         num_speculative_tokens=4, speculative_schedule="constant")
+    equal = torch.equal(out, plain)
+    same += equal
+    fork = "" if equal else f", first difference at new token {int((out[0] != plain[0]).nonzero()[0]) - inputs['input_ids'].shape[1]}"
+    print(f"{name}: identical={equal}{fork}", flush=True)
+print(f"{same} of {len(prompts)} identical")

@@ -1,0 +1,382 @@
+"""Measured costs: what a target forward and a draft token cost on this host, measured once and cached.
+
+A profile is measured once per (device, model configuration, dtype, CPU threads, torch version) by `calibrate` (the
+`hf-specdec calibrate` command; `run`, `bench` and the demo call it at start) and stored as JSON under
+`$HF_SPECDEC_CACHE/calibration` (default `~/.cache/hf_specdec/calibration`). It holds:
+- the target's step cost (`StepCost.measure`), which adaptive k prices verification with;
+- each speculator's cost per drafted token, timed from its own proposals in a short speculative call and divided by
+  the target's plain step, so a quantized or small draft, or a head, is priced by what it costs here;
+- the row counts at which this host's BLAS runs a linear layer faster as `(W @ x.T).T` than as `F.linear` (MKL over
+  2-3 rows; benchmarks/small_row_linear.py). `host_linear` computes our forwards' linear layers that way.
+
+`generate(..., speculator=...)` uses the cached profile of its target when there is one (`speculative_calibration=
+False`, or `HF_SPECDEC_CALIBRATION=off`, uses the static defaults instead) and falls back to `DEFAULT_STEP_COST` and
+the speculator's parameter-count estimate. A `generate` call never times anything: it only reads the file, so
+seeded calls are reproducible. Adaptive k's choices (which change how many random numbers a sampled call draws)
+depend on the prompts, the acceptance seen so far and the profile, and the profile is fixed until `calibrate` is run
+again. To pin a seeded run across re-calibrations, pass `speculative_step_cost=` or `speculative_calibration=False`.
+A corrupt or foreign file is ignored with a warning (and rewritten by the next `calibrate`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+
+from .adaptive import DEFAULT_STEP_COST, StepCost
+
+logger = logging.getLogger("hf_specdec")
+
+FORMAT, VERSION = "hf_specdec-calibration", 1
+LINEAR_ROWS = (1, 2, 3, 4, 6, 8)  # rows of a linear layer's input timed both ways
+LINEAR_MARGIN = 0.8  # `(W @ x.T).T` must take at most this fraction of F.linear's time to be used
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One host's measured costs for one model.
+
+    Attributes:
+        key: what the measurement depends on (`profile_key`).
+        step_cost: the target's forward cost.
+        thin_linear_rows: input row counts at which `(W @ x.T).T` beat `F.linear` (empty: never).
+        draft_costs: per speculator (`speculator_key`), the cost of one drafted token relative to a plain step.
+        details: what was measured, for people (timings, seconds taken).
+    """
+
+    key: dict
+    step_cost: StepCost
+    thin_linear_rows: tuple[int, ...] = ()
+    draft_costs: dict[str, float] = field(default_factory=dict)
+    details: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "key": self.key,
+                "step_cost": {"per_row": self.step_cost.per_row, "points": [list(p) for p in self.step_cost.points],
+                              "per_context_token": self.step_cost.per_context_token},
+                "thin_linear_rows": list(self.thin_linear_rows), "draft_costs": self.draft_costs,
+                "details": self.details}
+
+    @classmethod
+    def from_json(cls, data: dict, key: dict) -> Profile:
+        """Raises `ValueError` unless `data` is a profile of this format and version for exactly `key`."""
+        if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
+            raise ValueError("not an hf_specdec calibration profile of this version")
+        if data.get("key") != key:
+            raise ValueError("measured for another device, model, dtype or thread count")
+        cost = data["step_cost"]
+        step_cost = StepCost(per_row=float(cost["per_row"]), per_context_token=float(cost["per_context_token"]),
+                             points=tuple((float(n), float(t)) for n, t in cost["points"]))
+        draft_costs = {str(k): float(v) for k, v in data.get("draft_costs", {}).items()}
+        if not all(v >= 0.0 for v in draft_costs.values()):
+            raise ValueError("negative draft cost")
+        rows = tuple(int(r) for r in data.get("thin_linear_rows", ()))
+        return cls(key, step_cost, rows, draft_costs, dict(data.get("details", {})))
+
+
+def enabled() -> bool:
+    """Whether `generate` uses cached profiles (`HF_SPECDEC_CALIBRATION=off` turns it off)."""
+    return os.environ.get("HF_SPECDEC_CALIBRATION", "on").lower() not in ("0", "off", "false", "no")
+
+
+def thin_linear_enabled() -> bool:
+    """Whether `host_linear` may switch linear layers to `(W @ x.T).T` (`HF_SPECDEC_THIN_LINEAR=off` stops it)."""
+    return os.environ.get("HF_SPECDEC_THIN_LINEAR", "on").lower() not in ("0", "off", "false", "no")
+
+
+# Keys -------------------------------------------------------------------------------------------------------------
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{device.type}:{name}"
+
+
+def _module_fingerprint(module: torch.nn.Module) -> str:
+    """A digest of what a module's cost depends on: its class, configuration and parameters' types, dtypes and
+    shapes (not their values), so a quantized copy differs from the original and a retrained one does not."""
+    config = getattr(module, "config", None)
+    if hasattr(config, "to_dict"):
+        config = config.to_dict()
+    if isinstance(config, dict):  # names, paths and library versions do not change the cost
+        config = {k: v for k, v in config.items() if not k.startswith("_") and k not in (
+            "transformers_version", "name_or_path", "dtype", "torch_dtype", "architectures")}
+    params = Counter((type(p).__name__, str(p.dtype), tuple(p.shape)) for p in module.parameters())
+    text = json.dumps([type(module).__name__, config, sorted(map(list, params.items()))], sort_keys=True,
+                      default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def profile_key(model) -> dict:
+    """What a target's profile depends on: device, model configuration and parameters, dtype, threads, torch."""
+    return {"device": _device_name(model.device), "model": _module_fingerprint(model), "dtype": str(model.dtype),
+            "threads": torch.get_num_threads() if model.device.type == "cpu" else None, "torch": torch.__version__}
+
+
+def _speculator_modules(speculator) -> list[torch.nn.Module]:
+    """The modules a speculator runs (a draft model, a head), found in its attributes and its parts'."""
+    from .speculators.base import Speculator
+
+    found = []
+    for value in vars(speculator).values():
+        if isinstance(value, torch.nn.Module):
+            found.append(value)
+        elif isinstance(value, Speculator):
+            found += _speculator_modules(value)
+    return found
+
+
+def speculator_key(speculator) -> str | None:
+    """A digest of a speculator's class and modules; None for one that runs no module (n-gram lookup)."""
+    modules = _speculator_modules(speculator)
+    if not modules:
+        return None
+    return hashlib.sha256(json.dumps([type(speculator).__name__, *map(_module_fingerprint, modules)]).encode()
+                          ).hexdigest()[:24]
+
+
+# The cache --------------------------------------------------------------------------------------------------------
+def profile_path(model):
+    from .models import cache_dir
+
+    digest = hashlib.sha256(json.dumps(profile_key(model), sort_keys=True).encode()).hexdigest()[:24]
+    return cache_dir() / "calibration" / f"{digest}.json"
+
+
+_loaded: dict[tuple, Profile | None] = {}  # (path, mtime, size) -> profile, so a call reads the file at most once
+
+
+def load_profile(model) -> Profile | None:
+    """The cached profile for `model` on this host, or None. A file that cannot be read as this model's profile is
+    ignored with a warning (once per file version)."""
+    path = profile_path(model)
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    memo = (str(path), stat.st_mtime_ns, stat.st_size)
+    if memo not in _loaded:
+        try:
+            _loaded[memo] = Profile.from_json(json.loads(path.read_text()), profile_key(model))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as error:
+            logger.warning(f"ignoring the calibration profile {path}: {error}; `hf-specdec calibrate` (or "
+                           "hf_specdec.calibration.calibrate(model)) measures it again")
+            _loaded[memo] = None
+    return _loaded[memo]
+
+
+def save_profile(model, profile: Profile):
+    """Writes `profile` as `model`'s cached profile (atomically) and returns its path."""
+    path = profile_path(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.partial")
+    partial.write_text(json.dumps(profile.to_json(), indent=1))
+    partial.replace(path)
+    return path
+
+
+# What a call uses -------------------------------------------------------------------------------------------------
+def adaptive_costs(model, speculator, step_cost: StepCost | None = None, use_profile: bool = True
+                   ) -> tuple[StepCost, float, str]:
+    """Adaptive k's `(step cost, draft cost per token, where they came from)` for a call: an explicit `step_cost`
+    first, then the cached profile, then the static defaults. Reads, never measures."""
+    profile = load_profile(model) if use_profile and enabled() else None
+    sources = []
+    if step_cost is not None:
+        sources.append("the step cost passed as speculative_step_cost")
+    elif profile is not None:
+        step_cost = profile.step_cost
+        sources.append(f"the step cost measured on this host ({profile_path(model)})")
+    else:
+        step_cost = DEFAULT_STEP_COST.get(model.device.type, DEFAULT_STEP_COST["cuda"])
+        sources.append(f"the static default step cost for {model.device.type} (`hf-specdec calibrate` measures "
+                       "this host's)")
+    key = speculator_key(speculator)
+    if key is None:
+        draft_cost = speculator.relative_cost(model)
+    elif profile is not None and key in profile.draft_costs:
+        draft_cost = profile.draft_costs[key]
+        sources.append("the draft cost measured on this host")
+    else:
+        draft_cost = speculator.relative_cost(model)
+        sources.append("a draft cost estimated from parameter counts")
+    return step_cost, draft_cost, ", ".join(sources)
+
+
+_reported: set[tuple] = set()  # (model, speculator class, cost source) already warned about in this process
+
+
+def report_idle(policy, model, speculator, cost_source: str) -> None:
+    """Logs, at WARNING the first time per model, speculator class and cost source (INFO after that), why adaptive
+    k kept drafting off for most of a call, and how to force drafting."""
+    explanation = policy.idle_explanation()
+    if explanation is None:
+        return
+    key = (_module_fingerprint(model), type(speculator).__name__, cost_source)
+    level = logging.INFO if key in _reported else logging.WARNING
+    _reported.add(key)
+    logger.log(level, f"{type(speculator).__name__}: {explanation} (costs from {cost_source}). The output is "
+               "still exact; pass speculative_schedule='constant' to draft num_speculative_tokens every step anyway.")
+
+
+@contextmanager
+def host_linear(model, speculator=None, use_profile: bool = True):
+    """For the duration, `model`'s and the speculator's linear layers run as `(W @ x.T).T` for the input row counts
+    where the cached profile found that faster (`thin_linear`); nothing changes without a profile."""
+    profile = load_profile(model) if use_profile and enabled() and thin_linear_enabled() else None
+    if profile is None or not profile.thin_linear_rows:
+        yield
+        return
+    modules = [model, *(_speculator_modules(speculator) if speculator is not None else [])]
+    with thin_linear(modules, profile.thin_linear_rows):
+        yield
+
+
+def _thin_forward(linear: torch.nn.Linear, rows: frozenset[int]):
+    def forward(x):
+        if x.dim() == 0 or x.numel() // x.shape[-1] not in rows:
+            return F.linear(x, linear.weight, linear.bias)
+        y = (linear.weight @ x.reshape(-1, x.shape[-1]).t()).t()  # the same product, another BLAS call shape
+        if linear.bias is not None:
+            y = y + linear.bias
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+    return forward
+
+
+@contextmanager
+def thin_linear(modules, rows):
+    """Within the block, every plain `torch.nn.Linear` (full-precision weight on the CPU) inside `modules` computes
+    inputs of `rows` rows as `(W @ x.T).T`; restored on exit. Quantized or wrapped layers are left alone."""
+    rows = frozenset(rows)
+    patched = []
+    try:
+        for module in {id(m): m for root in modules for m in root.modules()}.values():
+            if (type(module) is torch.nn.Linear and type(module.weight) is torch.nn.Parameter
+                    and module.weight.device.type == "cpu" and module.weight.is_floating_point()
+                    and "forward" not in vars(module)):
+                module.forward = _thin_forward(module, rows)
+                patched.append(module)
+        yield
+    finally:
+        for module in patched:
+            del module.forward
+
+
+# Measuring --------------------------------------------------------------------------------------------------------
+def _median_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+def measure_thin_linear(model, rows: tuple[int, ...] = LINEAR_ROWS, repeats: int = 9) -> tuple[tuple[int, ...], dict]:
+    """Times the model's linear layers (one of each weight shape, weighted by how many layers have it) over `rows`
+    input rows as `F.linear` and as `(W @ x.T).T`; returns the row counts where the second took at most
+    `LINEAR_MARGIN` of the first, and the timings."""
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and type(m.weight) is torch.nn.Parameter
+              and m.weight.is_floating_point()]
+    if model.device.type != "cpu" or not layers:
+        return (), {}
+    shapes = Counter(tuple(m.weight.shape) for m in layers)
+    weights = {tuple(m.weight.shape): m.weight for m in layers}
+    stock, thin = {}, {}
+    with torch.no_grad():
+        for r in rows:
+            stock[r] = thin[r] = 0.0
+            for shape, count in shapes.items():
+                w = weights[shape]
+                x = torch.randn(r, shape[1], dtype=w.dtype)
+                stock[r] += count * _median_ms(lambda: F.linear(x, w), repeats)
+                thin[r] += count * _median_ms(lambda: (w @ x.t()).t(), repeats)
+    faster = tuple(r for r in rows if thin[r] <= LINEAR_MARGIN * stock[r])
+    return faster, {"linear_ms": {str(r): [round(stock[r], 3), round(thin[r], 3)] for r in rows}}
+
+
+def measure_draft_cost(model, speculator, profile: Profile, k: int = 4, max_new_tokens: int = 24,
+                       prompt_tokens: int = 64) -> tuple[float, dict]:
+    """Times a speculator's own proposals in a short greedy call at batch 1 (constant k, a random prompt) and
+    returns `(drafting time per drafted token / the target's plain step, timings)`."""
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(min(vocab, 1000), (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(model.device)
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, speculator=speculator,
+                  num_speculative_tokens=k, speculative_schedule="constant", return_dict_in_generate=True)
+    model.generate(ids, max_new_tokens=4, **kwargs)  # warm-up
+    metrics = [model.generate(ids, max_new_tokens=max_new_tokens, **kwargs).speculative_metrics for _ in range(2)]
+    drafted = sum(m.num_draft_tokens for m in metrics)
+    ms_per_token = 1000 * sum(m.draft_time_s for m in metrics) / max(drafted, 1)
+    context = prompt_tokens + max_new_tokens // 2
+    plain_ms = float(profile.step_cost(1, torch.ones((), dtype=torch.float64), context))
+    return ms_per_token / plain_ms, {"draft_ms_per_token": round(ms_per_token, 3), "plain_step_ms": round(plain_ms, 3)}
+
+
+def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] = (1, 4, 16),
+              tokens: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12), contexts: tuple[int, ...] = (64, 256),
+              repeats: int = 3, linear_rows: tuple[int, ...] = LINEAR_ROWS, progress=None) -> Profile:
+    """Returns `model`'s profile on this host, measuring what the cache lacks (everything with `force`): the small-row
+    linear form, the step cost (with that form in use), and each of `speculators`' draft cost. The global random
+    state is left as it was. `progress`: a function taking a message, called before each measurement."""
+    from .generation import resolve_speculator
+
+    say = progress or (lambda message: None)
+    profile = None if force else load_profile(model)
+    with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []), torch.no_grad():
+        if profile is None:
+            start = time.perf_counter()
+            say(f"measuring linear layers over {', '.join(map(str, linear_rows))} rows")
+            thin_rows, details = measure_thin_linear(model, linear_rows)
+            thin_rows = thin_rows if thin_linear_enabled() else ()
+            say(f"measuring target forwards (batch {', '.join(map(str, rows))})")
+            with thin_linear([model], thin_rows):
+                step_cost = StepCost.measure(model, rows, tokens, contexts, repeats)
+            details["seconds"] = round(time.perf_counter() - start, 1)
+            profile = Profile(profile_key(model), step_cost, thin_rows, {}, details)
+            save_profile(model, profile)
+        for spec in speculators:
+            spec = resolve_speculator(spec)
+            key = speculator_key(spec)
+            if key is None or (key in profile.draft_costs and not force):
+                continue
+            say(f"measuring {type(spec).__name__}'s drafts")
+            cost, timings = measure_draft_cost(model, spec, profile)
+            # A head is cast to the target's dtype when a call begins, which changes its key: file it under both.
+            keys = dict.fromkeys([key, speculator_key(spec)])
+            profile = replace(profile, draft_costs={**profile.draft_costs, **{k: round(cost, 4) for k in keys}},
+                              details={**profile.details, f"draft {key}": {"speculator": type(spec).__name__,
+                                                                            **timings}})
+            save_profile(model, profile)
+    return profile
+
+
+def describe(profile: Profile) -> str:
+    """A few lines saying what a profile holds, in plain steps."""
+    cost = profile.step_cost
+    lines = []
+    for rows in (1, 4, 16):
+        relative = [float(cost.relative(rows, torch.tensor(float(q)), rows * 128)) for q in (2, 3, 4, 6)]
+        lines.append(f"  batch {rows}: a forward of 2 / 3 / 4 / 6 tokens per row costs "
+                     f"{' / '.join(f'{r:.2f}' for r in relative)} plain steps (128 cached tokens per row)")
+    lines.append(f"  linear layers as (W @ x.T).T at {list(profile.thin_linear_rows) or 'no'} input rows")
+    for key, value in profile.draft_costs.items():
+        name = profile.details.get(f"draft {key}", {}).get("speculator", key)
+        lines.append(f"  {name} ({key[:8]}): a drafted token costs {value:.3f} plain steps")
+    return "\n".join(lines)
