@@ -1,0 +1,298 @@
+"""The stages of `gpu_check.py` after the install: each takes a `Context`, returns what it measured as a dict, and
+raises `StageError` (or anything else) when it fails. On a GPU they run the embedded SmolLM2 model in bfloat16; in a
+dry run, tiny random-init models on the CPU, so the same code paths run in CI in seconds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+EMBEDDED = "smollm2-135m-instruct"
+BATCH_SIZES = "1,4,16,64"
+# The kernels' targets (docs/kernels.md): rejection sampling at 60% or more of copy bandwidth and faster than the
+# reference; attention at least as fast as SDPA over contiguous KV; the sampling warpers faster than the reference.
+MIN_FRACTION_OF_COPY = 0.6
+EAGLE_CONFIG_NAME = "eagle_config.json"  # hf_specdec.speculators.heads.CONFIG_NAME, read before hf_specdec imports
+
+
+class StageError(RuntimeError):
+    """A stage ran but what it checks failed; the message says what."""
+
+
+@dataclass
+class Context:
+    out: Path  # what comes back: the JSON, the Markdown, the bench plot
+    work: Path  # scratch: test reports, training sets, bench JSON
+    dry_run: bool
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.dry_run else "cuda"
+
+    def target(self) -> str:
+        """The target model: the embedded SmolLM2, or a tiny random-init model saved in `work`."""
+        return str(tiny_models(self.work)[0]) if self.dry_run else EMBEDDED
+
+    def draft(self) -> str:
+        """The draft model for the quantized-draft runs: the target itself (SmolLM2 against its own quantized
+        copies, as docs/benchmarks.md), or a second tiny model."""
+        return str(tiny_models(self.work)[1]) if self.dry_run else EMBEDDED
+
+
+# --- 1. tests ---------------------------------------------------------------------------------------------------------
+def run_tests(ctx: Context) -> dict:
+    """The suite's GPU tests (`-m gpu`) and the kernel tests, compiled on a GPU (TRITON_INTERPRET unset). A dry run
+    runs the GPU tests of tests/test_gpu_check.py (they skip on a CPU) and the kernel tests' hand-written cases under
+    the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HF_SPECDEC_KERNEL_BACKEND")}
+    if ctx.dry_run:
+        env["TRITON_INTERPRET"] = "1"
+        runs = {"gpu": ["-m", "gpu", "tests/test_gpu_check.py"],
+                "kernels": ["tests/test_kernels.py", "-k", "greedy_cases or sampled_cases"]}
+    else:
+        marked = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py")
+                        if "pytest.mark.gpu" in p.read_text())
+        runs = {"gpu": ["-m", "gpu", *marked], "kernels": ["tests/test_kernels.py"]}
+    results, failures = {}, []
+    for name, args in runs.items():
+        report = ctx.work / f"tests_{name}.xml"
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+                               *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        counts = junit_counts(report) if report.is_file() else {}
+        results[name] = {"args": args, "exit_code": proc.returncode, **counts,
+                         "output_tail": proc.stdout.strip().splitlines()[-15:]}
+        problem = judge_tests(proc.returncode, counts, allow_skips=ctx.dry_run)
+        if problem:
+            failures.append(f"pytest {' '.join(args)}: {problem}")
+    if failures:
+        raise StageError("; ".join(failures))
+    return results
+
+
+def junit_counts(report: Path) -> dict:
+    """Test counts from a JUnit XML report, with the reason of every skip."""
+    root = ElementTree.parse(report).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
+    counts["skip_reasons"] = sorted({s.get("message", "") for s in root.iter("skipped")})
+    return counts
+
+
+def judge_tests(exit_code: int, counts: dict, allow_skips: bool) -> str | None:
+    """Why a pytest run failed the stage, or None: an error exit, no test run, or (on a GPU) any test skipped."""
+    if not counts:
+        return f"no report (exit code {exit_code})"
+    ran = counts["tests"] - counts["skipped"]
+    if counts["tests"] == 0:
+        return "collected no test"
+    if exit_code != 0 or counts["failures"] or counts["errors"]:
+        return f"{counts['failures']} failed, {counts['errors']} errors (exit code {exit_code})"
+    if ran == 0 and not allow_skips:
+        return "every test skipped"
+    if counts["skipped"] and not allow_skips:
+        return f"{counts['skipped']} skipped on the GPU: {'; '.join(counts['skip_reasons'])}"
+    return None
+
+
+# --- 2. kernels -------------------------------------------------------------------------------------------------------
+def run_kernels(ctx: Context) -> dict:
+    """Each kernel's benchmark at the target shapes (tiny shapes in a dry run), with the target each must meet."""
+    from hf_specdec.kernels._backend import interpreting
+    from hf_specdec.kernels.bench import run
+
+    if not ctx.dry_run and interpreting():
+        raise StageError("TRITON_INTERPRET is set: the kernels would run interpreted, not compiled")
+    rows = run(smoke=ctx.dry_run)
+    for row in rows:
+        row["target"], row["meets_target"] = kernel_target(row)
+    import triton
+
+    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (interpreter)",
+            "triton": triton.__version__, "torch": torch.__version__, "rows": rows,
+            "below_target": [f"{r['op']} ({r['case']})" for r in rows if not r["meets_target"]]}
+
+
+def kernel_target(row: dict) -> tuple[str, bool]:
+    if row["op"] == "rejection_sample":
+        return (f">= {MIN_FRACTION_OF_COPY:.0%} of copy bandwidth, faster than the reference",
+                row["fraction_of_copy"] >= MIN_FRACTION_OF_COPY and row["speedup"] >= 1)
+    if row["op"] == "paged_attention":
+        return "at least as fast as SDPA on contiguous KV", row["speedup_vs_sdpa"] >= 1
+    return "faster than the sorting reference", row["speedup"] >= 1
+
+
+# --- 3. step cost -----------------------------------------------------------------------------------------------------
+def run_step_cost(ctx: Context) -> dict:
+    """`StepCost.measure` on the target, printed as the `DEFAULT_STEP_COST` entry it should replace."""
+    from hf_specdec.adaptive import DEFAULT_STEP_COST, StepCost
+    from hf_specdec.models import load_causal_lm
+
+    if ctx.dry_run:
+        model = load_causal_lm(ctx.target(), dtype=torch.float32)
+        cost = StepCost.measure(model, rows=(1, 2), tokens=(1, 2, 4), contexts=(8,), repeats=1)
+    else:
+        model = load_causal_lm(EMBEDDED, dtype=torch.bfloat16, device="cuda")
+        cost = StepCost.measure(model, rows=(1, 4, 16, 64))
+    key = "cpu" if ctx.dry_run else "cuda"
+    literal = step_cost_literal(key, cost)
+    print(literal)
+    compare = {}
+    for rows in (1, 16, 64):
+        for tokens in (2, 6, 11):
+            n = torch.tensor(float(tokens))
+            compare[f"{rows}x{tokens}"] = {"measured": round(float(cost.relative(rows, n)), 3),
+                                           "default": round(float(DEFAULT_STEP_COST[key].relative(rows, n)), 3)}
+    return {"model": ctx.target(), "literal": literal, "relative_to_a_decode_step": compare}
+
+
+def step_cost_literal(key: str, cost) -> str:
+    """The `DEFAULT_STEP_COST` entry for `cost`, as Python source."""
+    points = ", ".join(f"({n:g}, {t:.4g})" for n, t in cost.points)
+    return (f'"{key}": StepCost(per_row={cost.per_row:.4g}, per_context_token={cost.per_context_token:.4g}, '
+            f"points=({points},)),")
+
+
+# --- 4. train-eagle ---------------------------------------------------------------------------------------------------
+def run_train(ctx: Context) -> dict:
+    """A short `hf-specdec train-eagle` run (on a GPU, its accelerate path), timing the training loop alone."""
+    import hf_specdec.train_eagle.cli as train_cli
+
+    out = ctx.work / "head"
+    if ctx.dry_run:  # two short prompts: the built-in ones are long, and this only checks that the path runs
+        prompts = ctx.work / "prompts.txt"
+        prompts.write_text("w5 w6 w7 w8 w5 w6\nw9 w10 w11 w9 w10\n")
+        args = ["--data", str(prompts), "--max-new-tokens", "8", "--generation-batch-size", "2", "--steps", "3",
+                "--batch-size", "2", "--draft-vocab", "64", "--save-every", "3"]
+    else:
+        args = ["--self-distill", "32", "--max-new-tokens", "64", "--generation-batch-size", "32", "--steps", "100",
+                "--batch-size", "16", "--mixed-precision", "bf16", "--data-dtype", "bfloat16", "--save-every", "100"]
+    timing = {}
+    original = train_cli.train_eagle_head
+
+    def timed(*a, **kw):  # the CLI times data building and training together; steps/s needs the loop alone
+        start = time.perf_counter()
+        result = original(*a, **kw)
+        timing.update(seconds=time.perf_counter() - start, steps=len(result.losses), losses=result.losses)
+        return result
+
+    train_cli.train_eagle_head = timed
+    try:
+        cli(["train-eagle", "--target", ctx.target(), "--out", str(out), "--no-resume", "--rebuild-data", *args])
+    finally:
+        train_cli.train_eagle_head = original
+    if not timing.get("steps"):
+        raise StageError("train-eagle trained no step")
+    if not (out / EAGLE_CONFIG_NAME).is_file():
+        raise StageError(f"train-eagle wrote no head in {out}")
+    return {"args": args, "accelerate": torch.cuda.is_available(), "steps": timing["steps"],
+            "train_seconds": timing["seconds"], "steps_per_s": timing["steps"] / timing["seconds"],
+            "loss_first": timing["losses"][0], "loss_last": timing["losses"][-1], "head": str(out)}
+
+
+# --- 5. hf-specdec bench ----------------------------------------------------------------------------------------------
+def run_bench(ctx: Context) -> dict:
+    """`hf-specdec bench --device cuda --dtype bfloat16` at batch 1, 4, 16 and 64: n-gram and the shipped head in
+    one run, then an FP8 and an int8 draft, each in its own run so one that cannot load does not hide the others."""
+    common = ["--device", ctx.device, "--repeats", "1"]
+    if ctx.dry_run:
+        head = ctx.work / "head"
+        if not (head / EAGLE_CONFIG_NAME).is_file():
+            raise StageError(f"the dry run benches the head the train stage writes, and {head} has none")
+        common += ["--dtype", "float32", "--batch-sizes", "1,2", "--max-new-tokens", "6", "--workloads", "grounded",
+                   "--no-calibrate"]
+        heads = f"ngram,{head}"
+    else:
+        common += ["--dtype", "bfloat16", "--batch-sizes", BATCH_SIZES, "--max-new-tokens", "128"]
+        heads = "ngram,eagle"
+    runs = {"ngram and head": ["--speculators", heads, "--plot", str(ctx.out / "bench.png")]}
+    for quantization in ("fp8", "int8"):
+        runs[f"{quantization} draft"] = ["--speculators", ctx.draft(), "--draft-quantization", quantization,
+                                         "--no-assisted", "--workloads", "grounded", "--plot", ""]
+    results, failures = {}, []
+    for name, args in runs.items():
+        path = ctx.work / f"bench_{name.split()[0]}.json"
+        try:
+            cli(["bench", "--model", ctx.target(), *common, *args, "--out", str(path)])
+            results[name] = bench_rows(path)
+        except (Exception, SystemExit) as error:  # noqa: BLE001  (every failure is reported, none skipped)
+            results[name] = {"error": f"{type(error).__name__}: {error}"}
+            failures.append(f"{name}: {type(error).__name__}: {error}")
+    if failures:
+        raise StageError("; ".join(failures) + f" (results of the runs that did work: {results})")
+    return {"runs": results,
+            "not_identical": [f"{n}: {r['workload']} batch {r['batch']} {r['config']}" for n, rows in results.items()
+                              for r in rows if r["identical"] is False]}
+
+
+def bench_rows(path: Path) -> list[dict]:
+    import json
+
+    results = json.loads(path.read_text())["results"]
+    if not results:
+        raise StageError(f"{path} holds no results")
+    return [{"workload": r["workload"], "batch": r["batch_size"], "config": r["config"],
+             "tokens_per_s": r["tokens_per_s"], "speedup": r["speedup"], "acceptance": r["acceptance_rate"],
+             "mean_acceptance_length": r["mean_acceptance_length"], "identical": r["identical"]} for r in results]
+
+
+# --- helpers ----------------------------------------------------------------------------------------------------------
+def cli(argv: list[str]) -> None:
+    """Runs `hf-specdec ARGV` in this process (the check's one import of torch and transformers), raising on a
+    non-zero exit."""
+    from hf_specdec.cli import main
+
+    saved = sys.argv
+    sys.argv = ["hf-specdec", *argv]  # bench records its command line from sys.argv
+    try:
+        code = main(argv)
+    finally:
+        sys.argv = saved
+    if code:
+        raise StageError(f"hf-specdec {' '.join(argv)} exited with {code}")
+
+
+def tiny_models(work: Path) -> tuple[Path, Path]:
+    """A tiny random-init Llama target (4 layers, so an EAGLE-3 head has three distinct layers to read) and a
+    2-layer draft, float32, saved with a word-level tokenizer and a chat template; built once per `work`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    target_dir, draft_dir = work / "tiny-target", work / "tiny-draft"
+    if (draft_dir / "config.json").is_file():
+        return target_dir, draft_dir
+    tokenizer = _tiny_tokenizer()
+    for directory, layers, seed in ((target_dir, 4, 0), (draft_dir, 2, 1)):
+        torch.manual_seed(seed)
+        config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                             pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        model = LlamaForCausalLM(config).eval()
+        model.generation_config.pad_token_id = 0
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+    return target_dir, draft_dir
+
+
+def _tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(4, 96)}
+    backend = Tokenizer(models.WordLevel({"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **words}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
+                                        eos_token="</s>", unk_token="<unk>", padding_side="left")
+    # English prompts become mostly <unk>: enough for a dry run, which checks that every path runs, not speed.
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return tokenizer
+
+
+STAGES = {"tests": run_tests, "kernels": run_kernels, "step_cost": run_step_cost, "train": run_train,
+          "bench": run_bench}
