@@ -92,8 +92,10 @@ def run_stages(stages: list[str], out: Path, work: Path, dry_run: bool, function
                 elif name == "install":
                     result = install(dry_run)
                 else:
-                    from gpu_check_stages import STAGES, Context
+                    from gpu_check_stages import STAGES, Context, require_cuda
 
+                    if not dry_run:
+                        require_cuda()
                     result = STAGES[name](Context(out=out, work=work, dry_run=dry_run))
             entry = {"status": "passed", **result}
         except (Exception, SystemExit) as error:  # noqa: BLE001  (a failed stage is reported, and the rest still run)

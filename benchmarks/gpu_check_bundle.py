@@ -129,9 +129,12 @@ def _sha256(path: Path) -> str:
 
 def _exclude_from_git(out: Path) -> None:
     """An ignored bundle travels only in `carry`; an unignored one would travel, whole, with every call."""
-    exclude = REPO / ".git" / "info" / "exclude"
-    if not exclude.parent.is_dir():
-        return
+    git = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--git-path", "info/exclude"], capture_output=True,
+                         text=True)
+    if git.returncode != 0:
+        return  # not a git checkout: nothing travels by git's rules
+    exclude = REPO / git.stdout.strip()
+    exclude.parent.mkdir(parents=True, exist_ok=True)
     try:
         entry = "/" + str(out.resolve().relative_to(REPO)) + "/"
     except ValueError:  # outside the repository: it never travels
@@ -175,6 +178,10 @@ def install(dry_run: bool, staging: Path = STAGING) -> dict:
 
 
 def _ensure_cuda_torch() -> str:
+    # No GPU, no install: a CUDA torch is gigabytes, and on a machine without a GPU the check could only fail.
+    gpus = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True) if shutil.which("nvidia-smi") else None
+    if gpus is None or gpus.returncode != 0 or "GPU" not in gpus.stdout:
+        raise InstallError("no NVIDIA GPU here (nvidia-smi -L lists none); on a CPU use --dry-run")
     probe = _python("import torch; print(torch.version.cuda or '', torch.cuda.is_available())")
     if probe.returncode != 0 or not probe.stdout.split()[:1] or probe.stdout.split()[0] == "False":
         pip = _pip("install", "torch", "triton")  # PyPI's Linux x86-64 torch is a CUDA build
