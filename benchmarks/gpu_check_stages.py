@@ -24,7 +24,11 @@ EAGLE_CONFIG_NAME = "eagle_config.json"  # hf_specdec.speculators.heads.CONFIG_N
 
 
 class StageError(RuntimeError):
-    """A stage ran but what it checks failed; the message says what."""
+    """A stage ran but what it checks failed; the message says what, `partial` holds what it measured before."""
+
+    def __init__(self, message: str, partial: dict | None = None):
+        super().__init__(message)
+        self.partial = partial
 
 
 @dataclass
@@ -180,7 +184,8 @@ def run_train(ctx: Context) -> dict:
     if ctx.dry_run:  # two short prompts: the built-in ones are long, and this only checks that the path runs
         prompts = ctx.work / "prompts.txt"
         prompts.write_text("w5 w6 w7 w8 w5 w6\nw9 w10 w11 w9 w10\n")
-        args = ["--data", str(prompts), "--max-new-tokens", "8", "--generation-batch-size", "2", "--steps", "3",
+        args = ["--data", str(prompts), "--max-new-tokens", "8", "--samples-per-prompt", "1",
+                "--generation-batch-size", "2", "--steps", "3",
                 "--batch-size", "2", "--draft-vocab", "64", "--save-every", "3"]
     else:
         args = ["--self-distill", "32", "--max-new-tokens", "64", "--generation-batch-size", "32", "--steps", "100",
@@ -236,11 +241,13 @@ def run_bench(ctx: Context) -> dict:
             cli(["bench", "--model", ctx.target(), *common, *args, "--out", str(path)])
             results[name] = bench_rows(path)
             print(f"gpu_check: bench {name}: {time.perf_counter() - start:.1f} s", flush=True)
+        except TimeoutError as error:  # the stage's budget is spent: no further run may start
+            failures.append(f"{name}: {error}")
+            break
         except (Exception, SystemExit) as error:  # noqa: BLE001  (every failure is reported, none skipped)
-            results[name] = {"error": f"{type(error).__name__}: {error}"}
             failures.append(f"{name}: {type(error).__name__}: {error}")
     if failures:
-        raise StageError("; ".join(failures) + f" (results of the runs that did work: {results})")
+        raise StageError("; ".join(failures), partial={"runs": results})
     return {"runs": results,
             "not_identical": [f"{n}: {r['workload']} batch {r['batch']} {r['config']}" for n, rows in results.items()
                               for r in rows if r["identical"] is False]}

@@ -19,7 +19,8 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import gpu_check  # noqa: E402
 import gpu_check_bundle  # noqa: E402
-from gpu_check_stages import judge_tests, junit_counts, step_cost_literal  # noqa: E402
+import gpu_check_stages  # noqa: E402
+from gpu_check_stages import Context, StageError, judge_tests, junit_counts, step_cost_literal  # noqa: E402
 
 
 def test_dry_run_runs_every_stage_and_writes_the_report(tmp_path):
@@ -85,6 +86,36 @@ def test_a_stage_past_its_budget_fails(tmp_path):
         del gpu_check.BUDGET_S["slow"]
     assert code == 1
     assert "ran past its 1 s budget" in json.loads((tmp_path / "gpu_check.json").read_text())["stages"]["slow"]["error"]
+
+
+def test_bench_runs_the_gpu_commands_and_stops_at_its_budget(tmp_path, monkeypatch):
+    """On a GPU the bench stage runs n-gram and the shipped head, then the FP8 and the int8 draft, with --device cuda
+    --dtype bfloat16 at batch 1, 4, 16, 64; once its budget is spent no further run starts, and what ran is kept."""
+    calls = []
+
+    def fake_cli(argv):
+        calls.append(argv)
+        if len(calls) == 2:
+            raise TimeoutError("stage bench ran past its 240 s budget")
+        row = {"workload": "grounded", "batch_size": 64, "config": "hf_specdec ngram", "tokens_per_s": 900.0,
+               "speedup": 1.8, "acceptance_rate": 0.5, "mean_acceptance_length": 2.5, "draft_ms_per_token": 0.1,
+               "identical": True}
+        Path(argv[argv.index("--out") + 1]).write_text(json.dumps({"meta": {}, "results": [row]}))
+
+    monkeypatch.setattr(gpu_check_stages, "cli", fake_cli)
+    with pytest.raises(StageError, match="fp8 draft: stage bench ran past its 240 s budget") as info:
+        gpu_check_stages.run_bench(Context(out=tmp_path, work=tmp_path, dry_run=False))
+    assert len(calls) == 2  # the int8 run never started
+    first, second = (" ".join(argv) for argv in calls)
+    assert "--device cuda" in first and "--dtype bfloat16" in first and "--batch-sizes 1,4,16,64" in first
+    assert "--speculators ngram,eagle" in first and "--model smollm2-135m-instruct" in first
+    assert "--speculators smollm2-135m-instruct --draft-quantization fp8" in second
+    assert info.value.partial["runs"]["ngram and head"][0]["speedup"] == 1.8
+    code = gpu_check.run_stages(["bench"], tmp_path, tmp_path, dry_run=True,
+                                functions={"bench": lambda: (_ for _ in ()).throw(info.value)})
+    assert code == 1
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    assert "**FAILED**: StageError: fp8 draft" in markdown and "| ngram and head | grounded | 64 |" in markdown
 
 
 def test_pytest_runs_are_judged_loudly(tmp_path):
