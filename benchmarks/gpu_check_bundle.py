@@ -171,6 +171,7 @@ def install(dry_run: bool, staging: Path = STAGING) -> dict:
     notes.append(_try_gptqmodel())
     notes.append(_place_model(bundle))
     notes.append(_install_self())
+    refresh_import_paths()
     versions = _versions(("torch", "triton", *PACKED, "accelerate", "gptqmodel"))
     for required in ("transformers", "gguf"):
         if versions[required].startswith("error"):
@@ -243,6 +244,18 @@ def _install_self() -> str:
     if pip.returncode != 0 or probe.returncode != 0:
         raise InstallError(f"could not install hf_specdec from {REPO}:\n{pip.stdout[-1500:]}\n{probe.stderr[-500:]}")
     return "installed hf_specdec (editable) from this checkout"
+
+
+def refresh_import_paths(site_dirs: list[str] | None = None) -> None:
+    """Lets this process import what was just installed: the editable hf_specdec is found through a `.pth` file,
+    which Python reads only at startup (the later stages run in this process)."""
+    import importlib
+    import site
+
+    for directory in site_dirs if site_dirs is not None else [*site.getsitepackages(), site.getusersitepackages()]:
+        if os.path.isdir(directory):
+            site.addsitedir(directory)
+    importlib.invalidate_caches()
 
 
 def _versions(names) -> dict[str, str]:

