@@ -283,6 +283,31 @@ def _tree_shapes(text: str, option: str = "--trees") -> tuple[tuple[int, int], .
     return tuple(shapes)
 
 
+def cmd_serve(args) -> int:
+    """Serves the model behind an OpenAI-compatible API with speculative decoding and continuous batching."""
+    try:
+        from .serving.server import serve
+        import fastapi, uvicorn  # noqa: F401,E401
+    except ImportError:
+        raise SystemExit("hf-specdec serve needs the serve extra: pip install 'hf_specdec[serve]'") from None
+    from .serving import ServingEngine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model, dtype=_dtype(args), device=args.device)
+    speculator = _speculator(args.speculator, model, tokenizer, model_name=args.model)
+    _calibrate(args, model, [speculator])
+    engine = ServingEngine(model, tokenizer, speculator, num_speculative_tokens=args.k,
+                           max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+                           max_model_len=args.max_model_len, schedule=args.schedule,
+                           calibration=not args.no_calibrate)
+    name = args.served_model_name or args.model
+    print(f"hf-specdec serve: {name} with speculator {args.speculator!r} on http://{args.host}:{args.port}/v1",
+          file=sys.stderr)
+    serve(engine, name, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level)
+    return 0
+
+
 def cmd_demo(args) -> int:
     """Serves the Gradio demo app (plain vs speculative generation, side by side)."""
     from .demo import launch
@@ -429,6 +454,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_eagle_arguments(train)
     train.set_defaults(func=cmd_train_eagle)
 
+    srv = sub.add_parser("serve", help="an OpenAI-compatible server (/v1/completions, /v1/chat/completions) with "
+                         "speculative decoding and continuous batching")
+    _add_model_arguments(srv)
+    srv.add_argument("--speculator", default="ngram",
+                     help="'ngram', 'grammar', 'eagle' (the head shipped for --model), a head directory or a draft "
+                     "model (default: ngram)")
+    srv.add_argument("-k", type=int, default=None, help="num_speculative_tokens, the most drafts per step")
+    srv.add_argument("--schedule", choices=["adaptive", "constant"], default="adaptive")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1 (default: $HF_SPECDEC_API_KEY, else none)")
+    srv.add_argument("--max-batch-size", type=int, default=8, help="requests running at once")
+    srv.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; beyond, 503")
+    srv.add_argument("--max-model-len", type=int, default=None, help="prompt + max_tokens limit (default: the "
+                     "model's context)")
+    srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    srv.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    srv.add_argument("--no-calibrate", action="store_true", help="skip measuring this host's costs at start")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.set_defaults(func=cmd_serve)
     demo = sub.add_parser("demo", help="serve the demo app: plain vs speculative generation, side by side")
     add_demo_arguments(demo)
     demo.set_defaults(func=cmd_demo)

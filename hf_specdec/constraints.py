@@ -102,6 +102,7 @@ class RowConstraints:
         if tokenizer is not None:
             def encode(text: str) -> list[int]:
                 return tokenizer.encode(text, add_special_tokens=False) if text else []
+        self._encode = encode
         for row, grammar in enumerate(compiled or []):
             if grammar is not None:
                 self.states[row] = _MatcherState(grammar, encode)
@@ -110,6 +111,10 @@ class RowConstraints:
 
     def __bool__(self) -> bool:
         return any(state is not None for state in self.states)
+
+    def admit(self, row: int, compiled) -> None:
+        """A request joining the batch at `row` (the server's), constrained by `compiled` from its first token."""
+        self.states[row] = _MatcherState(compiled, self._encode)
 
     def constrain(self, batch, rows: list[int], draft: DraftProposal, limits: list[int]) -> ConstrainedDraft:
         """Walks each row's drafts (at most `limits[i]` verified drafts for row i) through its constraint."""
@@ -290,6 +295,14 @@ class _PrefixFnState:
 
     def advance(self, tokens: list[int]) -> None:
         pass
+
+
+def first_position_spellable(compiled) -> bool:
+    """Whether the grammar allows any token of its tokenizer's vocabulary at its start (a grammar the tokenizer
+    cannot spell fails there)."""
+    state = _MatcherState(compiled)
+    state._fill(state.scratch[0].numpy())
+    return bool(state.scratch.numpy().any())
 
 
 def _allows(mask: np.ndarray, token: int) -> bool:

@@ -118,6 +118,8 @@ class SequenceBatch:
         do_sample: whether this call samples.
         processing: applies the call's logits processors with per-position history (`logits.LogitsProcessing`).
         target_vocab_size: size of the target's logits.
+        sampling: per-row sampling settings when rows differ (`scheduler.RowSampling`), or `None`: one setting,
+            `do_sample` and `processing`, for the whole batch.
     """
 
     token_ids: torch.Tensor
@@ -128,6 +130,7 @@ class SequenceBatch:
     do_sample: bool
     processing: object
     target_vocab_size: int
+    sampling: object = None
 
     @property
     def device(self) -> torch.device:

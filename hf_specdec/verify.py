@@ -22,7 +22,8 @@ from .types import PAD_ID, DraftProposal, DraftTree, VerifyResult
 
 
 def verify(target_logits: torch.Tensor, draft: DraftProposal, do_sample: bool,
-           generator: torch.Generator | None = None, backend: str = "auto") -> VerifyResult:
+           generator: torch.Generator | None = None, backend: str = "auto", is_greedy: torch.Tensor | None = None,
+           uniforms: torch.Tensor | None = None, seeds: torch.Tensor | None = None) -> VerifyResult:
     """Verifies a ragged batch of drafts against processed target logits.
 
     Args:
@@ -32,11 +33,18 @@ def verify(target_logits: torch.Tensor, draft: DraftProposal, do_sample: bool,
         do_sample: sample (rejection sampling) or greedy.
         generator: random generator; the global one when `None` (so `torch.manual_seed` makes runs reproducible).
         backend: kernel backend, `"auto"`, `"torch"` or `"triton"` (see `hf_specdec.kernels`).
+        is_greedy: `[rows]` bool, with `do_sample`: rows that decode greedily in a batch that also samples.
+        uniforms, seeds: the random draws per row (`rejection_sample`), for rows that must not depend on the batch.
     """
     # Greedy needs only the argmax, which the logits give exactly (softmax could merge near-ties in float32).
     target_probs = torch.softmax(target_logits, dim=-1) if do_sample else target_logits
-    output, num_accepted = rejection_sample(draft.token_ids, draft.num_tokens, target_probs, draft.probs,
-                                            is_greedy=not do_sample, generator=generator, backend=backend)
+    if do_sample and is_greedy is not None:  # greedy rows get a point mass on their exact argmax
+        point = torch.zeros_like(target_probs).scatter_(-1, target_logits.argmax(-1, keepdim=True), 1.0)
+        target_probs = torch.where(is_greedy[:, None, None], point, target_probs)
+    output, num_accepted = rejection_sample(
+        draft.token_ids, draft.num_tokens, target_probs, draft.probs,
+        is_greedy=not do_sample if is_greedy is None or not do_sample else is_greedy, uniforms=uniforms,
+        seeds=seeds, generator=generator, backend=backend)
     return VerifyResult(output, num_accepted)
 
 

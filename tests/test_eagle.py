@@ -572,10 +572,13 @@ def test_states_of_a_step_that_drafted_nothing_are_kept_and_appended():
         return torch.tensor([[0.0] * (width - len(v)) + v for v in values])[..., None]
 
     old = TargetHiddenStates(states([[1, 2, 3], [4], [5, 6]], 3), [3, 1, 2], [0, 0, 0], [0, 1, 2])
-    new = TargetHiddenStates(states([[7], [8, 9]], 2), [1, 2], [3, 2], [0, 2])  # row 1 finished meanwhile
+    # Row 1 sat this step out (rows joining the batch had a step of their own); row 3 joined in it.
+    new = TargetHiddenStates(states([[7], [8, 9], [10, 11]], 2), [1, 2, 2], [3, 2, 0], [0, 2, 3])
     merged = _append_states(old, new)
-    assert merged.rows == [0, 2] and merged.num_states == [4, 4] and merged.start_positions == [0, 0]
-    assert merged.states[..., 0].tolist() == [[1, 2, 3, 7], [5, 6, 8, 9]]
+    assert merged.rows == [0, 2, 3, 1] and merged.num_states == [4, 4, 2, 1]
+    assert merged.start_positions == [0, 0, 0, 0]
+    assert [row[4 - n:] for row, n in zip(merged.states[..., 0].tolist(), merged.num_states)] == [
+        [1, 2, 3, 7], [5, 6, 8, 9], [10, 11], [4]]
 
 
 def test_adaptive_schedule_stays_lossless(tmp_path):

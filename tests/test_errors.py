@@ -79,11 +79,11 @@ def _small_vocabulary_draft(vocab_size: int):
 def test_draft_with_a_smaller_vocabulary_is_refused_before_any_forward(monkeypatch):
     """A draft with fewer ids than the target, given a prompt it cannot read: a clear error, not an IndexError in its
     embedding, before the first step (only the up-front trial forwards of compat.py have run)."""
-    from hf_specdec.engine import SpeculativeEngine
+    from hf_specdec.step import Step
 
     steps = []
-    original = SpeculativeEngine._step
-    monkeypatch.setattr(SpeculativeEngine, "_step", lambda self, *a, **k: steps.append(1) or original(self, *a, **k))
+    original = Step.__call__
+    monkeypatch.setattr(Step, "__call__", lambda self, *a, **k: steps.append(1) or original(self, *a, **k))
     target, draft = make_model(), _small_vocabulary_draft(48)
     prompt = torch.tensor([[5, 60, 7, 90, 5, 60]])
     with pytest.raises(ValueError, match=r"vocabulary has 48 tokens, fewer than the target's 96.*rows \[0\].*up to 90"):

@@ -12,7 +12,8 @@ class Speculator:
     """Proposes draft tokens for the rows of a `SequenceBatch`.
 
     The engine calls, per `generate` call: `begin(target, batch)`, then per step `propose(batch, k)` followed by
-    `commit(batch, num_accepted)`, `release(rows)` for rows that finished, and `end()`. A speculator owns only its
+    `commit(batch, num_accepted)`, `release(rows)` for rows that finished, `admit(batch, rows)` for rows that join
+    (a server's requests), and `end()`. A speculator owns only its
     own state (a draft model's KV cache, say) and rolls it back in `commit`.
     """
 
@@ -40,6 +41,10 @@ class Speculator:
         """Returns a draft tree per row of `batch.active`: at most `num_nodes` nodes, none deeper than `depth`, a
         node having at most `branching` children. Only speculators with `supports_trees` implement it."""
         raise NotImplementedError(f"{type(self).__name__} does not draft trees")
+
+    def admit(self, batch: SequenceBatch, rows: list[int]) -> None:
+        """Rows joining the batch after `begin` (continuous batching): their prompts are in `batch`. Speculators with
+        per-row state start it here; the engine feeds such rows once without drafts before they are proposed for."""
 
     def observe_hidden_states(self, hidden) -> None:
         """Called after each verify, before `commit`, when `needs_hidden_states`: the target's hidden states at

@@ -118,6 +118,11 @@ class DraftModelSpeculator(Speculator):
         for row, committed, accepted in zip(self._rows, self._committed_at_propose, num_accepted):
             self._runner.rollback(row, min(self._runner.length(row), committed + accepted))
 
+    def admit(self, batch: SequenceBatch, rows: list[int]) -> None:
+        self._check_prompts_readable(batch)
+        for row in rows:
+            self._runner.add_sequence(row)
+
     def release(self, rows: list[int]) -> None:
         for row in rows:
             self._runner.free(row)

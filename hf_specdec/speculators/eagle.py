@@ -216,9 +216,16 @@ class EagleSpeculator(Speculator):
                 self._runner.rollback(row, length)
         self._real_lengths = None
 
+    def admit(self, batch: SequenceBatch, rows: list[int]) -> None:
+        for row in rows:
+            self._runner.add_sequence(row)
+
     def release(self, rows: list[int]) -> None:
         for row in rows:
             self._runner.free(row)
+        if self._pending is not None:  # a later request may reuse the row: none of these states are its
+            kept = [r for r in self._pending.rows if r not in set(rows)]
+            self._pending = _keep_rows(self._pending, kept) if kept else None
 
     def end(self) -> None:
         self._runner, self._pending, self._real_lengths = None, None, None
@@ -232,16 +239,33 @@ def _select_rows(hidden: TargetHiddenStates, rows: list[int]) -> tuple[torch.Ten
     return states, [hidden.num_states[i] for i in picks], [hidden.start_positions[i] for i in picks]
 
 
+def _keep_rows(hidden: TargetHiddenStates, rows: list[int]) -> TargetHiddenStates:
+    states, counts, starts = _select_rows(hidden, rows)
+    return TargetHiddenStates(states, counts, starts, list(rows))
+
+
+def _rows_of(hidden: TargetHiddenStates, rows: list[int], starts: dict) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Like `_select_rows`, where a row `hidden` lacks has no states (its start taken from `starts`)."""
+    index = {r: i for i, r in enumerate(hidden.rows)}
+    picks = torch.tensor([index.get(r, 0) for r in rows], device=hidden.states.device)
+    counts = [hidden.num_states[index[r]] if r in index else 0 for r in rows]
+    return hidden.states[picks], counts, [hidden.start_positions[index[r]] if r in index else starts[r] for r in rows]
+
+
 def _append_states(old: TargetHiddenStates, new: TargetHiddenStates) -> TargetHiddenStates:
-    """States not consumed yet (a step that drafted nothing) followed by the next step's, per row, right-aligned."""
-    old_states, old_counts, starts = _select_rows(old, new.rows)
-    totals = [a + b for a, b in zip(old_counts, new.num_states)]
+    """States not consumed yet (a step that drafted nothing) followed by the next step's, per row, right-aligned.
+    Rows in only one of them keep theirs (rows that joined the batch get a step of their own)."""
+    rows = list(new.rows) + [r for r in old.rows if r not in set(new.rows)]
+    new_starts = dict(zip(new.rows, new.start_positions))
+    old_states, old_counts, starts = _rows_of(old, rows, new_starts)
+    new_states, new_counts, _ = _rows_of(new, rows, dict(zip(rows, starts)))
+    totals = [a + b for a, b in zip(old_counts, new_counts)]
     width, old_width = max(totals), old_states.shape[1]
     device = new.states.device
-    old_c, new_c = torch.tensor(old_counts, device=device), torch.tensor(new.num_states, device=device)
+    old_c, new_c = torch.tensor(old_counts, device=device), torch.tensor(new_counts, device=device)
     offset = (torch.arange(width, device=device)[None, :] - (width - old_c - new_c)[:, None]).clamp(min=0)
     cols = torch.where(offset < old_c[:, None], old_width - old_c[:, None] + offset,
-                       old_width + new.states.shape[1] - new_c[:, None] + offset - old_c[:, None])
-    both = torch.cat([old_states, new.states], dim=1)
-    merged = both[torch.arange(len(new.rows), device=device)[:, None], cols]
-    return TargetHiddenStates(merged, totals, starts, list(new.rows))
+                       old_width + new_states.shape[1] - new_c[:, None] + offset - old_c[:, None])
+    both = torch.cat([old_states, new_states], dim=1)
+    merged = both[torch.arange(len(rows), device=device)[:, None], cols]
+    return TargetHiddenStates(merged, totals, starts, rows)

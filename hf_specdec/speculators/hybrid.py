@@ -100,6 +100,10 @@ class HybridSpeculator(Speculator):
         self.ngram.commit(batch, num_accepted)
         self.head.commit(batch, num_accepted)
 
+    def admit(self, batch: SequenceBatch, rows: list[int]) -> None:
+        self.ngram.admit(batch, rows)
+        self.head.admit(batch, rows)
+
     def release(self, rows: list[int]) -> None:
         self.ngram.release(rows)
         self.head.release(rows)

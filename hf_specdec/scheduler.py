@@ -1,0 +1,345 @@
+"""Who is in the batch: requests wait, join the running batch when a slot is free (and, with a capped KV pool, their
+worst-case blocks fit), and leave the moment they finish or are cancelled, their blocks back in the pool.
+
+`Scheduler.step()` admits what fits, runs one `step.Step` over the rows in the batch, and reports each request's new
+tokens. A one-call `generate` is a batch of requests that all arrive at once (`engine.SpeculativeEngine`); the server
+feeds requests in from other threads (`serving.ServingEngine`).
+
+Rows that join a batch already running get one step of their own first, without drafts: it feeds their prompts
+(prefill) and gives speculators that draft from the target's hidden states (EAGLE, Medusa) the states of the prompt.
+From then on they are verified together with the others. Rows that all arrive together skip it: their first step
+feeds the prompts and verifies drafts proposed from them, as a one-call `generate` always did.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .kernels.sampling import apply_sampling_params
+from .metrics import SpeculativeMetrics
+from .types import SequenceBatch
+
+
+@dataclass
+class SamplingParams:
+    """How one request picks its tokens. `temperature=0` is greedy decoding (the target's argmax)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: off), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt to continue.
+
+    Attributes:
+        prompt_ids: the prompt's token ids (`None` when the caller already wrote it into the batch).
+        max_new_tokens: the most tokens to generate.
+        sampling: greedy by default.
+        grammar: an xgrammar `CompiledGrammar` constraining the output, or `None`.
+        output_ids: generated tokens so far (filled in when the scheduler reports tokens).
+        num_generated: how many tokens were generated.
+        finish_reason: `"stop"` (EOS or a stop rule), `"length"` (max_new_tokens), `"cancelled"`, or `"error"`
+            (refused as it joined the batch: `error` says why); `None` while running.
+    """
+
+    prompt_ids: list[int] | None
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    grammar: object = None
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    output_ids: list[int] = field(default_factory=list)
+    num_generated: int = 0
+    finish_reason: str | None = None
+    slot: int | None = None
+    cancelled: bool = False
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RowSampling:
+    """Each row's own sampling settings, for batches whose requests differ (the server's).
+
+    As the batch's `processing`, it applies each row's temperature, top-k and top-p (`kernels.sampling`); as its
+    `sampling`, it tells the verifier which rows are greedy and draws the random numbers of rows with a seed from
+    their own stream (seed, tokens generated so far), so such a row does not depend on which others share its steps.
+    """
+
+    history_free = True
+
+    def __init__(self, num_rows: int, device):
+        self.device = device
+        self.temperature = torch.ones(num_rows, device=device)
+        self.top_k = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.top_p = torch.ones(num_rows, device=device)
+        self.greedy = torch.ones(num_rows, dtype=torch.bool, device=device)
+        self.settings: list[SamplingParams | None] = [None] * num_rows
+        self.num_generated = [0] * num_rows
+        self._rows_sample = self._top_k = self._top_p = False
+
+    def set(self, row: int, params: SamplingParams | None) -> None:
+        self.settings[row] = params
+        params = params or SamplingParams()
+        self.temperature[row] = params.temperature if not params.greedy else 1.0
+        self.top_k[row] = params.top_k
+        self.top_p[row] = params.top_p
+        self.greedy[row] = params.greedy
+        self.num_generated[row] = 0
+
+    def prepare(self, rows: list[int]) -> bool:
+        """Called before each step with its rows; returns whether any of them samples."""
+        used = [self.settings[r] for r in rows]
+        sampled = [s for s in used if s is not None and not s.greedy]
+        self._rows_sample = bool(sampled)
+        self._top_k = any(s.top_k for s in sampled)
+        self._top_p = any(s.top_p < 1 for s in sampled)
+        return self._rows_sample
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __call__(self, token_ids, rows: torch.Tensor, history_lens, scores: torch.Tensor,
+                 batch_rows: torch.Tensor | None = None) -> torch.Tensor:
+        if not self._rows_sample:  # greedy rows take the target's argmax of the raw scores
+            return scores.float()
+        rows = rows if batch_rows is None else batch_rows
+        return apply_sampling_params(scores.float(), self.temperature[rows], self.top_k[rows] if self._top_k else None,
+                                     self.top_p[rows] if self._top_p else None)
+
+    def verify_arguments(self, rows: list[int], k: int) -> dict:
+        rows_t = torch.tensor(rows, device=self.device)
+        arguments = {"is_greedy": self.greedy[rows_t]}
+        seeded = [i for i, r in enumerate(rows) if self.settings[r] is not None and self.settings[r].seed is not None]
+        if seeded:  # only rows with a seed loop here; the others draw from the global generator at once
+            uniforms = torch.rand((len(rows), k), dtype=torch.float64, device=self.device)
+            seeds = torch.randint(0, 2**31 - 1, (len(rows),), device=self.device)
+            for i in seeded:
+                row = rows[i]
+                stream = (self.settings[row].seed * 1_000_003 + self.num_generated[row]) % (2**63 - 1)
+                generator = torch.Generator().manual_seed(stream)
+                # The same draws whatever the step's width (set by the other rows): the seed first, then a fixed
+                # block of uniforms, of which this step reads the first k.
+                seeds[i] = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+                block = torch.rand(max(k, 64), dtype=torch.float64, generator=generator)
+                uniforms[i] = block[:k].to(self.device)
+            arguments.update(uniforms=uniforms, seeds=seeds)
+        return arguments
+
+
+class Scheduler:
+    """The running batch and the queue in front of it.
+
+    Args:
+        batch (`SequenceBatch`): the rows (slots) requests run in.
+        target (`ModelRunner`): the target and its paged cache.
+        step (`step.Step`): what one step does.
+        stop (`StopRules`): EOS and stopping criteria.
+        pad_token_id (`int`): written past each row's end.
+        metrics (`SpeculativeMetrics`, *optional*): counts over everything this scheduler ran.
+        max_num_blocks (`int`, *optional*): the target's KV pool cap; a request joins only when its worst case
+            (prompt, max_new_tokens and a step's drafts) fits next to the worst cases of those running.
+        collect_tokens (`bool`): keep each request's `output_ids` (and report new tokens per step). Off, only counts
+            are kept and a step makes no host transfer beyond its own.
+    """
+
+    def __init__(self, batch: SequenceBatch, target, step, stop, pad_token_id: int,
+                 metrics: SpeculativeMetrics | None = None, max_num_blocks: int | None = None,
+                 collect_tokens: bool = True):
+        self.batch = batch
+        self.target = target
+        self.step_fn = step
+        self.speculator = step.speculator
+        self.stop = stop
+        self.pad_token_id = pad_token_id
+        self.metrics = metrics if metrics is not None else SpeculativeMetrics()
+        self.max_num_blocks = max_num_blocks
+        self.collect_tokens = collect_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: dict[int, Request] = {}
+        self.free_slots = list(range(len(batch.lengths)))[::-1]
+        self._fresh: set[int] = set()  # rows admitted but not yet fed
+        self._reserved: dict[int, int] = {}  # row -> worst-case KV blocks
+        self._refused: list[Request] = []
+
+    # --- the queue ---------------------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def place(self, requests: list[Request]) -> None:
+        """Admits requests whose prompts are already in the batch, at their `slot`, before the speculator's `begin`
+        (a one-call `generate`: `begin` sees them all in `batch.active`)."""
+        for request in requests:
+            self.free_slots.remove(request.slot)
+            self._admit(request, announce=False)
+        self.batch.active = sorted(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_blocks_in_use(self) -> int:
+        return self.target.cache.manager.num_used_blocks
+
+    def worst_case_blocks(self, num_prompt_tokens: int, max_new_tokens: int) -> int:
+        extra = max(self.step_fn.k, self.step_fn.tree_nodes or 0) + 1
+        return -(-(num_prompt_tokens + max_new_tokens + extra) // self.target.cache.manager.block_size)
+
+    # --- one step ------------------------------------------------------------------------------------------------
+
+    def step(self) -> list[tuple[Request, list[int], bool]]:
+        """Admits what fits, runs one step, retires what finished. Returns `(request, new tokens, finished)` for every
+        request that changed (new tokens only with `collect_tokens`)."""
+        events = self._drop_cancelled()
+        self._admit_waiting()
+        events += [(request, [], True) for request in self._refused]
+        self._refused.clear()
+        if not self.running:
+            return events
+        batch, step = self.batch, self.step_fn
+        everyone = sorted(self.running)
+        joining = sorted(self._fresh)
+        # Rows joining a running batch are fed on their own first (see the module docstring).
+        rows = joining if joining and len(joining) < len(everyone) else everyone
+        step.drafting = rows is everyone
+        batch.active = rows
+        sampling = batch.sampling
+        if sampling is not None:
+            batch.do_sample = sampling.prepare(rows)
+        budget = [self.running[r].max_new_tokens - self.running[r].num_generated for r in rows]
+        emitted, finished = step(batch, self.target, self.stop, budget, self.metrics, self.pad_token_id)
+        self._fresh.difference_update(rows)
+        tokens = self._new_tokens(rows, emitted) if self.collect_tokens else [[] for _ in rows]
+        done = set(finished)
+        for row, n, new in zip(rows, emitted, tokens):
+            request = self.running[row]
+            request.num_generated += n
+            request.output_ids += new
+            if sampling is not None:
+                sampling.num_generated[row] = request.num_generated
+            if row in done:
+                request.finish_reason = "length" if request.num_generated >= request.max_new_tokens and not (
+                    self._ended_by_rule(new)) else "stop"
+            if n or row in done:
+                events.append((request, new, row in done))
+        self._retire(finished)
+        batch.active = sorted(self.running)
+        return events
+
+    def cancel(self, request: Request) -> None:
+        """Marks a request cancelled; it leaves the batch (its blocks freed) at the next step."""
+        request.cancelled = True
+
+    # --- internals ---------------------------------------------------------------------------------------------
+
+    def _ended_by_rule(self, new: list[int]) -> bool:
+        eos = self.stop.eos_token_ids
+        if not new or eos is None:
+            return False
+        return new[-1] in set(eos.flatten().tolist())
+
+    def _new_tokens(self, rows: list[int], emitted: list[int]) -> list[list[int]]:
+        width = max(emitted, default=0)
+        if width == 0:
+            return [[] for _ in rows]
+        batch = self.batch
+        rows_t = torch.tensor(rows, device=batch.device)
+        start = batch.first_col[rows_t] + torch.tensor([batch.lengths[r] - n for r, n in zip(rows, emitted)],
+                                                       device=batch.device)
+        cols = (start[:, None] + torch.arange(width, device=batch.device)).clamp(max=batch.token_ids.shape[1] - 1)
+        picked = batch.token_ids[rows_t[:, None], cols].tolist()
+        return [row[:n] for row, n in zip(picked, emitted)]
+
+    def _drop_cancelled(self) -> list[tuple[Request, list[int], bool]]:
+        events = []
+        for request in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(request)
+            request.finish_reason = "cancelled"
+            events.append((request, [], True))
+        gone = [row for row, r in self.running.items() if r.cancelled]
+        for row in gone:
+            self.running[row].finish_reason = "cancelled"
+            events.append((self.running[row], [], True))
+        self._retire(gone)
+        return events
+
+    def _admit_waiting(self) -> None:
+        while self.waiting and self.free_slots:
+            request = self.waiting[0]
+            need = self.worst_case_blocks(len(request.prompt_ids), request.max_new_tokens)
+            if self.max_num_blocks is not None and sum(self._reserved.values()) + need > self.max_num_blocks - 1:
+                return  # first come, first served: it waits for blocks to come back
+            self.waiting.popleft()
+            request.slot = self.free_slots.pop()
+            try:
+                self._write_prompt(request)
+                self._admit(request, need)
+            except Exception as error:  # noqa: BLE001 - this request cannot run (a draft that cannot read its
+                # prompt, say); it is refused alone and the batch runs on
+                request.error = f"{type(error).__name__}: {error}"
+                request.finish_reason = "error"
+                self._refused.append(request)
+                if request.slot in self.running:
+                    self._retire([request.slot])
+                else:
+                    self.free_slots.append(request.slot)
+
+    def _write_prompt(self, request: Request) -> None:
+        batch, row = self.batch, request.slot
+        ids = torch.tensor(request.prompt_ids, dtype=torch.long, device=batch.device)
+        batch.token_ids[row] = self.pad_token_id
+        batch.token_ids[row, : len(ids)] = ids
+        batch.first_col[row] = 0
+        batch.lengths[row] = len(ids)
+
+    def _admit(self, request: Request, need: int | None = None, announce: bool = True) -> None:
+        row = request.slot
+        self.running[row] = request
+        self._fresh.add(row)
+        self._reserved[row] = need if need is not None else 0
+        self.target.add_sequence(row)
+        if self.batch.sampling is not None:
+            self.batch.sampling.set(row, request.sampling)
+        if self.step_fn.constraints is not None and request.grammar is not None:
+            self.step_fn.constraints.admit(row, request.grammar)
+        policy = self.step_fn.policy
+        if policy is not None:  # a new request starts from the priors, not from its slot's previous occupant
+            policy.accepted[row] = 0
+            policy.tried[row] = 0
+        if announce:
+            self.speculator.admit(self.batch, [row])
+
+    def _retire(self, rows: list[int]) -> None:
+        # Finished rows leave the batch at once: their blocks return to the pool and they cost no more compute.
+        if not rows:
+            return
+        for row in rows:
+            self.target.free(row)
+            self.running.pop(row)
+            self._reserved.pop(row, None)
+            self._fresh.discard(row)
+            self.free_slots.append(row)
+        self.speculator.release(rows)
+        if self.step_fn.constraints is not None:
+            self.step_fn.constraints.release(rows)

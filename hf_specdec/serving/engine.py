@@ -1,0 +1,426 @@
+"""Continuous batching for a server: one thread runs the scheduler, requests come and go from any other.
+
+`ServingEngine.submit` validates a request, queues it and returns a `RequestStream`; the engine thread admits it into
+the running batch when a slot frees, and pushes `Delta`s (new token ids and text) into the stream as steps finish it.
+`RequestStream.cancel()` (a client that went away) frees the request's KV blocks at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections import deque
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import torch
+
+from ..adaptive import AdaptiveK
+from ..calibration import adaptive_costs, host_linear
+from ..compat import check_model_supported
+from ..constraints import RowConstraints, first_position_spellable
+from ..generation import DEFAULT_GRAMMAR_TOKENS, resolve_speculator
+from ..metrics import SpeculativeMetrics, logger
+from ..model_runner import ModelRunner, paged_attention
+from ..scheduler import Request, RowSampling, SamplingParams, Scheduler
+from ..speculators.grammar import GrammarSpeculator
+from ..step import Step
+from ..stopping import StopRules
+from ..types import SequenceBatch
+
+
+class QueueFullError(RuntimeError):
+    """The server's queue is full; the client should retry later (HTTP 503)."""
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as given (HTTP 400); the message names the field and the fix."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class Delta:
+    """What one step added to a request: token ids, the text they complete, and whether the request ended."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass(eq=False)
+class RequestStream:
+    """A submitted request's output, as it arrives. Iterate it (`for delta in stream`), or in async code
+    `async for delta in stream` when it was submitted with a running event loop."""
+
+    request: Request
+    stop: tuple[str, ...] = ()
+    _engine: ServingEngine | None = None
+    _loop: asyncio.AbstractEventLoop | None = None
+    _queue: object = None
+    _decoded: str = ""
+    _sent: int = 0  # characters of `_decoded` already delivered
+    prompt_tokens: int = 0
+    first_token_time: float | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def text(self) -> str:
+        return self._decoded[: self._sent]
+
+    def cancel(self) -> None:
+        if self._engine is not None:
+            self._engine.cancel(self)
+
+    def __iter__(self):
+        while True:
+            delta = self._queue.get()
+            if isinstance(delta, BaseException):
+                raise delta
+            yield delta
+            if delta.finish_reason is not None:
+                return
+
+    def __aiter__(self):
+        return self._aiter()
+
+    async def _aiter(self):
+        while True:
+            delta = await self._queue.get()
+            if isinstance(delta, BaseException):
+                raise delta
+            yield delta
+            if delta.finish_reason is not None:
+                return
+
+    def _put(self, item) -> None:
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            except RuntimeError:  # the client's event loop has closed: nobody is listening any more
+                pass
+        else:
+            self._queue.put(item)
+
+
+class ServingEngine:
+    """Serves generation requests with speculative decoding and continuous batching.
+
+    Args:
+        model (`PreTrainedModel`): the target.
+        tokenizer: the target's tokenizer (prompts, stop strings, grammars).
+        speculator: as `generate(speculator=...)`: `"ngram"`, `"grammar"`, a draft model or a `Speculator`.
+        num_speculative_tokens (`int`): k, the most drafts per row and step.
+        max_batch_size (`int`): requests running at once; the rest wait in the queue.
+        max_queue (`int`): requests waiting at most; beyond that `submit` raises `QueueFullError`.
+        max_model_len (`int`, *optional*): prompt + max_tokens limit (default: the model's context).
+        schedule (`str`): `"adaptive"` or `"constant"` k.
+        max_num_blocks (`int`, *optional*): cap on the target's KV pool (default: enough for every running request's
+            worst case); requests wait until their worst case fits.
+        calibration (`bool`): use this host's cached cost profile (`hf-specdec calibrate`).
+    """
+
+    def __init__(self, model, tokenizer, speculator="ngram", num_speculative_tokens: int | None = None,
+                 max_batch_size: int = 8, max_queue: int = 64, max_model_len: int | None = None,
+                 schedule: str = "adaptive", block_size: int = 16, max_num_blocks: int | None = None,
+                 calibration: bool = True):
+        if max_batch_size < 1 or max_queue < 0:
+            raise ValueError(f"max_batch_size must be >= 1 and max_queue >= 0, got {max_batch_size}, {max_queue}")
+        if schedule not in ("adaptive", "constant"):
+            raise ValueError(f"schedule must be 'adaptive' or 'constant', got {schedule!r}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.speculator = resolve_speculator(speculator)
+        check_model_supported(model, role="target model")
+        self.speculator.validate(model)
+        if num_speculative_tokens is None:
+            num_speculative_tokens = DEFAULT_GRAMMAR_TOKENS if isinstance(self.speculator, GrammarSpeculator) else 10
+        self.k = num_speculative_tokens
+        self.max_batch_size = max_batch_size
+        self.max_queue = max_queue
+        context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2048
+        self.max_model_len = min(max_model_len or context, context)
+        eos = model.generation_config.eos_token_id
+        self.eos_token_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+        pad = model.generation_config.pad_token_id
+        self.pad_token_id = int(pad) if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
+        self.vocab_size = model.config.get_text_config().vocab_size
+        self.metrics = SpeculativeMetrics()
+        self.counters = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0, "rejected": 0, "cancelled": 0}
+        self._recent = deque(maxlen=256)  # (time, tokens) per step: tokens/s over the last seconds
+        self._incoming: list[RequestStream] = []
+        self._cancels: list[RequestStream] = []
+        self._streams: dict[str, RequestStream] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._build(block_size, max_num_blocks, schedule, calibration)
+
+    # --- setup ---------------------------------------------------------------------------------------------------
+
+    def _build(self, block_size, max_num_blocks, schedule, calibration) -> None:
+        slots, device = self.max_batch_size, self.model.get_input_embeddings().weight.device
+        width = self.max_model_len + self.k + 2
+        token_ids = torch.full((slots, width), self.pad_token_id, dtype=torch.long, device=device)
+        sampling = RowSampling(slots, device)
+        self.batch = SequenceBatch(token_ids, torch.zeros(slots, dtype=torch.long, device=device), [0] * slots, [],
+                                   0, False, sampling, self.vocab_size, sampling)
+        self.target = ModelRunner(self.model, block_size=block_size, max_num_blocks=max_num_blocks)
+        policy = None
+        if schedule == "adaptive":
+            cost, draft_cost, _ = adaptive_costs(self.model, self.speculator, None, calibration)
+            policy = AdaptiveK(slots, self.k, cost, draft_cost, priors=self.speculator.confidence_priors)
+        constraints = None
+        try:
+            from ..structured import xgrammar
+
+            xgrammar()
+            constraints = RowConstraints(slots, self.vocab_size, tokenizer=self.tokenizer)
+        except ImportError:
+            pass
+        self.step = Step(self.speculator, self.k, constraints=constraints, policy=policy)
+        eos = torch.tensor(self.eos_token_ids, device=device) if self.eos_token_ids else None
+        self.scheduler = Scheduler(self.batch, self.target, self.step, StopRules(None, eos), self.pad_token_id,
+                                   self.metrics, max_num_blocks=max_num_blocks)
+        self.calibration = calibration
+
+    # --- lifecycle -----------------------------------------------------------------------------------------------
+
+    def start(self) -> ServingEngine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="hf_specdec-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, grace_s: float = 0.0) -> None:
+        """Stops taking requests; lets those in flight finish for up to `grace_s` seconds, cancels the rest, and
+        stops the engine thread."""
+        deadline = time.monotonic() + grace_s
+        with self._lock:
+            self._stopping = True
+        while time.monotonic() < deadline and self.num_running + self.num_waiting > 0 and self.alive:
+            time.sleep(0.02)
+        with self._lock:
+            for stream in list(self._streams.values()):
+                self._cancels.append(stream)
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + len(self._incoming)
+
+    @property
+    def num_blocks_in_use(self) -> int:
+        return self.scheduler.num_blocks_in_use
+
+    def tokens_per_second(self, window_s: float = 10.0) -> float:
+        now = time.perf_counter()
+        recent = [(t, n) for t, n in list(self._recent) if now - t <= window_s]
+        if not recent:
+            return 0.0
+        span = max(now - recent[0][0], 1e-3)
+        return sum(n for _, n in recent) / span
+
+    # --- requests ------------------------------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], max_tokens: int | None = None, sampling: SamplingParams | None = None,
+               stop: list[str] | None = None, grammar=None, loop: asyncio.AbstractEventLoop | None = None,
+               request_id: str | None = None) -> RequestStream:
+        """Queues a request. `grammar` is an `hf_specdec.Grammar` (compiled here, so a bad one fails now). With
+        `loop`, the stream is consumed with `async for` on that loop; without, with a plain `for`.
+
+        Raises `RequestError` for a request that cannot be served (the field named), `QueueFullError` when the queue
+        is full, `RuntimeError` when the engine is shutting down or has failed."""
+        if self._error is not None:
+            raise RuntimeError(f"the engine stopped after an error: {self._error}")
+        if not prompt_ids:
+            raise RequestError("the prompt is empty; give at least one token", "prompt")
+        if max(prompt_ids) >= self.vocab_size or min(prompt_ids) < 0:
+            raise RequestError(f"the prompt holds token ids outside the model's vocabulary of {self.vocab_size}",
+                               "prompt")
+        room = self.max_model_len - len(prompt_ids)
+        if max_tokens is None:
+            max_tokens = room
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}", "max_tokens")
+        if max_tokens > room:
+            raise RequestError(
+                f"this model's context is {self.max_model_len} tokens, but the prompt has {len(prompt_ids)} and "
+                f"max_tokens asks for {max_tokens} more; shorten the prompt or lower max_tokens to at most "
+                f"{max(room, 0)}", "max_tokens")
+        sampling = sampling or SamplingParams()
+        compiled = None
+        if grammar is not None:
+            if self.step.constraints is None:
+                raise RequestError("structured output needs xgrammar: pip install 'hf_specdec[structured]'",
+                                   "response_format")
+            try:
+                compiled = grammar.compile(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            except ValueError as error:  # GrammarError: the library's own message
+                raise RequestError(str(error), "response_format") from None
+            if not first_position_spellable(compiled):
+                raise RequestError("the model's tokenizer cannot spell the start of this grammar (it allows no token "
+                                   "of the vocabulary)", "response_format")
+        request = Request(list(prompt_ids), max_tokens, sampling, compiled, **(
+            {"request_id": request_id} if request_id else {}))
+        if loop is not None:
+            stream = RequestStream(request, tuple(stop or ()), self, loop, asyncio.Queue())
+        else:
+            stream = RequestStream(request, tuple(stop or ()), self, None, queue.Queue())
+        stream.prompt_tokens = len(prompt_ids)
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the server is shutting down")
+            if self.num_waiting >= self.max_queue + max(self.max_batch_size - self.num_running, 0):
+                self.counters["rejected"] += 1
+                raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting); retry later")
+            self._incoming.append(stream)
+            self._streams[request.request_id] = stream
+            self.counters["requests"] += 1
+            self.counters["prompt_tokens"] += len(prompt_ids)
+            self._wake.notify_all()
+        return stream
+
+    def cancel(self, stream: RequestStream) -> None:
+        """Ends a request; its KV blocks return to the pool at the next step."""
+        with self._lock:
+            self._cancels.append(stream)
+            self._wake.notify_all()
+
+    def generate(self, prompt_ids: list[int], **kwargs) -> RequestStream:
+        """Submits and waits (for offline use and tests): returns the finished stream."""
+        stream = self.submit(prompt_ids, **kwargs)
+        for _ in stream:
+            pass
+        return stream
+
+    # --- the engine thread ---------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            with ExitStack() as stack:
+                stack.enter_context(torch.no_grad())
+                stack.enter_context(paged_attention(self.model))
+                stack.enter_context(host_linear(self.model, self.speculator, self.calibration))
+                self.speculator.begin(self.model, self.batch)
+                stack.callback(self.speculator.end)
+                while True:
+                    with self._lock:
+                        for stream in self._incoming:
+                            self.scheduler.add(stream.request)
+                        self._incoming.clear()
+                        for stream in self._cancels:
+                            self.scheduler.cancel(stream.request)
+                        self._cancels.clear()
+                        if not self.scheduler.has_work():
+                            if self._stopping:
+                                return
+                            self._wake.wait(timeout=0.5)
+                            continue
+                    try:
+                        events = self.scheduler.step()
+                    except Exception as error:  # noqa: BLE001 - the step's requests fail; the server runs on
+                        events = self._fail_running(error)
+                    self._recent.append((time.perf_counter(), sum(len(t) for _, t, _ in events)))
+                    for request, tokens, finished in events:
+                        self._deliver(request, tokens, finished)
+        except BaseException as error:  # noqa: BLE001 - every waiting client hears of it, then the thread ends
+            logger.exception("hf_specdec serving engine failed")
+            self._error = error
+            with self._lock:
+                streams = list(self._streams.values()) + list(self._incoming)
+                self._streams.clear()
+                self._incoming.clear()
+            for stream in streams:
+                stream._put(RuntimeError(f"the engine failed: {type(error).__name__}: {error}"))
+
+    def _fail_running(self, error: Exception) -> list:
+        """A step raised: the requests it ran get the error (their state may be half-updated) and leave the batch,
+        their blocks freed; requests waiting, and later ones, are served as usual."""
+        logger.exception("hf_specdec serving: a step failed; its requests get the error")
+        running = sorted(self.scheduler.running)
+        failed = [self.scheduler.running[row] for row in running]
+        self.scheduler._retire(running)
+        self.batch.active = []
+        for request in failed:
+            request.finish_reason = "error"
+            with self._lock:
+                stream = self._streams.pop(request.request_id, None)
+            if stream is not None:
+                stream._put(RuntimeError(f"generation failed: {type(error).__name__}: {error}"))
+        return []
+
+    def _deliver(self, request: Request, tokens: list[int], finished: bool) -> None:
+        stream = self._streams.get(request.request_id)
+        if stream is None:
+            return
+        if request.finish_reason == "error":  # refused as it joined the batch; the others run on
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+            stream._put(RequestError(request.error))
+            return
+        if tokens and stream.first_token_time is None:
+            stream.first_token_time = time.perf_counter()
+        self.counters["generation_tokens"] += len(tokens)
+        text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
+        reason = request.finish_reason if finished else None
+        hit = _find_stop(text, stream.stop, stream._sent)
+        if hit is not None:  # a stop string: the text ends before it, and so does the request
+            text, reason = text[:hit], "stop"
+            if not finished:
+                self.scheduler.cancel(request)
+                finished = True
+        stream._decoded = text
+        # Hold back what may still change: an incomplete character, or the start of a stop string.
+        ready = len(text) if finished else _safe_length(text, stream.stop)
+        delta = text[stream._sent: max(ready, stream._sent)]
+        stream._sent = max(ready, stream._sent)
+        if reason == "cancelled":
+            self.counters["cancelled"] += 1
+        if finished:
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+        if delta or tokens or finished:
+            stream._put(Delta(tokens, delta, reason))
+
+
+def _find_stop(text: str, stops: tuple[str, ...], sent: int) -> int | None:
+    if not stops:
+        return None
+    start = max(0, sent - max(len(s) for s in stops))
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _safe_length(text: str, stops: tuple[str, ...]) -> int:
+    end = len(text)
+    while end > 0 and text[end - 1] == "\ufffd":  # bytes of a character not complete yet
+        end -= 1
+    for stop in stops:  # a suffix that could grow into a stop string waits for the next step
+        for n in range(min(len(stop) - 1, end), 0, -1):
+            if text[end - n: end] == stop[:n]:
+                end -= n
+                break
+    return end
+

@@ -1,0 +1,397 @@
+"""`hf-specdec serve`: an OpenAI-compatible HTTP server over `ServingEngine` (FastAPI on uvicorn).
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream: true` as server-sent events),
+`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text). Errors are OpenAI's JSON error objects: 400 naming
+the field, 401 for a missing or wrong API key, 404 for an unknown model, 503 when the queue is full.
+"""
+
+
+import asyncio
+import json
+import os
+import secrets
+import time
+import uuid
+
+from ..scheduler import SamplingParams
+from .engine import QueueFullError, RequestError, ServingEngine
+
+# Fields of OpenAI's API this server takes; anything else with a non-default value is refused (400), never ignored.
+_IGNORED = {"model", "user", "stream_options", "metadata", "store", "service_tier", "parallel_tool_calls"}
+_COMMON = {"max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed", "top_k", "response_format"}
+_COMPLETIONS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "presence_penalty", "frequency_penalty",
+                          "suffix", "logit_bias"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "presence_penalty",
+                   "frequency_penalty", "tools", "tool_choice", "logit_bias"}
+# Accepted only at their neutral values.
+_NEUTRAL = {"echo": (False, None), "logprobs": (False, None), "top_logprobs": (0, None), "best_of": (1, None),
+            "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None), "suffix": (None, ""),
+            "logit_bias": (None,), "tools": (None,), "tool_choice": (None, "none")}
+
+
+def create_app(engine: ServingEngine, model_name: str, api_key: str | None = None, shutdown_grace_s: float = 10.0):
+    """The FastAPI app serving `engine` as `model_name`. `api_key`: required as `Authorization: Bearer KEY` on
+    `/v1/*` when set."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+    @asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        yield
+        await asyncio.to_thread(engine.shutdown, shutdown_grace_s)
+
+    app = FastAPI(title="hf_specdec", lifespan=lifespan)
+    created = int(time.time())
+
+    def error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None):
+        return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                            status_code=status)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not secrets.compare_digest(token.encode(), api_key.encode()):
+                return error(401, "missing or wrong API key: send 'Authorization: Bearer KEY' with the server's "
+                             "--api-key", "authentication_error", code="invalid_api_key")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return error(503, "the engine is not running", "server_error")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "hf_specdec"}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus_text(engine), media_type="text/plain; version=0.0.4")
+
+    async def handle(request: Request, chat: bool):
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error(400, "the request body is not valid JSON", "invalid_request_error")
+        try:
+            if not isinstance(body, dict):
+                raise RequestError("the request body must be a JSON object")
+            if body.get("model") not in (None, model_name):
+                return error(404, f"the model {body.get('model')!r} does not exist; this server serves "
+                             f"{model_name!r} (GET /v1/models)", "invalid_request_error", "model", "model_not_found")
+            parsed = parse_request(body, chat, engine)
+        except RequestError as bad:
+            return error(400, str(bad), "invalid_request_error", bad.param)
+        loop = asyncio.get_running_loop()
+        streams = []
+        try:
+            for i, prompt in enumerate(parsed["prompts"]):
+                for j in range(parsed["n"]):
+                    sampling = parsed["sampling"]
+                    if sampling.seed is not None and parsed["n"] > 1:  # n different samples, each reproducible
+                        sampling = SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k,
+                                                  sampling.seed + j)
+                    streams.append(engine.submit(prompt, parsed["max_tokens"], sampling, parsed["stop"],
+                                                 parsed["grammar"], loop=loop))
+        except RequestError as bad:
+            for stream in streams:
+                stream.cancel()
+            return error(400, str(bad), "invalid_request_error", bad.param)
+        except QueueFullError as full:
+            for stream in streams:
+                stream.cancel()
+            return error(503, str(full), "server_error", code="queue_full")
+        except RuntimeError as down:
+            for stream in streams:
+                stream.cancel()
+            return error(503, str(down), "server_error")
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        prompt_tokens = sum(len(p) for p in parsed["prompts"])
+        if parsed["stream"]:
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(stream_events(streams, rid, chat, model_name, include_usage, prompt_tokens),
+                                     media_type="text/event-stream")
+        try:
+            results = await asyncio.gather(*(collect(s, request) for s in streams))
+        except RequestError as bad:
+            return error(400, str(bad), "invalid_request_error", bad.param)
+        except RuntimeError as failed:
+            return error(500, str(failed), "server_error")
+        finally:
+            for stream in streams:
+                if stream.request.finish_reason is None:
+                    stream.cancel()
+        if any(reason is None for _, reason in results):  # the client went away
+            return error(499, "client disconnected", "invalid_request_error")
+        choices = [choice(i, text, reason, chat) for i, (text, reason) in enumerate(results)]
+        usage = usage_of(streams, prompt_tokens)
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": model_name, "choices": choices, "usage": usage}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, chat=True)
+
+    return app
+
+
+async def collect(stream, request) -> tuple[str, str | None]:
+    """Waits for a stream's end; `(text, finish_reason)`, the reason `None` if the client disconnected first."""
+    async for delta in _watch(stream, request):
+        if delta.finish_reason is not None:
+            return stream.text, delta.finish_reason
+    return stream.text, None
+
+
+async def _watch(stream, request):
+    """The stream's deltas; ends early (cancelling the request) when the HTTP client disconnects."""
+    iterator = stream.__aiter__()
+    while True:
+        step = asyncio.ensure_future(iterator.__anext__())
+        while not step.done():
+            done, _ = await asyncio.wait({step}, timeout=0.5)
+            if not done and await request.is_disconnected():
+                step.cancel()
+                stream.cancel()
+                return
+        try:
+            yield step.result()
+        except StopAsyncIteration:
+            return
+
+
+def choice(index: int, text: str, reason: str, chat: bool) -> dict:
+    reason = "stop" if reason == "cancelled" else reason
+    if chat:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": reason}
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+
+
+def usage_of(streams, prompt_tokens: int) -> dict:
+    completion = sum(s.request.num_generated for s in streams)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+async def stream_events(streams, rid: str, chat: bool, model_name: str, include_usage: bool, prompt_tokens: int):
+    """Server-sent events: one chunk per delta of every choice, then `data: [DONE]`. A client that disconnects
+    cancels every choice (their KV blocks are freed at the next step)."""
+    created = int(time.time())
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(index: int, text: str | None, reason: str | None, first: bool = False) -> str:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            body = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            body = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+        payload = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [body]}
+        if include_usage:
+            payload["usage"] = None
+        return f"data: {json.dumps(payload)}\n\n"
+
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index, stream):
+        try:
+            async for delta in stream:
+                await merged.put((index, delta))
+        except Exception as failure:  # noqa: BLE001 - reported to the client as an error event
+            await merged.put((index, failure))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        if chat:
+            for i in range(len(streams)):
+                yield chunk(i, None, None, first=True)
+        open_streams = len(streams)
+        while open_streams:
+            index, delta = await merged.get()
+            if isinstance(delta, Exception):
+                message = str(delta)
+                yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error'}})}\n\n"
+                open_streams -= 1
+                continue
+            reason = delta.finish_reason
+            if delta.text or reason is not None:
+                yield chunk(index, delta.text, None if reason is None else ("stop" if reason == "cancelled"
+                                                                              else reason))
+            if reason is not None:
+                open_streams -= 1
+        if include_usage:
+            payload = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [],
+                       "usage": usage_of(streams, prompt_tokens)}
+            yield f"data: {json.dumps(payload)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:  # normal end, or the client went away (the generator is closed or cancelled)
+        for stream, task in zip(streams, tasks):
+            task.cancel()
+            if stream.request.finish_reason is None:
+                stream.cancel()
+
+
+def parse_request(body: dict, chat: bool, engine: ServingEngine) -> dict:
+    """Validates an OpenAI request body; raises `RequestError` naming the first bad field."""
+    known = (_CHAT if chat else _COMPLETIONS) | _IGNORED
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise RequestError(f"unsupported field {unknown[0]!r}; supported: {sorted(known)}", unknown[0])
+    for name, neutral in _NEUTRAL.items():
+        if name in body and body[name] not in neutral:
+            raise RequestError(f"{name}={body[name]!r} is not supported by this server; drop it", name)
+    tokenizer = engine.tokenizer
+    if chat:
+        prompts = [chat_prompt(body.get("messages"), tokenizer)]
+    else:
+        prompts = completion_prompts(body.get("prompt"), tokenizer)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens", 16)
+    param = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+        raise RequestError(f"{param} must be a positive integer, got {max_tokens!r}", param)
+    for prompt in prompts:
+        room = engine.max_model_len - len(prompt)
+        if (max_tokens or 1) > room:
+            raise RequestError(
+                f"this model's context is {engine.max_model_len} tokens, but the prompt has {len(prompt)} and "
+                f"{param} asks for {max_tokens or 1} more; shorten the prompt or lower {param}", param)
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0:
+        raise RequestError("top_p must be in (0, 1]", "top_p")
+    top_k = body.get("top_k", 0)
+    if top_k is None:
+        top_k = 0
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+        raise RequestError(f"top_k must be a non-negative integer (0: off), got {top_k!r}", "top_k")
+    seed = body.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise RequestError(f"seed must be an integer, got {seed!r}", "seed")
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 16:
+        raise RequestError(f"n must be an integer from 1 to 16, got {n!r}", "n")
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list) or len(stop) > 4 or
+                             not all(isinstance(s, str) and s for s in stop)):
+        raise RequestError("stop must be a non-empty string or a list of at most 4 of them", "stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise RequestError(f"stream must be true or false, got {stream!r}", "stream")
+    grammar = None
+    if body.get("response_format") is not None:
+        from ..structured import Grammar
+
+        try:
+            grammar = Grammar.from_response_format(body["response_format"])
+        except (ValueError, TypeError) as bad:
+            raise RequestError(f"response_format: {bad}", "response_format") from None
+    return {"prompts": prompts, "max_tokens": max_tokens, "n": n, "stop": stop, "stream": bool(stream),
+            "grammar": grammar, "sampling": SamplingParams(temperature, top_p, top_k, seed)}
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise RequestError(f"{name} must be a number from {low} to {high}, got {value!r}", name)
+    return float(value)
+
+
+def chat_prompt(messages, tokenizer) -> list[int]:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list of {'role': ..., 'content': ...} objects", "messages")
+    plain = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RequestError(f"messages[{i}] must be an object with a 'role' string", "messages")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: only text
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise RequestError(f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        plain.append({"role": message["role"], "content": content})
+    try:
+        ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True)
+    except Exception as bad:  # noqa: BLE001 - the template's own complaint (say, roles out of order)
+        raise RequestError(f"messages: the chat template refused them ({bad})", "messages") from None
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def completion_prompts(prompt, tokenizer) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [tokenizer(prompt)["input_ids"]]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return [tokenizer(p)["input_ids"] for p in prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [list(prompt)]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt):
+        return [list(p) for p in prompt]
+    raise RequestError("prompt must be a non-empty string, a list of strings, a list of token ids or a list of such "
+                       "lists", "prompt")
+
+
+def prometheus_text(engine: ServingEngine) -> str:
+    """The server's state and counters in Prometheus' text format (the speculative ones as vLLM names them)."""
+    m = engine.metrics
+    lines = []
+
+    def add(name: str, kind: str, help_text: str, samples):
+        lines.append(f"# HELP hf_specdec:{name} {help_text}")
+        lines.append(f"# TYPE hf_specdec:{name} {kind}")
+        for labels, value in samples:
+            lines.append(f"hf_specdec:{name}{labels} {value}")
+
+    add("num_requests_running", "gauge", "Requests in the running batch.", [("", engine.num_running)])
+    add("num_requests_waiting", "gauge", "Requests waiting in the queue.", [("", engine.num_waiting)])
+    add("kv_cache_blocks_in_use", "gauge", "KV blocks held by running requests.", [("", engine.num_blocks_in_use)])
+    add("generation_tokens_per_second", "gauge", "Tokens generated per second over the last 10 s.",
+        [("", round(engine.tokens_per_second(), 3))])
+    counters = dict(engine.counters)
+    add("request_total", "counter", "Requests accepted.", [("", counters["requests"])])
+    add("request_rejected_total", "counter", "Requests refused because the queue was full.",
+        [("", counters["rejected"])])
+    add("request_cancelled_total", "counter", "Requests cancelled (client gone, shutdown).",
+        [("", counters["cancelled"])])
+    add("prompt_tokens_total", "counter", "Prompt tokens of accepted requests.", [("", counters["prompt_tokens"])])
+    add("generation_tokens_total", "counter", "Tokens generated.", [("", counters["generation_tokens"])])
+    add("spec_decode_num_drafts_total", "counter", "Row-steps in which the speculator proposed drafts.",
+        [("", m.num_drafts)])
+    add("spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed.", [("", m.num_draft_tokens)])
+    add("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.", [("", m.num_accepted_tokens)])
+    add("spec_decode_num_accepted_tokens_per_pos_total", "counter",
+        "Drafts with at least position + 1 tokens accepted.",
+        [(f'{{position="{i}"}}', n) for i, n in enumerate(list(m.accepted_per_position))])
+    add("num_steps_total", "counter", "Verify steps (target forwards).", [("", m.num_steps)])
+    return "\n".join(lines) + "\n"
+
+
+def serve(engine: ServingEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+          api_key: str | None = None, shutdown_grace_s: float = 10.0, log_level: str = "info") -> None:
+    """Runs the server until SIGINT/SIGTERM; then requests in flight get `shutdown_grace_s` seconds to finish and the
+    rest are cancelled."""
+    import uvicorn
+
+    api_key = api_key or os.environ.get("HF_SPECDEC_API_KEY") or None
+    app = create_app(engine, model_name, api_key, shutdown_grace_s)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_grace_s)

@@ -1,0 +1,537 @@
+"""Continuous batching and the OpenAI-compatible server.
+
+Requests that join a running batch equal their solo runs (plain greedy `generate`), whatever runs beside them; a
+sampled row keeps the exact target distribution next to greedy rows; the server, driven by the official `openai`
+client on a loopback port, returns what `generate` returns, refuses bad requests with JSON errors naming the field,
+and frees every KV block of a client that goes away.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from hf_specdec.scheduler import SamplingParams
+from hf_specdec.serving import QueueFullError, RequestError, ServingEngine
+
+from conftest import VOCAB, make_model
+
+EOS = 2
+WORDS = ["<pad>", "<s>", "</s>", "<unk>", "user", "assistant", "system"] + [f"w{i}" for i in range(VOCAB - 7)]
+TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}assistant"
+
+
+def word_tokenizer():
+    """Whitespace-separated words, one token each; decoding joins them with spaces (prefix-stable)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
+                                        eos_token="</s>", unk_token="<unk>")
+    tokenizer.chat_template = TEMPLATE
+    return tokenizer
+
+
+def served_model(seed=0, eos=EOS):
+    model = make_model("llama", seed=seed)
+    model.generation_config.eos_token_id = eos
+    return model
+
+
+def repeating(length: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(7, VOCAB, (5,), generator=g).tolist()
+    return (phrase * (length // 5 + 1))[:length]
+
+
+_TWINS = {}
+
+
+def solo(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Plain greedy `generate` on one prompt: the reference every served request must equal. It runs on a twin of
+    `model` (same weights): a running engine has switched the served model to its paged attention."""
+    key = id(model)
+    if key not in _TWINS:
+        twin = make_model("llama")
+        twin.load_state_dict(model.state_dict())
+        twin.generation_config.eos_token_id = model.generation_config.eos_token_id
+        _TWINS[key] = (model, twin)  # the model is kept alive, so its id is not reused
+    model = _TWINS[key][1]
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    tokens = out[0, len(prompt):].tolist()
+    eos = model.generation_config.eos_token_id
+    return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
+
+
+def no_blocks_held(engine) -> bool:
+    manager = engine.target.cache.manager
+    return manager.sequences() == [] and manager.num_free_blocks == manager.num_blocks - manager.num_reserved
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return word_tokenizer()
+
+
+# --- continuous batching ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("speculator", ["ngram", "draft", "none"])
+def test_requests_joining_a_running_batch_equal_their_solo_runs(tokenizer, speculator):
+    model = served_model()
+    spec = {"ngram": "ngram", "draft": served_model(seed=3), "none": "ngram"}[speculator]
+    engine = ServingEngine(model, tokenizer, spec, num_speculative_tokens=0 if speculator == "none" else 4,
+                           max_batch_size=3, schedule="constant").start()
+    try:
+        plan = [(repeating(6 + 3 * i, seed=i), 12 + 7 * (i % 3)) for i in range(7)]
+        streams = [engine.submit(*plan[0]), engine.submit(*plan[1])]
+        first = next(iter(streams[0]))  # the batch is running; the rest arrive while it does
+        assert first.token_ids
+        for prompt, n in plan[2:]:
+            streams.append(engine.submit(prompt, n))
+            time.sleep(0.01)
+        for stream in streams:
+            for _ in stream:
+                pass
+        for (prompt, n), stream in zip(plan, streams):
+            assert stream.request.output_ids == solo(model, prompt, n), (prompt, n)
+            assert stream.request.finish_reason in ("stop", "length")
+        assert engine.metrics.num_draft_tokens > 0 or speculator == "none"
+        time.sleep(0.05)
+        assert no_blocks_held(engine)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_eagle_head_under_continuous_batching(tokenizer, tmp_path, version):
+    """EAGLE heads draft from the target's hidden states: rows that join get theirs from their own first step."""
+    from hf_specdec import EagleSpeculator
+    from test_eagle import convert  # a random-init EAGLE-1 or EAGLE-3 checkpoint for the target, converted
+
+    model = served_model()
+    head = EagleSpeculator.from_pretrained(convert(tmp_path, model, version, **({"aux_layers": [0, 1, 1]} if version == 3 else {})))
+    engine = ServingEngine(model, tokenizer, head, num_speculative_tokens=3, max_batch_size=2,
+                           schedule="constant").start()
+    try:
+        plan = [(repeating(5 + 2 * i, seed=10 + i), 10 + 5 * i) for i in range(5)]
+        streams = [engine.submit(p, n) for p, n in plan]
+        for (prompt, n), stream in zip(plan, streams):
+            for _ in stream:
+                pass
+            assert stream.request.output_ids == solo(model, prompt, n)
+        assert engine.metrics.num_draft_tokens > 0
+    finally:
+        engine.shutdown()
+
+
+def test_sampled_row_beside_greedy_rows_keeps_the_target_distribution(tokenizer):
+    """Two tokens sampled at temperature 0.7 from a prompt, with greedy requests in the same steps: the empirical
+    distribution of the pair matches the target's exact one (total variation; the same check fails for the argmax
+    distribution a broken greedy/sampled split would give)."""
+    model = served_model(eos=None)
+    prompt = repeating(6, seed=1)
+    with torch.no_grad():
+        first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1] / 0.7, -1)
+        top = first.topk(6).indices.tolist()
+        exact = {}
+        for a in top:
+            second = torch.softmax(model(torch.tensor([prompt + [a]])).logits[0, -1] / 0.7, -1)
+            for b, p in enumerate(second.tolist()):
+                exact[(a, b)] = float(first[a]) * p
+    engine = ServingEngine(model, tokenizer, "ngram", num_speculative_tokens=3, max_batch_size=4,
+                           schedule="constant").start()
+    try:
+        counts = collections.Counter()
+        trials = 1500
+        for t in range(trials // 3):
+            batch = [engine.submit(prompt, 2, SamplingParams(temperature=0.7)) for _ in range(3)]
+            greedy = engine.submit(repeating(8, seed=t % 5), 3)
+            for stream in batch:
+                for _ in stream:
+                    pass
+                counts[tuple(stream.request.output_ids)] += 1
+            for _ in greedy:
+                pass
+            assert greedy.request.output_ids == solo(model, repeating(8, seed=t % 5), 3)
+    finally:
+        engine.shutdown()
+    mass = sum(exact.values())
+    tv = 0.5 * sum(abs(counts[key] / trials - p) for key, p in exact.items()) + 0.5 * (
+        sum(c for key, c in counts.items() if key not in exact) / trials - (1 - mass))
+    assert tv < 0.08, tv
+    argmax_pair = max(exact, key=exact.get)
+    assert counts[argmax_pair] / trials < 0.9  # it really sampled
+
+
+def test_seeded_request_reproduces_whatever_runs_beside_it(tokenizer):
+    model = served_model(eos=None)
+    engine = ServingEngine(model, tokenizer, "ngram", num_speculative_tokens=3, max_batch_size=4,
+                           schedule="constant").start()
+    try:
+        prompt = repeating(7, seed=4)
+        alone = engine.generate(prompt, max_tokens=12, sampling=SamplingParams(1.0, seed=1234)).request.output_ids
+        others = [engine.submit(repeating(9, seed=s), 20, SamplingParams(1.0)) for s in range(3)]
+        crowded = engine.generate(prompt, max_tokens=12, sampling=SamplingParams(1.0, seed=1234)).request.output_ids
+        for stream in others:
+            for _ in stream:
+                pass
+        other_seed = engine.generate(prompt, max_tokens=12, sampling=SamplingParams(1.0, seed=99)).request.output_ids
+    finally:
+        engine.shutdown()
+    assert alone == crowded
+    assert other_seed != alone
+
+
+def test_bad_requests_are_refused_and_the_rest_run_on(tokenizer):
+    model = served_model()
+    engine = ServingEngine(model, tokenizer, "ngram", max_batch_size=2, max_queue=1, max_model_len=64).start()
+    try:
+        with pytest.raises(RequestError, match="prompt is empty"):
+            engine.submit([], 4)
+        with pytest.raises(RequestError, match="vocabulary"):
+            engine.submit([VOCAB + 5], 4)
+        with pytest.raises(RequestError, match="context is 64 tokens") as info:
+            engine.submit(repeating(40, 0), 30)
+        assert info.value.param == "max_tokens"
+        with pytest.raises(RequestError, match="max_tokens"):
+            engine.submit(repeating(4, 0), 0)
+        good = engine.generate(repeating(6, 1), max_tokens=8)
+        assert good.request.output_ids == solo(model, repeating(6, 1), 8)
+    finally:
+        engine.shutdown()
+
+
+def test_full_queue_is_refused(tokenizer):
+    model = served_model(eos=None)
+    engine = ServingEngine(model, tokenizer, "ngram", max_batch_size=1, max_queue=2)  # not started: nothing drains
+    accepted = [engine.submit(repeating(5, i), 4) for i in range(3)]  # one slot + two waiting
+    with pytest.raises(QueueFullError, match="queue is full"):
+        engine.submit(repeating(5, 9), 4)
+    engine.start()
+    for stream in accepted:
+        for _ in stream:
+            pass
+    engine.shutdown()
+
+
+def test_cancel_frees_blocks_at_the_next_step(tokenizer):
+    model = served_model(eos=None)
+    engine = ServingEngine(model, tokenizer, "ngram", max_batch_size=2).start()
+    try:
+        stream = engine.submit(repeating(10, 2), 200)
+        iterator = iter(stream)
+        next(iterator)
+        assert engine.num_blocks_in_use > 0
+        stream.cancel()
+        reasons = [d.finish_reason for d in iterator]
+        assert reasons[-1] == "cancelled"
+        deadline = time.monotonic() + 5
+        while not no_blocks_held(engine) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert no_blocks_held(engine)
+        assert engine.generate(repeating(6, 3), max_tokens=5).request.output_ids == solo(model, repeating(6, 3), 5)
+    finally:
+        engine.shutdown()
+
+
+def test_stop_strings_end_the_text_before_them(tokenizer):
+    model = served_model(eos=None)
+    prompt = repeating(8, 5)
+    reference = tokenizer.decode(solo(model, prompt, 20), skip_special_tokens=True)
+    words = reference.split()
+    stop = " ".join(words[3:5])
+    engine = ServingEngine(model, tokenizer, "ngram", max_batch_size=2).start()
+    try:
+        stream = engine.submit(prompt, 20, stop=[stop])
+        deltas = list(stream)
+    finally:
+        engine.shutdown()
+    text = "".join(d.text for d in deltas)
+    assert text == reference[: reference.index(stop)]
+    assert deltas[-1].finish_reason == "stop"
+
+
+# --- the HTTP server, through the official client ---------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`create_app` under uvicorn on a free loopback port, in a thread; stopped by the test."""
+
+    def __init__(self, engine, api_key=None):
+        import uvicorn
+
+        from hf_specdec.serving.server import create_app
+
+        self.port = free_port()
+        config = uvicorn.Config(create_app(engine, "tiny", api_key, shutdown_grace_s=1.0), host="127.0.0.1",
+                                port=self.port, log_level="warning", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, api_key="none", **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60, **kwargs)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer):
+    pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    model = served_model()
+    engine = ServingEngine(model, tokenizer, "ngram", num_speculative_tokens=4, max_batch_size=4, max_queue=8,
+                           max_model_len=128)
+    srv = Server(engine)
+    srv.model, srv.engine = model, engine
+    yield srv
+    srv.stop()
+    assert not engine.alive  # the lifespan shut the engine down
+
+
+def test_completions_equal_generate(server, tokenizer):
+    client = server.client()
+    prompt = repeating(9, 6)
+    expected = solo(server.model, prompt, 24)
+    text = tokenizer.decode(expected, skip_special_tokens=True)
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+    assert out.choices[0].text == text
+    assert out.usage.completion_tokens == len(expected) and out.usage.prompt_tokens == len(prompt)
+    assert out.choices[0].finish_reason == ("stop" if EOS in expected else "length")
+    words = tokenizer.decode(prompt)
+    streamed = client.completions.create(model="tiny", prompt=words, max_tokens=24, temperature=0, stream=True)
+    pieces = list(streamed)
+    assert "".join(c.choices[0].text for c in pieces) == tokenizer.decode(
+        solo(server.model, tokenizer(words)["input_ids"], 24), skip_special_tokens=True)
+    assert pieces[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_chat_equals_generate(server, tokenizer):
+    client = server.client()
+    messages = [{"role": "user", "content": tokenizer.decode(repeating(8, 7))}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+    text = tokenizer.decode(solo(server.model, list(prompt), 20), skip_special_tokens=True)
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
+    assert out.choices[0].message.content == text and out.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.prompt_tokens == len(prompt)
+    many = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0.9, n=3,
+                                          seed=5)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+
+
+def test_models_health_metrics(server):
+    import httpx
+
+    assert [m.id for m in server.client().models.list()] == ["tiny"]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_blocks_in_use",
+                 "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
+                 "generation_tokens_per_second"):
+        assert f"hf_specdec:{name}" in text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "w1", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "w1", "temperature": 7}, "temperature"),
+    ({"prompt": "w1", "top_p": 0}, "top_p"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": "w1", "n": 0}, "n"),
+    ({"prompt": "w1", "stop": [1]}, "stop"),
+    ({"prompt": "w1", "logprobs": 3}, "logprobs"),
+    ({"prompt": "w1", "frobnicate": 1}, "frobnicate"),
+    ({"prompt": "w1 " * 100, "max_tokens": 100}, "max_tokens"),
+    ({"prompt": "w1", "response_format": {"type": "json_schema"}}, "response_format"),
+])
+def test_bad_requests_get_400_naming_the_field(server, body, param):
+    import httpx
+
+    response = httpx.post(server.url + "/v1/completions", json={"model": "tiny", **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert httpx.post(server.url + "/v1/completions", content=b"{not json").status_code == 400
+    assert httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": []}).json()[
+        "error"]["param"] == "messages"
+    assert httpx.post(server.url + "/v1/completions", json={"model": "other", "prompt": "w1"}).status_code == 404
+    ok = server.client().completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3, temperature=0)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_json_mode(server, tokenizer):
+    pytest.importorskip("xgrammar")
+    import httpx
+
+    response = httpx.post(server.url + "/v1/completions", json={
+        "model": "tiny", "prompt": [5, 6], "max_tokens": 4, "response_format": {"type": "json_object"}})
+    # The word tokenizer cannot spell JSON: the grammar is refused before queueing, naming the field.
+    assert response.status_code == 400 and response.json()["error"]["param"] == "response_format"
+
+
+def test_disconnect_mid_stream_frees_every_block(server):
+    import httpx
+
+    with httpx.stream("POST", server.url + "/v1/completions", json={
+            "model": "tiny", "prompt": [9, 10, 11, 9, 10, 11], "max_tokens": 120, "temperature": 0,
+            "stream": True}, timeout=30) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                break  # the first chunk arrived: the request holds blocks; now the client goes away
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        metrics = httpx.get(server.url + "/metrics").text
+        if "hf_specdec:kv_cache_blocks_in_use 0" in metrics and "hf_specdec:num_requests_running 0" in metrics:
+            break
+        time.sleep(0.05)
+    assert "hf_specdec:kv_cache_blocks_in_use 0" in metrics
+    assert no_blocks_held(server.engine)
+
+
+def test_load_leaves_nothing_behind(server):
+    """64 concurrent streamed requests, then 200 in sequence: every response complete, no block held after, and the
+    process's memory not grown past a bound."""
+    import asyncio
+    import resource
+
+    import openai
+
+    async def burst():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+        async def one(i):
+            chunks = [c async for c in await client.completions.create(
+                model="tiny", prompt=repeating(6, i % 9), max_tokens=8, temperature=0, stream=True)]
+            return chunks[-1].choices[0].finish_reason
+
+        try:
+            results = await asyncio.gather(*(one(i) for i in range(64)), return_exceptions=True)
+        finally:
+            await client.close()
+        return results
+
+    server.engine.max_queue = 64
+    try:
+        results = asyncio.run(burst())
+    finally:
+        server.engine.max_queue = 8
+    assert all(r in ("stop", "length") for r in results), [r for r in results if not isinstance(r, str)][:3]
+    client = server.client()
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for i in range(200):
+        out = client.completions.create(model="tiny", prompt=repeating(5, i % 7), max_tokens=4, temperature=0)
+        assert out.choices[0].finish_reason in ("stop", "length")
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
+    assert grown_mib < 200, grown_mib
+    assert no_blocks_held(server.engine)
+
+
+def test_api_key(tokenizer):
+    pytest.importorskip("openai")
+    import openai
+
+    engine = ServingEngine(served_model(), tokenizer, "ngram", max_batch_size=2)
+    srv = Server(engine, api_key="sesame")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            srv.client(api_key="wrong").models.list()
+        import httpx
+
+        assert httpx.get(srv.url + "/v1/models").status_code == 401
+        assert [m.id for m in srv.client(api_key="sesame").models.list()] == ["tiny"]
+    finally:
+        srv.stop()
+
+
+def test_queue_full_gets_503(tokenizer):
+    pytest.importorskip("openai")
+    import httpx
+
+    engine = ServingEngine(served_model(eos=None), tokenizer, "ngram", max_batch_size=1, max_queue=0)
+    step = engine.scheduler.step
+    engine.scheduler.step = lambda: time.sleep(0.1) or step()  # the busy request stays busy while the test asks
+    srv = Server(engine)
+    try:
+        with httpx.stream("POST", srv.url + "/v1/completions", json={
+                "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 100, "stream": True}, timeout=30) as busy:
+            next(busy.iter_lines())
+            response = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": [5], "max_tokens": 2})
+            assert response.status_code == 503
+            assert "queue is full" in response.json()["error"]["message"]
+    finally:
+        srv.stop()
+
+
+def test_sigterm_shuts_down_cleanly(tmp_path):
+    """A server process: SIGTERM while a request streams ends the stream properly and the process without error."""
+    pytest.importorskip("uvicorn")
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    port = free_port()
+    script = tmp_path / "serve.py"
+    script.write_text(
+        "import sys; sys.path.insert(0, %r)\n"
+        "from test_serving import served_model, word_tokenizer\n"
+        "from hf_specdec.serving import ServingEngine\n"
+        "from hf_specdec.serving.server import serve\n"
+        "engine = ServingEngine(served_model(eos=None), word_tokenizer(), 'ngram', max_batch_size=2)\n"
+        "serve(engine, 'tiny', port=%d, shutdown_grace_s=1.0, log_level='warning')\n" % (
+            os.path.dirname(__file__), port))
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
+    process = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and process.poll() is None, process.stdout.read().decode()
+            time.sleep(0.1)
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json={
+                "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 180, "stream": True}, timeout=30) as response:
+            lines = response.iter_lines()
+            next(lines)
+            process.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        assert rest[-1] == "data: [DONE]" or any('"finish_reason"' in line for line in rest)
+        # uvicorn shuts down gracefully, then re-raises the signal it caught: the exit status says SIGTERM.
+        assert process.wait(timeout=30) in (0, -signal.SIGTERM)
+        output = process.stdout.read().decode()
+        assert "Traceback" not in output, output
+    finally:
+        if process.poll() is None:
+            process.kill()
