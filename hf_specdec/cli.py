@@ -475,6 +475,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--no-calibrate", action="store_true", help="skip measuring this host's costs at start")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     srv.set_defaults(func=cmd_serve)
+    from .serve_bench import add_arguments as add_serve_bench_arguments
+
+    sbench = sub.add_parser("bench-serve", help="requests arriving at a fixed rate: hf-specdec serve (each "
+                            "speculator, and speculation off) vs transformers' continuous batching")
+    _add_model_arguments(sbench)
+    add_serve_bench_arguments(sbench)
     demo = sub.add_parser("demo", help="serve the demo app: plain vs speculative generation, side by side")
     add_demo_arguments(demo)
     demo.set_defaults(func=cmd_demo)

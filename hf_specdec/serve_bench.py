@@ -1,0 +1,244 @@
+"""`hf-specdec bench-serve`: requests with mixed answer lengths arriving at a fixed rate, served four ways in one run.
+
+- `hf-specdec serve` with each speculator asked for (n-gram, the shipped EAGLE head, ...): an in-process server on a
+  loopback port, driven over HTTP by streamed `/v1/completions` requests, as a client would;
+- the same server with speculation off (k = 0): our own continuous batching alone;
+- transformers' continuous batching (`init_continuous_batching`, what `generate_batch` and `transformers serve` run),
+  the same requests added at the same times.
+
+Reported per configuration: total tokens/s (every generated token over the span from the first arrival to the last
+completion), p50/p90 time to first token, p50/p90 per-token latency after the first, and how many answers equal
+transformers' (greedy, so they should all).
+"""
+
+import asyncio
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .workloads import GROUNDED, OPEN_CHAT, chat_inputs
+
+LENGTHS = (16, 48, 96, 160)  # max_tokens of the requests, cycled: short and long answers mixed
+
+
+@dataclass
+class Served:
+    """One request's timings (seconds from its arrival) and answer."""
+
+    ttft: float
+    duration: float
+    tokens: int
+    text: str
+
+
+@dataclass
+class ServeResult:
+    configuration: str
+    tokens_per_s: float
+    ttft_p50: float
+    ttft_p90: float
+    tpot_p50_ms: float
+    tpot_p90_ms: float
+    requests: int
+    identical: int = 0
+    metrics: dict = field(default_factory=dict)
+
+
+def workload(tokenizer, num_requests: int = 32) -> list[tuple[list[int], int]]:
+    """`(prompt ids, max_tokens)` per request: grounded and open-chat prompts alternating, answer lengths mixed."""
+    prompts = [p for pair in zip(GROUNDED.values(), OPEN_CHAT.values()) for p in pair]
+    out = []
+    for i in range(num_requests):
+        ids = chat_inputs(tokenizer, [prompts[i % len(prompts)]])["input_ids"][0].tolist()
+        out.append((ids, LENGTHS[(i * 3 + i // len(LENGTHS)) % len(LENGTHS)]))
+    return out
+
+
+def _percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
+
+
+def summarize(name: str, served: list[Served], arrivals: list[float], start: float) -> ServeResult:
+    end = max(a + s.duration for a, s in zip(arrivals, served))
+    total = sum(s.tokens for s in served)
+    tpots = [(s.duration - s.ttft) / (s.tokens - 1) for s in served if s.tokens > 1]
+    ttfts = [s.ttft for s in served]
+    return ServeResult(name, total / (end - start), _percentile(ttfts, 0.5), _percentile(ttfts, 0.9),
+                       1000 * _percentile(tpots, 0.5), 1000 * _percentile(tpots, 0.9), len(served))
+
+
+def run_server(model, tokenizer, speculator, k: int | None, requests, rate: float, max_batch_size: int,
+               name: str) -> tuple[ServeResult, list[Served]]:
+    """Our server in this process, on a free loopback port; an async HTTP client sends the requests on schedule."""
+    import socket
+
+    import httpx
+    import uvicorn
+
+    from .serving import ServingEngine
+    from .serving.server import create_app
+
+    engine = ServingEngine(model, tokenizer, speculator, num_speculative_tokens=k, max_batch_size=max_batch_size,
+                           max_queue=len(requests), schedule="constant" if k == 0 else "adaptive")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, "bench"), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+
+    async def one(client, delay: float, prompt: list[int], max_tokens: int) -> Served:
+        await asyncio.sleep(delay)
+        sent = time.perf_counter()
+        first, text, tokens = None, [], 0
+        async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json={
+                "model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}) as response:
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                for c in chunk.get("choices", []):
+                    if c.get("text"):
+                        first = first or time.perf_counter()
+                        text.append(c["text"])
+        now = time.perf_counter()
+        return Served((first or now) - sent, now - sent, tokens, "".join(text))
+
+    async def drive():
+        async with httpx.AsyncClient(timeout=600) as client:
+            start = time.perf_counter()
+            served = await asyncio.gather(*(one(client, i / rate, p, n) for i, (p, n) in enumerate(requests)))
+        return start, served
+
+    try:
+        # Warm-up: one short request, so the first timed one does not pay for setup.
+        httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={
+            "model": "bench", "prompt": requests[0][0], "max_tokens": 4, "temperature": 0}, timeout=600)
+        before = asdict(engine.metrics)
+        start, served = asyncio.run(drive())
+        after = asdict(engine.metrics)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+    result = summarize(name, served, [start + i / rate for i in range(len(requests))], start)
+    drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    result.metrics = {"steps": after["num_steps"] - before["num_steps"], "draft_tokens": drafted,
+                      "accepted_tokens": accepted, "acceptance": accepted / drafted if drafted else 0.0}
+    return result, served
+
+
+def run_transformers(model, tokenizer, requests, rate: float, max_batch_size: int) -> tuple[ServeResult, list[Served]]:
+    """transformers' continuous batching manager, the requests added on the same schedule."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in requests),
+                              eos_token_id=model.generation_config.eos_token_id,
+                              pad_token_id=model.generation_config.pad_token_id)
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    try:
+        manager.add_request(requests[0][0], request_id="warmup", max_new_tokens=4)
+        while (r := manager.get_result(timeout=600)) is not None and r.request_id != "warmup":
+            pass
+        start = time.perf_counter()
+        sent = {}
+
+        def feed():
+            for i, (prompt, n) in enumerate(requests):
+                delay = start + i / rate - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                sent[f"r{i}"] = time.perf_counter()
+                manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n, record_timestamps=True)
+
+        feeder = threading.Thread(target=feed)
+        feeder.start()
+        results = {}
+        while len(results) < len(requests):
+            result = manager.get_result(timeout=600)
+            if result is None:
+                raise RuntimeError("transformers' continuous batching stopped before every request finished")
+            if result.is_finished() and result.request_id.startswith("r"):
+                results[result.request_id] = (result, time.perf_counter())
+        feeder.join()
+    finally:
+        manager.stop(block=True)
+    served = []
+    for i in range(len(requests)):
+        result, done = results[f"r{i}"]
+        stamps = result.timestamps or [done]
+        served.append(Served(stamps[0] - sent[f"r{i}"], done - sent[f"r{i}"], len(result.generated_tokens),
+                             tokenizer.decode(result.generated_tokens, skip_special_tokens=True)))
+    return summarize("transformers continuous batching", served,
+                     [sent[f"r{i}"] for i in range(len(requests))], start), served
+
+
+def run(model, tokenizer, speculators: dict, num_requests: int = 32, rate: float = 1.0,
+        max_batch_size: int = 8) -> list[ServeResult]:
+    requests = workload(tokenizer, num_requests)
+    results = []
+    reference_result, reference = run_transformers(model, tokenizer, requests, rate, max_batch_size)
+    results.append(reference_result)
+    reference_result.identical = len(reference)
+    for name, (speculator, k) in speculators.items():
+        result, served = run_server(model, tokenizer, speculator, k, requests, rate, max_batch_size, name)
+        result.identical = sum(a.text == b.text for a, b in zip(served, reference))
+        results.append(result)
+    return results
+
+
+def table(results: list[ServeResult]) -> str:
+    base = results[0].tokens_per_s
+    rows = ["| configuration | tokens/s | vs transformers | TTFT p50 s | TTFT p90 s | per-token p50 ms | per-token p90 ms "
+            "| acceptance | identical |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        acceptance = f"{r.metrics['acceptance']:.2f}" if r.metrics.get("draft_tokens") else "-"
+        rows.append(f"| {r.configuration} | {r.tokens_per_s:.1f} | {r.tokens_per_s / base:.2f}x | {r.ttft_p50:.2f} | "
+                    f"{r.ttft_p90:.2f} | {r.tpot_p50_ms:.0f} | {r.tpot_p90_ms:.0f} | {acceptance} | "
+                    f"{r.identical}/{r.requests} |")
+    return "\n".join(rows)
+
+
+def cmd_bench_serve(args) -> int:
+    from .cli import _calibrate, _dtype, _speculator
+    from .models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model, dtype=_dtype(args), device=args.device)
+    speculators = {"hf_specdec serve, speculation off": ("ngram", 0)}
+    for name in filter(None, args.speculators.split(",")):
+        speculators[f"hf_specdec serve {name}"] = (_speculator(name, model, tokenizer, model_name=args.model), None)
+    _calibrate(args, model, [s for s, _ in speculators.values()])
+    results = run(model, tokenizer, speculators, args.requests, args.rate, args.max_batch_size)
+    print(table(results))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"requests": args.requests, "rate": args.rate, "max_batch_size": args.max_batch_size,
+                       "results": [asdict(r) for r in results]}, f, indent=2)
+    return 0
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--speculators", default="ngram,eagle", help="comma-separated, as for bench")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--rate", type=float, default=1.0, help="requests per second")
+    parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--no-calibrate", action="store_true")
+    parser.add_argument("--out", default=None, help="JSON results file")
+    parser.set_defaults(func=cmd_bench_serve)
+
