@@ -66,10 +66,11 @@ def _trial_forward(model, role: str, name: str) -> None:
         return
     import torch
 
-    from .model_runner import ModelRunner, paged_attention
+    from .model_runner import ModelRunner, input_device, paged_attention
 
     vocab = model.config.get_text_config().vocab_size
-    tokens = (torch.arange(1, 7, device=model.device) % vocab).tolist()
+    device = input_device(model)  # never model.device: `meta` for a model offloaded to disk
+    tokens = [t % vocab for t in range(1, 7)]
     try:
         with torch.no_grad(), paged_attention(model):
             together = ModelRunner(model, num_blocks=4)
@@ -77,12 +78,12 @@ def _trial_forward(model, role: str, name: str) -> None:
             for seq_id in (0, 1):
                 together.add_sequence(seq_id)
             alone.add_sequence(1)
-            first = torch.tensor([tokens[0:3], [tokens[3]] * 3], device=model.device)  # right-aligned rows
+            first = torch.tensor([tokens[0:3], [tokens[3]] * 3], device=device)  # right-aligned rows
             together.forward([0, 1], first, [3, 1], num_logits=1)
-            batched = together.forward([0, 1], torch.tensor([[tokens[4]], [tokens[5]]], device=model.device),
+            batched = together.forward([0, 1], torch.tensor([[tokens[4]], [tokens[5]]], device=device),
                                        [1, 1], num_logits=1).logits[1, -1]
-            alone.forward([1], torch.tensor([[tokens[3]]], device=model.device), [1], num_logits=1)
-            single = alone.forward([1], torch.tensor([[tokens[5]]], device=model.device), [1],
+            alone.forward([1], torch.tensor([[tokens[3]]], device=device), [1], num_logits=1)
+            single = alone.forward([1], torch.tensor([[tokens[5]]], device=device), [1],
                                    num_logits=1).logits[0, -1]
             for runner, seq_ids in ((together, (0, 1)), (alone, (1,))):
                 for seq_id in seq_ids:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .distributed import RankZeroDecides, tp_group
 from .paged_cache import ATTENTION_NAME, PLAN_KWARG, PagedKVCache
 
 
@@ -24,6 +25,37 @@ def paged_attention(*models):
             m.set_attn_implementation(name)
 
 
+def execution_device(module: torch.nn.Module) -> torch.device:
+    """Where `module` computes. For a model dispatched by accelerate (`device_map`, CPU or disk offload) that is its
+    hook's execution device, and `module.device` may be `meta`; otherwise the device of its first parameter."""
+    for hook in _hooks(getattr(module, "_hf_hook", None)):
+        if getattr(hook, "execution_device", None) is not None:
+            return torch.device(hook.execution_device)
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.device.type != "meta":
+            return tensor.device
+    return torch.device("cpu")  # a module without tensors (or all on meta without a hook) computes on the host
+
+
+def _hooks(hook) -> list:
+    return [] if hook is None else list(getattr(hook, "hooks", None) or [hook])  # accelerate's SequentialHook
+
+
+def input_device(model) -> torch.device:
+    """Where a model's token ids must go: its input embedding's execution device (the first GPU of a model spread
+    over several, the host for a fully offloaded one), never `model.device`, which is `meta` when weights live on
+    disk."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    try:
+        return execution_device(embeddings) if embeddings is not None else execution_device(model)
+    except NotImplementedError:
+        return execution_device(model)
+
+
+def _to(value, device: torch.device):
+    return value.to(device) if isinstance(value, torch.Tensor) and value.device != device else value
+
+
 class ModelRunner:
     """One model and its paged cache. Rows are identified by the caller's integer ids.
 
@@ -36,7 +68,9 @@ class ModelRunner:
     def __init__(self, model, block_size: int = 16, num_blocks: int = 64, max_num_blocks: int | None = None):
         self.model = model
         self.cache = PagedKVCache(block_size=block_size, num_blocks=num_blocks, max_num_blocks=max_num_blocks)
-        self.device = model.device
+        self.device = input_device(model)  # where inputs and the step plan go; layers copy the plan to their own
+        # Under tensor parallelism, rank 0's drafts and verified tokens on every rank (see `distributed.py`).
+        self.agree = RankZeroDecides(tp_group(model), self.device)
         self.num_forwards = 0
         # transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name is deprecated there).
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -53,8 +87,11 @@ class ModelRunner:
         Returns:
             The model output; `logits` is `[rows, num_logits, vocab]`.
         """
+        caller = input_ids.device  # outputs go back there: the model may sit on other devices than the batch
+        input_ids = _to(input_ids, self.device)
+        model_kwargs = {name: _to(value, self.device) for name, value in model_kwargs.items()}
         starts = self.cache.reserve(seq_ids, num_tokens)
-        plan = self.cache.plan_step(seq_ids, starts, num_tokens, self.device, tree)
+        plan = self.cache.plan_step(seq_ids, starts, num_tokens, self.device, _tree_to(tree, self.device))
         self.num_forwards += 1
         with self.cache.active(plan):
             out = self.model(
@@ -75,9 +112,15 @@ class ModelRunner:
                 f"{plan.num_updates} layers without transformers' attention interface, so hf_specdec's paged "
                 "attention cannot serve it"
             )
+        if isinstance(out, torch.Tensor):  # a draft head returns its hidden states
+            return _to(out, caller)
         logits = getattr(out, "logits", None)
         if logits is not None and logits.shape[1] > num_logits:  # the model ignored logits_to_keep (Whisper)
-            out.logits = logits[:, -num_logits:]
+            out.logits = logits = logits[:, -num_logits:]
+        if logits is not None:
+            out.logits = _to(logits, caller)
+        if getattr(out, "hidden_states", None) is not None:
+            out.hidden_states = tuple(_to(h, caller) for h in out.hidden_states)
         return out
 
     def add_sequence(self, seq_id: int) -> None:
@@ -91,6 +134,13 @@ class ModelRunner:
 
     def free(self, seq_id: int) -> None:
         self.cache.free(seq_id)
+
+
+def _tree_to(tree, device):
+    if tree is None or tree.region_start.device == device:
+        return tree
+    return type(tree)(*(_to(getattr(tree, f), device) for f in ("region_start", "query_positions", "region_mask",
+                                                                   "region_positions")))
 
 
 @dataclass

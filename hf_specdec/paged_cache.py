@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -94,6 +94,25 @@ class StepPlan:
     # model computes some attention itself, which the runner then refuses (see `ModelRunner.forward`).
     num_updates: int = 0
     num_attended: int = 0
+    # Copies of this plan on the other devices a model's layers run on (accelerate's device_map), made once per step.
+    _copies: dict = field(default_factory=dict)
+
+    def on(self, device: torch.device) -> StepPlan:
+        """This plan with its tensors on `device` (itself when they are there already). Layer counts stay here."""
+        if self.block_tables.device == device:
+            return self
+        if device not in self._copies:
+            moved = {f: getattr(self, f).to(device) for f in ("write_slots", "block_tables", "query_positions",
+                                                               "context_lens", "context_slots", "query_slots")
+                     if getattr(self, f) is not None}
+            tree = self.tree and TreeAttention(*(t.to(device) for t in (
+                self.tree.region_start, self.tree.query_positions, self.tree.region_mask, self.tree.region_positions)))
+            if self.backend == "triton" and device.type != "cuda":  # a layer on the host: gather, then SDPA
+                tables, lens = moved["block_tables"], moved["context_lens"]
+                moved.update(backend="torch", context_slots=context_slots(tables, lens, int(lens.max()),
+                                                                          self.block_size, pad_slot=SCRATCH_SLOT))
+            self._copies[device] = replace(self, **moved, tree=tree, _masks={}, _kernel_tree=None, _copies={})
+        return self._copies[device]
 
     def kernel_tree(self) -> TreeMask | None:
         """The tree step's masks as the triton kernel takes them, built once per step (every layer reads them)."""
@@ -225,13 +244,15 @@ class PagedKVCache(Cache):
         reserved length, and `block_tables` (`[rows, max_blocks]`, e.g. the last step plan's) must be current."""
         if not self.key_pools or sources.numel() == 0:
             return
+        block_tables = block_tables.to(sources.device)
         skip = destinations < 0
         src = torch.where(skip, SCRATCH_SLOT, slots_of(block_tables, sources.clamp(min=0), self.block_size))
         dst = torch.where(skip, SCRATCH_SLOT, slots_of(block_tables, destinations.clamp(min=0), self.block_size))
         src, dst = src.flatten(), dst.flatten()
         for pools in (self.key_pools, self.value_pools):
-            for pool in pools.values():
-                pool.index_copy_(0, dst, pool.index_select(0, src))
+            for pool in pools.values():  # layers may sit on different devices
+                s, d = src.to(pool.device), dst.to(pool.device)
+                pool.index_copy_(0, d, pool.index_select(0, s))
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Writes this step's keys/values `[rows, kv_heads, q, head_dim]`. Returns each row's gathered context
@@ -241,12 +262,13 @@ class PagedKVCache(Cache):
         if plan is None:
             raise RuntimeError("PagedKVCache.update called outside a planned step; use hf_specdec's model runner")
         rows, heads, q, dim = key_states.shape
+        plan.num_updates += 1
+        plan = plan.on(key_states.device)  # each layer's pool lives on the device that layer runs on
         if layer_idx not in self.key_pools:
             size = self.manager.num_blocks * self.block_size
             self.key_pools[layer_idx] = key_states.new_zeros((size, heads, dim))
             self.value_pools[layer_idx] = value_states.new_zeros((size, heads, value_states.shape[-1]))
         key_pool, value_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
-        plan.num_updates += 1
         key_pool.index_copy_(0, plan.write_slots, key_states.transpose(1, 2).reshape(rows * q, heads, dim))
         value_pool.index_copy_(0, plan.write_slots, value_states.transpose(1, 2).reshape(rows * q, heads, -1))
         if plan.backend == "triton":
@@ -330,6 +352,7 @@ def paged_attention_forward(
         sliding_window = sliding_window or attention_mask.sliding_window
     sinks = _head_sinks(kwargs, query.shape[1])
     plan.num_attended += 1
+    plan = plan.on(query.device)
     if plan.backend == "triton":
         from .kernels.paged_attention.triton_kernel import paged_attention_triton
 
