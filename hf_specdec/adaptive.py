@@ -75,26 +75,27 @@ class StepCost:
         `generate(..., speculative_step_cost=...)`."""
         import time
 
-        from .model_runner import ModelRunner, paged_attention
+        from .model_runner import ModelRunner, input_device, paged_attention
 
         samples = []
         vocab = model.config.get_text_config().vocab_size
+        device = input_device(model)  # not model.device: `meta` for a model offloaded to disk
         with torch.no_grad(), paged_attention(model):
             for b, context in ((b, c) for c in contexts for b in rows):
                 runner = ModelRunner(model, num_blocks=b * (context + max(tokens)) // 16 + 2 * b + 1)
                 seqs = list(range(b))
                 for seq in seqs:
                     runner.add_sequence(seq)
-                runner.forward(seqs, torch.randint(vocab, (b, context), device=model.device), [context] * b, 1)
+                runner.forward(seqs, torch.randint(vocab, (b, context), device=device), [context] * b, 1)
                 for q in tokens:
-                    ids = torch.randint(vocab, (b, q), device=model.device)
+                    ids = torch.randint(vocab, (b, q), device=device)
                     times = []
                     for _ in range(repeats + 1):  # the first is a warm-up
-                        if model.device.type == "cuda":
+                        if device.type == "cuda":
                             torch.cuda.synchronize()
                         start = time.perf_counter()
                         runner.forward(seqs, ids, [q] * b, q)
-                        if model.device.type == "cuda":
+                        if device.type == "cuda":
                             torch.cuda.synchronize()
                         times.append(time.perf_counter() - start)
                         for seq in seqs:

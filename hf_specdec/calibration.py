@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .adaptive import DEFAULT_STEP_COST, StepCost
+from .model_runner import input_device
 
 logger = logging.getLogger("hf_specdec")
 
@@ -123,9 +124,20 @@ def _module_fingerprint(module: torch.nn.Module) -> str:
 
 
 def profile_key(model) -> dict:
-    """What a target's profile depends on: device, model configuration and parameters, dtype, threads, torch."""
-    return {"device": _device_name(model.device), "model": _module_fingerprint(model), "dtype": str(model.dtype),
-            "threads": torch.get_num_threads() if model.device.type == "cpu" else None, "torch": torch.__version__}
+    """What a target's profile depends on: device, model configuration and parameters, dtype, threads, torch, and
+    for a model placed by accelerate (`device_map`) the placement, since offloaded weights stream every forward."""
+    device = input_device(model)  # not model.device: `meta` for a model offloaded to disk
+    key = {"device": _device_name(device), "model": _module_fingerprint(model), "dtype": str(model.dtype),
+           "threads": torch.get_num_threads() if device.type == "cpu" else None, "torch": torch.__version__}
+    if getattr(model, "hf_device_map", None):
+        key["placement"] = {name: str(place) for name, place in model.hf_device_map.items()}
+    return key
+
+
+def offloaded(model) -> bool:
+    """Whether some of a model's weights live on disk or in host memory while it computes on an accelerator."""
+    places = {str(p) for p in (getattr(model, "hf_device_map", None) or {}).values()}
+    return "disk" in places or ("cpu" in places and input_device(model).type != "cpu")
 
 
 def _speculator_modules(speculator) -> list[torch.nn.Module]:
@@ -203,9 +215,11 @@ def adaptive_costs(model, speculator, step_cost: StepCost | None = None, use_pro
         step_cost = profile.step_cost
         sources.append(f"the step cost measured on this host ({profile_path(model)})")
     else:
-        step_cost = DEFAULT_STEP_COST.get(model.device.type, DEFAULT_STEP_COST["cuda"])
-        sources.append(f"the static default step cost for {model.device.type} (`hf-specdec calibrate` measures "
-                       "this host's)")
+        # Offloaded weights stream in every forward whatever its width: nearly flat, as on an accelerator.
+        kind = "cuda" if offloaded(model) else input_device(model).type
+        step_cost = DEFAULT_STEP_COST.get(kind, DEFAULT_STEP_COST["cuda"])
+        what = "offloaded weights (flat)" if offloaded(model) else kind
+        sources.append(f"the static default step cost for {what} (`hf-specdec calibrate` measures this host's)")
     key = speculator_key(speculator)
     if key is None:
         draft_cost = speculator.relative_cost(model)
@@ -293,7 +307,7 @@ def measure_thin_linear(model, rows: tuple[int, ...] = LINEAR_ROWS, repeats: int
     input rows as `F.linear` and as `(W @ x.T).T`; returns the row counts where the second took at most
     `LINEAR_MARGIN` of the first, and the timings."""
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear and type(m.weight) is torch.nn.Parameter
-              and m.weight.is_floating_point()]
+              and m.weight.is_floating_point() and m.weight.device.type != "meta"]  # (meta: offloaded to disk)
     if model.device.type != "cpu" or not layers:
         return (), {}
     shapes = Counter(tuple(m.weight.shape) for m in layers)
@@ -317,7 +331,7 @@ def measure_draft_cost(model, speculator, profile: Profile, k: int = 4, max_new_
     returns `(drafting time per drafted token / the target's plain step, timings)`."""
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(min(vocab, 1000), (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
-    ids = ids.to(model.device)
+    ids = ids.to(input_device(model))
     kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, speculator=speculator,
                   num_speculative_tokens=k, speculative_schedule="constant", return_dict_in_generate=True)
     model.generate(ids, max_new_tokens=4, **kwargs)  # warm-up

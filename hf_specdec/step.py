@@ -61,6 +61,7 @@ class Step:
             limit = self.k if self.drafting else 0
             constrained = self.constraints.constrain(batch, rows, draft, [max(0, min(limit, b - 1)) for b in budget])
             draft = constrained.draft
+        draft = target.agree(draft)  # tensor parallelism: rank 0's drafts on every rank (distributed.py)
         t1 = time.perf_counter()
         k = draft.k
         end = batch.end_cols(rows)  # [rows] first column after each row's committed tokens
@@ -81,7 +82,7 @@ class Step:
                                   masked.reshape(-1, logits.shape[-1])).view(logits.shape)
         if constrained is not None and batch.do_sample:
             scores = constrained.residual(scores)
-        result = verify(scores, draft, batch.do_sample, **_row_sampling(batch, rows, k))
+        result = target.agree(verify(scores, draft, batch.do_sample, **_row_sampling(batch, rows, k)))
 
         output = result.output_token_ids
         batch.token_ids[rows_t[:, None], end[:, None] + torch.arange(k + 1, device=end.device)] = torch.where(
@@ -128,7 +129,7 @@ class Step:
         device = batch.device
         t0 = time.perf_counter()
         max_depth = max(0, min(self.k, max(budget) - 1)) if self.drafting else 0
-        tree = self.speculator.propose_tree(batch, max_depth, self.tree_nodes, self.tree_branching)
+        tree = target.agree(self.speculator.propose_tree(batch, max_depth, self.tree_nodes, self.tree_branching))
         n = tree.num_nodes
         if n == 0:
             max_depth = 0
@@ -161,7 +162,7 @@ class Step:
         scores = self._tree_scores(batch, rows_t, end, tree, depths, ancestors, logits)
         if batch.sampling is not None:
             raise ValueError("per-request sampling settings are not supported with draft trees")
-        result, path = verify_tree(scores, tree, batch.do_sample, max_depth)
+        result, path = target.agree(verify_tree(scores, tree, batch.do_sample, max_depth))
 
         output = result.output_token_ids  # [rows, max_depth + 1]
         span = end[:, None] + torch.arange(max_depth + 1, device=device)

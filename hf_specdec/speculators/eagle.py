@@ -74,7 +74,8 @@ class EagleSpeculator(Speculator):
         return params / target.num_parameters()
 
     def begin(self, target, batch: SequenceBatch) -> None:
-        self.head.to(device=target.device, dtype=target.dtype)
+        self.head.to(device=batch.device, dtype=target.dtype)  # where the target's states arrive (its own
+        # device is `meta` when offloaded to disk)
         self.head.bind(target)
         self._runner = ModelRunner(self.head, block_size=self.block_size)
         for row in batch.active:

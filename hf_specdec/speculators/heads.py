@@ -197,7 +197,7 @@ class EagleHead(nn.Module):
             features: `[rows, q, width]` the target's features (`from_target=True`), or the head's own outputs.
         """
         embed = self.embed_tokens if self.embed_tokens is not None else self._bound[0]
-        embeds = embed(input_ids).to(self.fc.weight.dtype)
+        embeds = embed(input_ids).to(self.fc.weight.device, self.fc.weight.dtype)  # the target's may sit elsewhere
         if self.version == 1:
             hidden = self.fc(torch.cat([embeds, features], dim=-1))
         else:
@@ -208,7 +208,7 @@ class EagleHead(nn.Module):
     def logits(self, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """`[rows, vocab_size]` logits over the target's vocabulary from head outputs `[rows, hidden]`."""
         if self.version == 1:
-            return self._bound[1](hidden)[..., :vocab_size]
+            return self._bound[1](hidden)[..., :vocab_size].to(hidden.device)  # the target's head may sit elsewhere
         draft_logits = self.lm_head(self.norm(hidden))
         if self.draft_to_target is None:
             return draft_logits[..., :vocab_size]

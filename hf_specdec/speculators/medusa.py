@@ -75,9 +75,9 @@ class FinalStateSpeculator(Speculator):
         return self.head.stage_numel() / target.num_parameters()
 
     def begin(self, target, batch: SequenceBatch) -> None:
-        self.head.to(device=target.device, dtype=target.dtype)
-        width = self.config["target"]["hidden_size"]
-        self._states = torch.zeros(len(batch.lengths), width, device=target.device, dtype=target.dtype)
+        self.head.to(device=batch.device, dtype=target.dtype)  # where the target's states arrive (not target.device:
+        width = self.config["target"]["hidden_size"]  # `meta` when offloaded to disk)
+        self._states = torch.zeros(len(batch.lengths), width, device=batch.device, dtype=target.dtype)
         self._seen = False
 
     def observe_hidden_states(self, hidden) -> None:
