@@ -16,6 +16,7 @@ from .models import trained_head
 from .paged_cache import PagedKVCache
 from .pipeline import SpeculativeTextGenerationPipeline, register_pipeline
 from .quantization import QuantizationUnavailableError, QuantizedCheckpointError, load_draft
+from .serving import SamplingParams, ServingEngine, generate_batch
 from .speculators import (
     DraftModelSpeculator, EagleCheckpointError, EagleSpeculator, GrammarSpeculator, HybridSpeculator, MedusaSpeculator, MlpSpeculator,
     NgramSpeculator, Speculator,
@@ -40,5 +41,5 @@ __all__ = [
     "load_draft", "resolve_speculator", "TrainingSet", "build_training_set", "train_eagle_head",
     "verify", "HeadCheckpointError", "MedusaSpeculator", "MlpSpeculator", "convert_head",
     "trained_head", "HybridSpeculator", "Grammar", "GrammarError", "GrammarSpeculator",
-    "StructuredOutputUnavailableError",
+    "StructuredOutputUnavailableError", "SamplingParams", "ServingEngine", "generate_batch",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextGenerationPipeline
 from transformers.pipelines import PIPELINE_REGISTRY
 
@@ -90,6 +91,72 @@ class SpeculativeTextGenerationPipeline(TextGenerationPipeline):
 
     def _forward(self, model_inputs, **generate_kwargs):
         return super()._forward(model_inputs, speculator=self.speculator, **generate_kwargs)
+
+    def __call__(self, text_inputs, **kwargs):
+        """As `text-generation`; given many prompts (a list, a dataset, a generator) and `batch_size=N`, runs them
+        with continuous batching: N requests in flight, each slot refilled as soon as its request finishes."""
+        batch_size = kwargs.get("batch_size")
+        if batch_size and batch_size > 1 and _many(text_inputs):
+            kwargs.pop("batch_size")
+            results = self._continuous(text_inputs, batch_size, kwargs)
+            return list(results) if isinstance(text_inputs, (list, tuple)) else results
+        return super().__call__(text_inputs, **kwargs)
+
+    def _continuous(self, inputs, batch_size: int, kwargs: dict):
+        from .scheduler import SamplingParams
+        from .serving.engine import ServingEngine
+        from .serving.offline import generate_stream
+
+        preprocess_params, forward_params, postprocess_params = self._sanitize_parameters(**kwargs)
+        # The call's generate arguments with the pipeline's defaults, as a one-at-a-time call would get them; what is
+        # still unset comes from the model's generation config.
+        options = self._prepare_generate_kwargs(dict(forward_params))
+        config = options.pop("generation_config", None) or self.model.generation_config
+
+        def setting(name: str):
+            return options.pop(name) if name in options else getattr(config, name, None)
+
+        max_new_tokens = setting("max_new_tokens") or 256
+        do_sample = setting("do_sample")
+        temperature, top_p, top_k = setting("temperature"), setting("top_p"), setting("top_k")
+        k = options.pop("num_speculative_tokens", None)
+        grammar = options.pop("grammar", None)
+        options.pop("tokenizer", None)
+        options = {name: value for name, value in options.items() if value is not None}
+        if options:
+            raise ValueError(f"{sorted(options)} are not supported when batch_size= runs the prompts with "
+                             "continuous batching (supported: max_new_tokens, do_sample, temperature, top_p, top_k, "
+                             "num_speculative_tokens, grammar, response_format); drop them or leave out batch_size=")
+        sampling = SamplingParams(temperature or 1.0, top_p if top_p is not None else 1.0, top_k or 0) \
+            if do_sample else None
+        engine = ServingEngine(self.model, self.tokenizer, self.speculator, num_speculative_tokens=k,
+                               max_batch_size=batch_size, max_queue=2 * batch_size).start()
+        prepared: list = []
+
+        def prompts():
+            for item in inputs:
+                model_inputs = self.preprocess(item, **preprocess_params)
+                prepared.append(model_inputs)
+                yield model_inputs["input_ids"][0].tolist()
+
+        try:
+            for stream in generate_stream(engine, prompts(), max_new_tokens, sampling, grammar):
+                model_inputs = prepared.pop(0)
+                ids = model_inputs["input_ids"]
+                sequence = torch.cat([ids[0], torch.tensor(stream.request.output_ids, dtype=ids.dtype)])
+                yield self.postprocess({"generated_sequence": sequence.view(1, 1, -1), "input_ids": ids,
+                                        "prompt_text": model_inputs["prompt_text"]}, **postprocess_params)
+        finally:
+            engine.shutdown()
+
+
+def _many(inputs) -> bool:
+    """A collection of prompts, not one prompt (a string, or one chat: a list of message dicts)."""
+    if isinstance(inputs, (str, dict)):
+        return False
+    if isinstance(inputs, (list, tuple)):
+        return len(inputs) > 0 and not isinstance(inputs[0], dict)
+    return hasattr(inputs, "__iter__")
 
 
 def register_pipeline() -> None:

@@ -1,7 +1,7 @@
 """`hf-specdec bench-serve`: requests with mixed answer lengths arriving at a fixed rate, served four ways in one run.
 
-- `hf-specdec serve` with each speculator asked for (n-gram, the shipped EAGLE head, ...): an in-process server on a
-  loopback port, driven over HTTP by streamed `/v1/completions` requests, as a client would;
+- `hf-specdec serve` with each speculator asked for (n-gram, the shipped EAGLE head, ...): a server process on a
+  loopback port, driven over HTTP by streamed `/v1/completions` requests from this one, as a client would;
 - the same server with speculation off (k = 0): our own continuous batching alone;
 - transformers' continuous batching (`init_continuous_batching`, what `generate_batch` and `transformers serve` run),
   the same requests added at the same times.
@@ -73,35 +73,37 @@ def summarize(name: str, served: list[Served], arrivals: list[float], start: flo
                        1000 * _percentile(tpots, 0.5), 1000 * _percentile(tpots, 0.9), len(served))
 
 
-def run_server(model, tokenizer, speculator, k: int | None, requests, rate: float, max_batch_size: int,
-               name: str) -> tuple[ServeResult, list[Served]]:
-    """Our server in this process, on a free loopback port; an async HTTP client sends the requests on schedule."""
+def run_server(model_name: str, spec: str, k: int | None, requests, rate: float, max_batch_size: int, name: str,
+               threads: int | None = None, extra: tuple = ()) -> tuple[ServeResult, list[Served]]:
+    """`hf-specdec serve` in its own process on a free loopback port; an async HTTP client in this one sends the
+    requests on schedule (streamed completions, greedy), and reads the speculative counters from `/metrics`."""
+    import os
+    import signal
     import socket
+    import subprocess
+    import sys
 
     import httpx
-    import uvicorn
 
-    from .serving import ServingEngine
-    from .serving.server import create_app
-
-    engine = ServingEngine(model, tokenizer, speculator, num_speculative_tokens=k, max_batch_size=max_batch_size,
-                           max_queue=len(requests), schedule="constant" if k == 0 else "adaptive")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, "bench"), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
+    command = [sys.executable, "-m", "hf_specdec", "serve", "--model", model_name, "--speculator", spec,
+               "--port", str(port), "--max-batch-size", str(max_batch_size), "--max-queue", str(len(requests)),
+               "--log-level", "warning", *extra]
+    if k is not None:
+        command += ["-k", str(k)] + (["--schedule", "constant"] if k == 0 else [])
+    if threads:
+        command += ["--threads", str(threads)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
 
     async def one(client, delay: float, prompt: list[int], max_tokens: int) -> Served:
         await asyncio.sleep(delay)
         sent = time.perf_counter()
         first, text, tokens = None, [], 0
-        async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json={
-                "model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+        async with client.stream("POST", url + "/v1/completions", json={
+                "model": model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}) as response:
             async for line in response.aiter_lines():
                 if not line.startswith("data: {"):
@@ -122,20 +124,41 @@ def run_server(model, tokenizer, speculator, k: int | None, requests, rate: floa
             served = await asyncio.gather(*(one(client, i / rate, p, n) for i, (p, n) in enumerate(requests)))
         return start, served
 
+    def counters() -> dict:
+        values = {}
+        for line in httpx.get(url + "/metrics", timeout=60).text.splitlines():
+            if line.startswith("hf_specdec:") and "{" not in line:
+                key, value = line.split()
+                values[key[len("hf_specdec:"):]] = float(value)
+        return values
+
     try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"hf-specdec serve did not start: {process.stderr.read()[-2000:]}")
+            time.sleep(0.2)
         # Warm-up: one short request, so the first timed one does not pay for setup.
-        httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={
-            "model": "bench", "prompt": requests[0][0], "max_tokens": 4, "temperature": 0}, timeout=600)
-        before = asdict(engine.metrics)
+        httpx.post(url + "/v1/completions", json={"model": model_name, "prompt": requests[0][0], "max_tokens": 4,
+                                                  "temperature": 0}, timeout=600)
+        before = counters()
         start, served = asyncio.run(drive())
-        after = asdict(engine.metrics)
+        after = counters()
     finally:
-        server.should_exit = True
-        thread.join(timeout=60)
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.kill(process.pid, signal.SIGKILL)
     result = summarize(name, served, [start + i / rate for i in range(len(requests))], start)
-    drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
-    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
-    result.metrics = {"steps": after["num_steps"] - before["num_steps"], "draft_tokens": drafted,
+    drafted = after["spec_decode_num_draft_tokens_total"] - before["spec_decode_num_draft_tokens_total"]
+    accepted = after["spec_decode_num_accepted_tokens_total"] - before["spec_decode_num_accepted_tokens_total"]
+    result.metrics = {"steps": after["num_steps_total"] - before["num_steps_total"], "draft_tokens": drafted,
                       "accepted_tokens": accepted, "acceptance": accepted / drafted if drafted else 0.0}
     return result, served
 
@@ -186,15 +209,16 @@ def run_transformers(model, tokenizer, requests, rate: float, max_batch_size: in
                      [sent[f"r{i}"] for i in range(len(requests))], start), served
 
 
-def run(model, tokenizer, speculators: dict, num_requests: int = 32, rate: float = 1.0,
-        max_batch_size: int = 8) -> list[ServeResult]:
+def run(model, tokenizer, model_name: str, speculators: dict, num_requests: int = 32, rate: float = 1.0,
+        max_batch_size: int = 8, threads: int | None = None, extra: tuple = ()) -> list[ServeResult]:
+    """`speculators`: configuration name -> (`--speculator` value, `-k` or `None`)."""
     requests = workload(tokenizer, num_requests)
     results = []
     reference_result, reference = run_transformers(model, tokenizer, requests, rate, max_batch_size)
     results.append(reference_result)
     reference_result.identical = len(reference)
-    for name, (speculator, k) in speculators.items():
-        result, served = run_server(model, tokenizer, speculator, k, requests, rate, max_batch_size, name)
+    for name, (spec, k) in speculators.items():
+        result, served = run_server(model_name, spec, k, requests, rate, max_batch_size, name, threads, extra)
         result.identical = sum(a.text == b.text for a, b in zip(served, reference))
         results.append(result)
     return results
@@ -213,7 +237,7 @@ def table(results: list[ServeResult]) -> str:
 
 
 def cmd_bench_serve(args) -> int:
-    from .cli import _calibrate, _dtype, _speculator
+    from .cli import _dtype
     from .models import load_model
 
     if args.threads:
@@ -221,9 +245,12 @@ def cmd_bench_serve(args) -> int:
     model, tokenizer = load_model(args.model, dtype=_dtype(args), device=args.device)
     speculators = {"hf_specdec serve, speculation off": ("ngram", 0)}
     for name in filter(None, args.speculators.split(",")):
-        speculators[f"hf_specdec serve {name}"] = (_speculator(name, model, tokenizer, model_name=args.model), None)
-    _calibrate(args, model, [s for s, _ in speculators.values()])
-    results = run(model, tokenizer, speculators, args.requests, args.rate, args.max_batch_size)
+        speculators[f"hf_specdec serve {name}"] = (name, None)
+    extra = tuple(["--no-calibrate"] if args.no_calibrate else []) + tuple(
+        option for flag, value in (("--device", args.device), ("--dtype", args.dtype)) if value
+        for option in (flag, value))
+    results = run(model, tokenizer, args.model, speculators, args.requests, args.rate, args.max_batch_size,
+                  args.threads, extra)
     print(table(results))
     if args.out:
         with open(args.out, "w") as f:

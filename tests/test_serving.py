@@ -535,3 +535,35 @@ def test_sigterm_shuts_down_cleanly(tmp_path):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+# --- offline batch work: generate_batch and the pipeline over a dataset -------------------------------------------
+
+def test_generate_batch_refills_slots_and_equals_generate():
+    from hf_specdec import generate_batch
+
+    model = served_model()
+    prompts = [repeating(4 + i % 5, seed=20 + i) for i in range(9)]
+    out = generate_batch(model, prompts, "ngram", max_new_tokens=10, max_batch_size=3)
+    assert out == [solo(model, p, 10) for p in prompts]
+    first = generate_batch(model, prompts[:4], "ngram", max_new_tokens=6, max_batch_size=2, do_sample=True, seed=7)
+    again = generate_batch(model, prompts[:4], "ngram", max_new_tokens=6, max_batch_size=4, do_sample=True, seed=7)
+    assert first == again  # each prompt draws from its own seeded stream, whatever shares its steps
+
+
+def test_pipeline_runs_a_dataset_with_continuous_batching():
+    from transformers import pipeline
+
+    from conftest import make_tokenizer, word_prompt
+
+    model, tokenizer = served_model(), make_tokenizer()
+    model.generation_config.eos_token_id = None
+    stock = pipeline("text-generation", model=make_model("llama"), tokenizer=tokenizer)
+    ours = pipeline("speculative-text-generation", model=model, tokenizer=tokenizer, assistant="ngram")
+    prompts = [word_prompt(i, 4 + i % 6) for i in range(7)]
+    expected = [stock(p, max_new_tokens=9, do_sample=False) for p in prompts]
+    produced = ours((p for p in prompts), batch_size=3, max_new_tokens=9, do_sample=False)
+    assert not isinstance(produced, list)  # a generator in, results streamed out in order
+    assert list(produced) == expected
+    with pytest.raises(ValueError, match="repetition_penalty.*continuous batching"):
+        ours(prompts, batch_size=2, max_new_tokens=4, repetition_penalty=1.3)

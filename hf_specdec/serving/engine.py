@@ -116,7 +116,7 @@ class ServingEngine:
 
     Args:
         model (`PreTrainedModel`): the target.
-        tokenizer: the target's tokenizer (prompts, stop strings, grammars).
+        tokenizer: the target's tokenizer (text, stop strings, grammars); `None` for token ids only.
         speculator: as `generate(speculator=...)`: `"ngram"`, `"grammar"`, a draft model or a `Speculator`.
         num_speculative_tokens (`int`): k, the most drafts per row and step.
         max_batch_size (`int`): requests running at once; the rest wait in the queue.
@@ -185,7 +185,8 @@ class ServingEngine:
             from ..structured import xgrammar
 
             xgrammar()
-            constraints = RowConstraints(slots, self.vocab_size, tokenizer=self.tokenizer)
+            if self.tokenizer is not None:
+                constraints = RowConstraints(slots, self.vocab_size, tokenizer=self.tokenizer)
         except ImportError:
             pass
         self.step = Step(self.speculator, self.k, constraints=constraints, policy=policy)
@@ -270,6 +271,9 @@ class ServingEngine:
                 f"max_tokens asks for {max_tokens} more; shorten the prompt or lower max_tokens to at most "
                 f"{max(room, 0)}", "max_tokens")
         sampling = sampling or SamplingParams()
+        if (stop or grammar is not None) and self.tokenizer is None:
+            raise RequestError("stop strings and grammars need the engine's tokenizer; pass tokenizer= to "
+                               "ServingEngine", "stop" if stop else "response_format")
         compiled = None
         if grammar is not None:
             if self.step.constraints is None:
@@ -383,7 +387,7 @@ class ServingEngine:
         if tokens and stream.first_token_time is None:
             stream.first_token_time = time.perf_counter()
         self.counters["generation_tokens"] += len(tokens)
-        text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True) if self.tokenizer else ""
         reason = request.finish_reason if finished else None
         hit = _find_stop(text, stream.stop, stream._sent)
         if hit is not None:  # a stop string: the text ends before it, and so does the request
