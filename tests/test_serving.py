@@ -567,3 +567,35 @@ def test_pipeline_runs_a_dataset_with_continuous_batching():
     assert list(produced) == expected
     with pytest.raises(ValueError, match="repetition_penalty.*continuous batching"):
         ours(prompts, batch_size=2, max_new_tokens=4, repetition_penalty=1.3)
+
+
+def test_grammar_requests_join_a_running_batch_exactly():
+    """JSON-schema and regex requests arriving while free ones run: each equals plain constrained `generate` (xgrammar's
+    own processor), and the free ones their solo runs."""
+    pytest.importorskip("xgrammar")
+    from hf_specdec import Grammar
+    from test_structured import EOS as GRAMMAR_EOS
+    from test_structured import SCHEMA, constrained_model, piece_tokenizer, reference
+
+    tokenizer = piece_tokenizer()
+    model = constrained_model()
+    twin = constrained_model()
+    engine = ServingEngine(model, tokenizer, "ngram", num_speculative_tokens=4, max_batch_size=3).start()
+    try:
+        free = [engine.submit(repeating(6 + i, seed=30 + i), 16) for i in range(2)]
+        next(iter(free[0]))
+        grammars = [Grammar.json_schema(SCHEMA), Grammar.regex("[a-c]{2,6}"), Grammar.json_schema(SCHEMA)]
+        prompts = [repeating(5 + 2 * i, seed=40 + i) for i in range(3)]
+        constrained = [engine.submit(p, 40, grammar=g) for p, g in zip(prompts, grammars)]
+        for stream in free + constrained:
+            for _ in stream:
+                pass
+    finally:
+        engine.shutdown()
+    for prompt, grammar, stream in zip(prompts, grammars, constrained):
+        expected = reference(twin, tokenizer, [grammar], torch.tensor([prompt]), torch.ones(1, len(prompt),
+                                                                                         dtype=torch.long), 40)
+        tokens = expected[0, len(prompt):].tolist()
+        tokens = tokens[: tokens.index(GRAMMAR_EOS) + 1] if GRAMMAR_EOS in tokens else tokens
+        assert stream.request.output_ids == tokens
+    assert engine.metrics.num_grammar_tokens > 0

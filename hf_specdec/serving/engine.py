@@ -65,6 +65,7 @@ class RequestStream:
     _decoded: str = ""
     _sent: int = 0  # characters of `_decoded` already delivered
     prompt_tokens: int = 0
+    _ended: bool = False
     first_token_time: float | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
 
@@ -81,25 +82,23 @@ class RequestStream:
             self._engine.cancel(self)
 
     def __iter__(self):
-        while True:
-            delta = self._queue.get()
-            if isinstance(delta, BaseException):
-                raise delta
-            yield delta
-            if delta.finish_reason is not None:
-                return
+        while not self._ended:
+            yield self._received(self._queue.get())
 
     def __aiter__(self):
         return self._aiter()
 
     async def _aiter(self):
-        while True:
-            delta = await self._queue.get()
-            if isinstance(delta, BaseException):
-                raise delta
-            yield delta
-            if delta.finish_reason is not None:
-                return
+        while not self._ended:
+            yield self._received(await self._queue.get())
+
+    def _received(self, delta):
+        # Once the last delta (or an error) has been read, iterating again ends at once.
+        if isinstance(delta, BaseException):
+            self._ended = True
+            raise delta
+        self._ended = delta.finish_reason is not None
+        return delta
 
     def _put(self, item) -> None:
         if self._loop is not None:
