@@ -599,3 +599,32 @@ def test_grammar_requests_join_a_running_batch_exactly():
         tokens = tokens[: tokens.index(GRAMMAR_EOS) + 1] if GRAMMAR_EOS in tokens else tokens
         assert stream.request.output_ids == tokens
     assert engine.metrics.num_grammar_tokens > 0
+
+
+def test_a_failing_step_fails_its_requests_and_the_server_runs_on(tokenizer):
+    model = served_model(eos=None)
+    engine = ServingEngine(model, tokenizer, "ngram", max_batch_size=2)
+    original, calls = engine.scheduler.step_fn.__call__, []
+
+    class Failing:
+        def __getattr__(self, name):
+            return getattr(engine.step, name)
+
+        def __call__(self, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("simulated failure in a step")
+            return original(*args, **kwargs)
+
+    engine.scheduler.step_fn = Failing()
+    engine.start()
+    try:
+        doomed = engine.submit(repeating(6, 1), 20)
+        with pytest.raises(RuntimeError, match="simulated failure"):
+            for _ in doomed:
+                pass
+        assert no_blocks_held(engine)
+        after = engine.generate(repeating(6, 2), max_tokens=6)
+        assert after.request.output_ids == solo(model, repeating(6, 2), 6)
+    finally:
+        engine.shutdown()
