@@ -8,6 +8,7 @@ targets: EAGLE-1/2 with and without `fc` bias, EAGLE-3 with a reduced draft voca
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import pickle
 from pathlib import Path
@@ -551,6 +552,7 @@ def test_hidden_states_only_for_speculators_that_ask(tmp_path, monkeypatch):
     calls = []
     forward = type(target).forward
 
+    @functools.wraps(forward)  # keeps the signature the engine reads (which cache keyword the model takes)
     def spy(self, *args, **kwargs):
         calls.append(bool(kwargs.get("output_hidden_states")))
         return forward(self, *args, **kwargs)

@@ -11,6 +11,7 @@ Layouts (our format, written by `hf_specdec.convert_eagle`; see docs/eagle.md):
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -151,6 +152,10 @@ class EagleLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+# transformers 5.24 renamed the attention's `past_key_values` to `cache` (the old name warns, and goes in 5.40).
+_CACHE_KWARG = "cache" if "cache" in inspect.signature(LlamaAttention.forward).parameters else "past_key_values"
+
+
 class EagleHead(nn.Module):
     """An EAGLE draft head in our format. Shares the target's input embeddings (and, for EAGLE-1/2, its LM head),
     bound by `bind(target)`.
@@ -188,7 +193,7 @@ class EagleHead(nn.Module):
         """Shares the target's input embeddings (unless the head has its own) and, for EAGLE-1/2, its LM head."""
         self._bound = (target.get_input_embeddings(), target.get_output_embeddings() if self.version == 1 else None)
 
-    def forward(self, input_ids, position_ids, past_key_values, features, from_target: bool = True,
+    def forward(self, input_ids, position_ids, cache, features, from_target: bool = True,
                 use_cache=None, logits_to_keep=None, output_hidden_states=None, **kwargs) -> torch.Tensor:
         """Runs entries `(features[:, j], input_ids[:, j])`; returns the head's outputs `[rows, q, hidden]`.
 
@@ -203,7 +208,7 @@ class EagleHead(nn.Module):
         else:
             hidden = self.fc(features) if from_target else features
         position_embeddings = self.rotary(hidden, position_ids)
-        return self.layer(hidden, embeds, position_embeddings, past_key_values=past_key_values, **kwargs)
+        return self.layer(hidden, embeds, position_embeddings, **{_CACHE_KWARG: cache}, **kwargs)
 
     def logits(self, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """`[rows, vocab_size]` logits over the target's vocabulary from head outputs `[rows, hidden]`."""
