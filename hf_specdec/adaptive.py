@@ -71,37 +71,17 @@ class StepCost:
     def measure(cls, model, rows: tuple[int, ...] = (1, 4, 16), tokens: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16),
                 contexts: tuple[int, ...] = (64, 256), repeats: int = 5) -> StepCost:
         """Times target forwards through the paged KV cache (random token ids, each of `contexts` tokens cached per
-        row) and fits a `StepCost` (`fit`). Takes under a minute on a CPU; pass the result to
-        `generate(..., speculative_step_cost=...)`."""
-        import time
+        row; interleaved and repeated, see `measure.py`) and fits a `StepCost` (`fit`). Takes under a minute on a
+        CPU; pass the result to `generate(..., speculative_step_cost=...)`. Logs a warning when the timings
+        disagree or break the physical bounds (a busy host); `hf-specdec calibrate` then keeps the static default."""
+        import logging
 
-        from .model_runner import ModelRunner, input_device, paged_attention
+        from .measure import measure_step_cost
 
-        samples = []
-        vocab = model.config.get_text_config().vocab_size
-        device = input_device(model)  # not model.device: `meta` for a model offloaded to disk
-        with torch.no_grad(), paged_attention(model):
-            for b, context in ((b, c) for c in contexts for b in rows):
-                runner = ModelRunner(model, num_blocks=b * (context + max(tokens)) // 16 + 2 * b + 1)
-                seqs = list(range(b))
-                for seq in seqs:
-                    runner.add_sequence(seq)
-                runner.forward(seqs, torch.randint(vocab, (b, context), device=device), [context] * b, 1)
-                for q in tokens:
-                    ids = torch.randint(vocab, (b, q), device=device)
-                    times = []
-                    for _ in range(repeats + 1):  # the first is a warm-up
-                        if device.type == "cuda":
-                            torch.cuda.synchronize()
-                        start = time.perf_counter()
-                        runner.forward(seqs, ids, [q] * b, q)
-                        if device.type == "cuda":
-                            torch.cuda.synchronize()
-                        times.append(time.perf_counter() - start)
-                        for seq in seqs:
-                            runner.rollback(seq, context)
-                    samples.append((b, b * q, b * context, 1000 * sorted(times[1:])[len(times[1:]) // 2]))
-        return cls.fit(samples)
+        step_cost, measurement = measure_step_cost(model, rows, tokens, contexts, repeats)
+        if measurement.problem is not None:
+            logging.getLogger("hf_specdec").warning(f"StepCost.measure: not trustworthy ({measurement.problem})")
+        return step_cost
 
     @classmethod
     def fit(cls, samples: list[tuple[int, int, int, float]]) -> StepCost:

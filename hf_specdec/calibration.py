@@ -15,7 +15,15 @@ the speculator's parameter-count estimate. A `generate` call never times anythin
 seeded calls are reproducible. Adaptive k's choices (which change how many random numbers a sampled call draws)
 depend on the prompts, the acceptance seen so far and the profile, and the profile is fixed until `calibrate` is run
 again. To pin a seeded run across re-calibrations, pass `speculative_step_cost=` or `speculative_calibration=False`.
-A corrupt or foreign file is ignored with a warning (and rewritten by the next `calibrate`).
+A corrupt or foreign file, or one whose step cost breaks the physical bounds of measure.py, is ignored with a
+warning (and rewritten by the next `calibrate`).
+
+A busy host measures itself busy, so each measurement is interleaved, repeated and bounded (measure.py). A step cost
+still untrustworthy after `attempts` passes is not cached (calls keep the static defaults: better the old guess
+than one that switches drafting off on this host until someone recalibrates), nor is such a draft cost (the draft
+is priced by its size); an untrustworthy small-row linear timing keeps the stock form. Each is logged at WARNING with
+the reason. Profiles are not refreshed from a call's own step timings: that would make one seeded call's choices
+depend on how fast an earlier call ran.
 """
 
 from __future__ import annotations
@@ -34,11 +42,12 @@ import torch
 import torch.nn.functional as F
 
 from .adaptive import DEFAULT_STEP_COST, StepCost
+from .measure import ATTEMPTS, Timer, check_step_cost, measure_draft_cost, measure_step_cost, measure_thin_linear
 from .model_runner import input_device
 
 logger = logging.getLogger("hf_specdec")
 
-FORMAT, VERSION = "hf_specdec-calibration", 1
+FORMAT, VERSION = "hf_specdec-calibration", 2  # 2: measured as measure.py says
 LINEAR_ROWS = (1, 2, 3, 4, 6, 8)  # rows of a linear layer's input timed both ways
 LINEAR_MARGIN = 0.8  # `(W @ x.T).T` must take at most this fraction of F.linear's time to be used
 
@@ -78,6 +87,9 @@ class Profile:
         cost = data["step_cost"]
         step_cost = StepCost(per_row=float(cost["per_row"]), per_context_token=float(cost["per_context_token"]),
                              points=tuple((float(n), float(t)) for n, t in cost["points"]))
+        problem = check_step_cost(step_cost)
+        if problem is not None:
+            raise ValueError(problem)
         draft_costs = {str(k): float(v) for k, v in data.get("draft_costs", {}).items()}
         if not all(v >= 0.0 for v in draft_costs.values()):
             raise ValueError("negative draft cost")
@@ -292,63 +304,22 @@ def thin_linear(modules, rows):
 
 
 # Measuring --------------------------------------------------------------------------------------------------------
-def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * sorted(times)[len(times) // 2]
-
-
-def measure_thin_linear(model, rows: tuple[int, ...] = LINEAR_ROWS, repeats: int = 9) -> tuple[tuple[int, ...], dict]:
-    """Times the model's linear layers (one of each weight shape, weighted by how many layers have it) over `rows`
-    input rows as `F.linear` and as `(W @ x.T).T`; returns the row counts where the second took at most
-    `LINEAR_MARGIN` of the first, and the timings."""
-    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and type(m.weight) is torch.nn.Parameter
-              and m.weight.is_floating_point() and m.weight.device.type != "meta"]  # (meta: offloaded to disk)
-    if model.device.type != "cpu" or not layers:
-        return (), {}
-    shapes = Counter(tuple(m.weight.shape) for m in layers)
-    weights = {tuple(m.weight.shape): m.weight for m in layers}
-    stock, thin = {}, {}
-    with torch.no_grad():
-        for r in rows:
-            stock[r] = thin[r] = 0.0
-            for shape, count in shapes.items():
-                w = weights[shape]
-                x = torch.randn(r, shape[1], dtype=w.dtype)
-                stock[r] += count * _median_ms(lambda: F.linear(x, w), repeats)
-                thin[r] += count * _median_ms(lambda: (w @ x.t()).t(), repeats)
-    faster = tuple(r for r in rows if thin[r] <= LINEAR_MARGIN * stock[r])
-    return faster, {"linear_ms": {str(r): [round(stock[r], 3), round(thin[r], 3)] for r in rows}}
-
-
-def measure_draft_cost(model, speculator, profile: Profile, k: int = 4, max_new_tokens: int = 24,
-                       prompt_tokens: int = 64) -> tuple[float, dict]:
-    """Times a speculator's own proposals in a short greedy call at batch 1 (constant k, a random prompt) and
-    returns `(drafting time per drafted token / the target's plain step, timings)`."""
-    vocab = model.config.get_text_config().vocab_size
-    ids = torch.randint(min(vocab, 1000), (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
-    ids = ids.to(input_device(model))
-    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, speculator=speculator,
-                  num_speculative_tokens=k, speculative_schedule="constant", return_dict_in_generate=True)
-    model.generate(ids, max_new_tokens=4, **kwargs)  # warm-up
-    metrics = [model.generate(ids, max_new_tokens=max_new_tokens, **kwargs).speculative_metrics for _ in range(2)]
-    drafted = sum(m.num_draft_tokens for m in metrics)
-    ms_per_token = 1000 * sum(m.draft_time_s for m in metrics) / max(drafted, 1)
-    context = prompt_tokens + max_new_tokens // 2
-    plain_ms = float(profile.step_cost(1, torch.ones((), dtype=torch.float64), context))
-    return ms_per_token / plain_ms, {"draft_ms_per_token": round(ms_per_token, 3), "plain_step_ms": round(plain_ms, 3)}
+def _distrust(what: str, problem: str, fallback: str) -> None:
+    logger.warning(f"hf_specdec calibrate: {what} is not trustworthy ({problem}), so {fallback}. Is the host busy? "
+                   "`hf-specdec calibrate --force` on a quiet host measures it again.")
 
 
 def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] = (1, 4, 16),
               tokens: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12), contexts: tuple[int, ...] = (64, 256),
-              repeats: int = 3, linear_rows: tuple[int, ...] = LINEAR_ROWS, progress=None) -> Profile:
+              repeats: int = 5, linear_rows: tuple[int, ...] = LINEAR_ROWS, progress=None,
+              timer: Timer | None = None, attempts: int = ATTEMPTS) -> Profile | None:
     """Returns `model`'s profile on this host, measuring what the cache lacks (everything with `force`): the small-row
-    linear form, the step cost (with that form in use), and each of `speculators`' draft cost. The global random
-    state is left as it was. `progress`: a function taking a message, called before each measurement."""
+    linear form, the step cost (with that form in use), and each of `speculators`' draft cost. Each is measured as
+    `measure.py` says (interleaved, repeated, bounded): a step cost that stays untrustworthy is not cached (None is
+    returned and calls keep the static defaults), nor is such a draft cost (the draft is priced by its size); an
+    untrustworthy linear timing keeps the stock form. Each fallback is logged at WARNING with its reason. The global
+    random state is left as it was. `progress`: a function taking a message, called before each measurement;
+    `timer`: what times a forward or a product (`measure.Timer`; tests pass made-up timings)."""
     from .generation import resolve_speculator
 
     say = progress or (lambda message: None)
@@ -357,12 +328,20 @@ def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] 
         if profile is None:
             start = time.perf_counter()
             say(f"measuring linear layers over {', '.join(map(str, linear_rows))} rows")
-            thin_rows, details = measure_thin_linear(model, linear_rows)
+            thin_rows, details, problem = measure_thin_linear(model, linear_rows, LINEAR_MARGIN, repeats, timer,
+                                                              attempts)
+            if problem is not None:
+                _distrust("the small-row linear timing", problem, "linear layers keep their stock form")
+                thin_rows = ()
             thin_rows = thin_rows if thin_linear_enabled() else ()
             say(f"measuring target forwards (batch {', '.join(map(str, rows))})")
             with thin_linear([model], thin_rows):
-                step_cost = StepCost.measure(model, rows, tokens, contexts, repeats)
-            details["seconds"] = round(time.perf_counter() - start, 1)
+                step_cost, measurement = measure_step_cost(model, rows, tokens, contexts, repeats, timer, attempts)
+            if measurement.problem is not None:
+                _distrust("the step cost measured now", measurement.problem,
+                          "nothing is cached and calls keep the static default costs")
+                return None
+            details.update(seconds=round(time.perf_counter() - start, 1), step_attempts=measurement.attempts)
             profile = Profile(profile_key(model), step_cost, thin_rows, {}, details)
             save_profile(model, profile)
         for spec in speculators:
@@ -371,7 +350,10 @@ def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] 
             if key is None or (key in profile.draft_costs and not force):
                 continue
             say(f"measuring {type(spec).__name__}'s drafts")
-            cost, timings = measure_draft_cost(model, spec, profile)
+            cost, timings, problem = measure_draft_cost(model, spec, profile.step_cost, attempts=attempts)
+            if problem is not None:
+                _distrust(f"{type(spec).__name__}'s draft cost", problem, "it is priced by its parameter count")
+                continue
             # A head is cast to the target's dtype when a call begins, which changes its key: file it under both.
             keys = dict.fromkeys([key, speculator_key(spec)])
             profile = replace(profile, draft_costs={**profile.draft_costs, **{k: round(cost, 4) for k in keys}},
@@ -381,8 +363,10 @@ def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] 
     return profile
 
 
-def describe(profile: Profile) -> str:
+def describe(profile: Profile | None) -> str:
     """A few lines saying what a profile holds, in plain steps."""
+    if profile is None:
+        return "  no profile cached: calls use the static default costs"
     cost = profile.step_cost
     lines = []
     for rows in (1, 4, 16):

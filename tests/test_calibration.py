@@ -1,6 +1,7 @@
-"""Measured costs (calibration.py): a cached profile prices drafting, its key, bad files, seeded runs, the
-small-row linear form, and the warning when adaptive k keeps drafting off. No timing is asserted: profiles with
-chosen numbers stand in for measured ones."""
+"""Measured costs (calibration.py, measure.py): a cached profile prices drafting, its key, bad files, seeded runs,
+the small-row linear form, the warning when adaptive k keeps drafting off, and measurements a busy host spoils
+(re-measured, or rejected for the static default). No timing is asserted: profiles with chosen numbers, and timers
+that return chosen numbers, stand in for measured ones."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import logging
 import pytest
 import torch
 
-from hf_specdec import calibration
+from hf_specdec import calibration, measure
 from hf_specdec.adaptive import StepCost
 from hf_specdec.calibration import Profile, calibrate, load_profile, profile_key, profile_path, save_profile
 from hf_specdec.generation import resolve_speculator
@@ -23,7 +24,33 @@ from test_quantization import _prompts, _trained_llama, needs_bnb, needs_torchao
 DEAR = StepCost(per_row=0.0, points=((1, 10.0), (2, 20.0), (64, 640.0)))
 # A verify costs what a plain step does, whatever its width: drafting pays whenever drafts are accepted.
 FLAT = StepCost(per_row=0.0, points=((1, 10.0), (256, 10.0)))
-TINY_GRID = dict(rows=(1, 2), tokens=(1, 2), contexts=(8,), repeats=1, linear_rows=(1, 2))
+
+
+def steady(key) -> float:
+    """Made-up seconds for a timing key: a forward costs 40 ms + 2 ms per token + a little per cached token; the
+    thin linear form is as fast as the stock one."""
+    if key[0] == "step":
+        _, rows, tokens, context = key
+        return 0.040 + 0.002 * rows * tokens + 1e-5 * rows * context
+    return 1e-4 * key[2]  # ("linear", form, rows, shape)
+
+
+def fake_timer(cost=steady, slowdown=lambda key, call: 1.0, order=None):
+    """A `measure.Timer` that runs what it times (so the real code path runs) and returns `cost(key)` times
+    `slowdown(key, how many times this key was timed)`; `order` collects the keys timed."""
+    calls = {}
+
+    def timer(key, fn):
+        fn()
+        calls[key] = calls.get(key, 0) + 1
+        if order is not None:
+            order.append(key)
+        return cost(key) * slowdown(key, calls[key])
+    return timer
+
+
+TINY_GRID = dict(rows=(1, 2), tokens=(1, 2), contexts=(8,), repeats=1, linear_rows=(1, 2), timer=fake_timer())
+GRID = dict(rows=(1, 2), tokens=(1, 2, 4), contexts=(8,), repeats=5, linear_rows=(1, 2, 3))
 
 
 @pytest.fixture(autouse=True)
@@ -153,6 +180,8 @@ def test_profile_key_separates_models_dtypes_and_threads():
     "{not json", "\x00\xff", json.dumps([1, 2]), json.dumps({"format": "something else"}),
     "FOREIGN",  # a valid profile, but measured for another model
     "BAD_CURVE",  # the right key, a step cost whose times decrease
+    "IMPLAUSIBLE",  # the right key, a 2-token forward at 4.6 plain steps (as one measured on a busy host)
+    "OLD_VERSION",  # the right key, written before measurements were checked
 ])
 def test_a_corrupt_or_foreign_file_is_ignored_with_a_warning_and_rebuilt(content, caplog):
     target = make_model("llama", dtype=torch.float32)
@@ -165,6 +194,11 @@ def test_a_corrupt_or_foreign_file_is_ignored_with_a_warning_and_rebuilt(content
         data = _profile(target, FLAT).to_json()
         data["step_cost"]["points"] = [[1, 10.0], [2, 5.0]]
         content = json.dumps(data)
+    elif content == "IMPLAUSIBLE":
+        content = json.dumps(_profile(target, StepCost(per_row=0.0, points=((1, 10.0), (2, 46.0), (64, 100.0))))
+                             .to_json())
+    elif content == "OLD_VERSION":
+        content = json.dumps({**_profile(target, FLAT).to_json(), "version": 1})
     path.write_bytes(content.encode("latin-1"))
     input_ids, mask = ragged_batch()
     with caplog.at_level(logging.WARNING, logger="hf_specdec"):
@@ -176,7 +210,10 @@ def test_a_corrupt_or_foreign_file_is_ignored_with_a_warning_and_rebuilt(content
     assert load_profile(target) == rebuilt and rebuilt.key == profile_key(target)
 
 
-def test_calibrate_measures_once_and_leaves_the_random_state_alone():
+def test_calibrate_measures_once_and_leaves_the_random_state_alone(monkeypatch):
+    real = measure.draft_sample
+    # The draft's own calls run; their timings are replaced: 2 ms a drafted token, 40 ms a verify step.
+    monkeypatch.setattr(measure, "draft_sample", lambda *args: (real(*args), (2.0, 40.0))[1])
     target = make_model("llama", dtype=torch.float32)
     draft = make_model("llama", seed=1, dtype=torch.float32)
     torch.manual_seed(7)
@@ -185,7 +222,8 @@ def test_calibrate_measures_once_and_leaves_the_random_state_alone():
     profile = calibrate(target, [draft, "ngram"], **TINY_GRID)
     assert torch.equal(torch.rand(3), expected)
     key = calibration.speculator_key(resolve_speculator(draft))
-    assert set(profile.draft_costs) == {key} and profile.draft_costs[key] > 0
+    verify_steps = float(profile.step_cost.relative(1, torch.tensor(5.0), 64 + 12))  # k = 4: a 5-token verify
+    assert set(profile.draft_costs) == {key} and profile.draft_costs[key] == round(2.0 / 40.0 * verify_steps, 4)
     assert all(t > 0 for _, t in profile.step_cost.points)
     mtime = profile_path(target).stat().st_mtime_ns
     assert calibrate(target, [draft], **TINY_GRID) == profile  # cached: nothing measured again
@@ -196,7 +234,7 @@ def test_seeded_sampling_is_reproducible_with_calibration_on():
     target = make_model("llama", dtype=torch.float64)
     draft = make_model("llama", seed=1, dtype=torch.float64)
     # Drafting pays at some widths and not at others, so adaptive k moves between 0 and a few.
-    save_profile(target, _profile(target, StepCost(per_row=0.0, points=((1, 10.0), (9, 10.0), (12, 40.0))), draft,
+    save_profile(target, _profile(target, StepCost(per_row=0.0, points=((1, 10.0), (9, 10.0), (12, 30.0))), draft,
                                   0.1, thin_rows=(2, 3, 4)))
     input_ids, mask = ragged_batch()
 
@@ -243,3 +281,114 @@ def test_cli_calibrate_writes_a_profile(tmp_path, monkeypatch, capsys):
     assert cli.main(["calibrate", "--threads", str(torch.get_num_threads())]) == 0
     assert load_profile(target) is not None
     assert "plain steps" in capsys.readouterr().out
+
+
+# Measurements a busy host spoils ------------------------------------------------------------------------------------
+def _relative(profile, tokens, rows=1) -> float:
+    return float(profile.step_cost.relative(rows, torch.tensor(float(tokens)), rows * 8))
+
+
+def test_timings_whose_repeats_disagree_are_measured_again_and_a_steady_pass_kept(caplog):
+    target = make_model("llama", dtype=torch.float32)
+    # Two of the first five timings of 2-token forwards at batch 1 run 4x slow (a busy moment); then all is quiet.
+    slow = fake_timer(slowdown=lambda key, call: 4.0 if key == ("step", 1, 2, 8) and call in (2, 3) else 1.0)
+    with caplog.at_level(logging.WARNING, logger="hf_specdec"):
+        profile = calibrate(target, **GRID, timer=slow)
+    assert profile is not None and profile.details["step_attempts"] == 2 and load_profile(target) == profile
+    quiet = calibrate(make_model("llama", dtype=torch.float32), **GRID, force=True, timer=fake_timer())
+    assert quiet.details["step_attempts"] == 1
+    assert profile.step_cost == quiet.step_cost  # the second pass alone, as if the host had been quiet
+    assert _relative(profile, 2) == pytest.approx((0.040 + 0.004 + 8e-5) / (0.040 + 0.002 + 8e-5))
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("spoiled", ["disagree", "implausible"])
+def test_an_untrustworthy_step_cost_is_not_cached_and_calls_keep_the_static_default(spoiled, caplog):
+    target = make_model("llama", dtype=torch.float32)
+    if spoiled == "disagree":  # every pass has a 2-token forward at batch 1 slowed 4x in two of its five repeats
+        timer = fake_timer(slowdown=lambda key, call: 4.0 if key == ("step", 1, 2, 8) and call % 5 in (2, 3) else 1.0)
+        reason = "disagree between repeats (worst: a forward of 1 row(s) x 2 token(s) over 8 cached"
+    else:  # steady, but a 2-token forward at batch 1 at 4.6 one-token ones (what a busy host measured)
+        timer = fake_timer(cost=lambda key: steady(key) * (4.6 * 0.04208 / 0.04408 if key == ("step", 1, 2, 8)
+                                                           else 1.0))
+        reason = "a forward of 1 row(s) x 2 token(s) over 8 cached took 4.60 times the one-token (one-row) cost"
+    with caplog.at_level(logging.WARNING, logger="hf_specdec"):
+        assert calibrate(target, **GRID, timer=timer) is None
+    assert not profile_path(target).exists() and load_profile(target) is None
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "the step cost measured now is not trustworthy" in warning and reason in warning
+    assert "measured 2 time(s)" in warning and "static default" in warning
+    step_cost, _, source = calibration.adaptive_costs(target, resolve_speculator("ngram"))
+    assert step_cost == calibration.DEFAULT_STEP_COST["cpu"] and "static default" in source
+    # The same host, quiet again: measured and cached.
+    assert calibrate(target, **GRID, timer=fake_timer()) == load_profile(target) is not None
+
+
+def test_the_small_row_linear_form_is_timed_side_by_side_and_a_burst_of_load_does_not_pick_it(caplog):
+    target = make_model("llama", dtype=torch.float32)
+    order = []
+    # Both forms cost the same; a burst of load slows 6 consecutive timings in the second round 20x.
+    timer = fake_timer(slowdown=lambda key, call: 1.0, order=order)
+    burst = set()
+
+    def timed(key, fn):
+        seconds = timer(key, fn)
+        n = len(order)
+        if key[0] == "linear" and 40 < n <= 46:
+            burst.add(key[1])
+            return 20 * seconds
+        return seconds
+
+    with caplog.at_level(logging.WARNING, logger="hf_specdec"):
+        profile = calibrate(target, **GRID, timer=timed)
+    assert burst == {"stock", "thin"} or len(burst) == 1  # the burst hit some timings ...
+    assert profile.thin_linear_rows == () and profile.details["linear_attempts"] == 1  # ... and changed nothing
+    linear = [key for key in order if key[0] == "linear"]
+    pairs = {(key[2], key[3]) for key in linear}
+    assert len(linear) == 2 * len(pairs) * GRID["repeats"]
+    for first, second in zip(linear[::2], linear[1::2]):  # each (rows, shape) in both forms, one after the other
+        assert first[2:] == second[2:] and {first[1], second[1]} == {"stock", "thin"}
+    assert {first[1] for first in linear[::2]} == {"stock", "thin"}  # either form goes first in some rounds
+    # Where the thin form is steadily twice as fast over 2 and 3 rows, it is chosen there.
+    halved = fake_timer(cost=lambda key: steady(key) / (2 if key[:2] == ("linear", "thin") and key[2] > 1 else 1))
+    assert calibrate(target, **GRID, force=True, timer=halved).thin_linear_rows == (2, 3)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_an_untrustworthy_linear_timing_keeps_the_stock_form():
+    target = make_model("llama", dtype=torch.float32)
+    # Thin looks 3x faster over 2 rows, but the stock timings of 2 and 3 rows exceed 1.25x rows one-row timings.
+    timer = fake_timer(cost=lambda key: steady(key) * (10 if key[:2] == ("linear", "stock") and key[2] > 1 else 1)
+                       * (3 if key[:2] == ("linear", "thin") and key[2] > 1 else 1))
+    profile = calibrate(target, **GRID, timer=timer)
+    assert profile.thin_linear_rows == ()  # the faster form (thin) over 2 rows is 6x one row: not trusted
+    assert profile.details["linear_attempts"] == 2 and profile.details["step_attempts"] == 1
+
+
+@pytest.mark.parametrize("noisy", [False, True])
+def test_a_draft_cost_is_kept_only_when_its_calls_agree(noisy, monkeypatch, caplog):
+    target = make_model("llama", dtype=torch.float32)
+    draft = make_model("llama", seed=1, dtype=torch.float32)
+    calls = []
+
+    def sample(model, speculator, ids, k, max_new_tokens):
+        calls.append(max_new_tokens)
+        slow = 5.0 if noisy and len(calls) % 3 == 0 else 1.0  # each pass's third call drafts 5x slower
+        return 2.0 * slow, 40.0  # ms per drafted token, ms per verify step
+
+    monkeypatch.setattr(measure, "draft_sample", sample)
+    with caplog.at_level(logging.WARNING, logger="hf_specdec"):
+        profile = calibrate(target, [draft], **GRID, timer=fake_timer())
+    key = calibration.speculator_key(resolve_speculator(draft))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    if noisy:
+        assert key not in profile.draft_costs and key not in load_profile(target).draft_costs
+        assert len(calls) == 1 + 3 + 3  # a warm-up, then two passes of three calls
+        assert len(warnings) == 1 and "DraftModelSpeculator's draft cost is not trustworthy" in warnings[0]
+        assert "a drafted token's cost, 0.05936 plain steps to 0.2968" in warnings[0]
+        assert "priced by its parameter count" in warnings[0]
+        assert "estimated from parameter counts" in calibration.adaptive_costs(target, resolve_speculator(draft))[2]
+    else:
+        # Drafting's time over the same calls' 5-token verifies, in plain steps.
+        expected = round(2.0 / 40.0 * float(profile.step_cost.relative(1, torch.tensor(5.0), 64 + 12)), 4)
+        assert load_profile(target).draft_costs[key] == expected and len(calls) == 1 + 3 and not warnings
