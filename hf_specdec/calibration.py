@@ -50,6 +50,7 @@ logger = logging.getLogger("hf_specdec")
 FORMAT, VERSION = "hf_specdec-calibration", 2  # 2: measured as measure.py says
 LINEAR_ROWS = (1, 2, 3, 4, 6, 8)  # rows of a linear layer's input timed both ways
 LINEAR_MARGIN = 0.8  # `(W @ x.T).T` must take at most this fraction of F.linear's time to be used
+PROBE_REPEATS = 9  # one-token forwards timed first: if they disagree, the host is too busy to measure
 
 
 @dataclass(frozen=True)
@@ -327,6 +328,12 @@ def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] 
     with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []), torch.no_grad():
         if profile is None:
             start = time.perf_counter()
+            say("checking that one-token forwards take a steady time")
+            _, probe = measure_step_cost(model, (1,), (1,), contexts[:1], PROBE_REPEATS, timer, attempts=1)
+            if probe.problem is not None:  # a busy host: the whole grid would take long and be rejected
+                _distrust("this host's timing now", probe.problem, "nothing is measured or cached and calls keep "
+                          "the static default costs")
+                return None
             say(f"measuring linear layers over {', '.join(map(str, linear_rows))} rows")
             thin_rows, details, problem = measure_thin_linear(model, linear_rows, LINEAR_MARGIN, repeats, timer,
                                                               attempts)
