@@ -133,10 +133,14 @@ class AdaptiveK:
         decay (`float`): factor applied to every count each step; older evidence fades.
         min_gain (`float`): drafting must promise at least this many times plain decoding's tokens per unit of cost,
             a margin for what the cost model leaves out (verification, context length); below it k = 0.
+        packed (`bool`): the target's verify feeds each row only its own drafts (`paged_cache.PackedLayout`), so a
+            step costs the rows' tokens summed rather than every row padded to the widest.
     """
 
     def __init__(self, num_rows: int, max_k: int, step_cost: StepCost, draft_cost_per_token: float = 0.0,
-                 priors: tuple[float, ...] = (0.6,), strength: float = 2.0, decay: float = 0.9, min_gain: float = 1.1):
+                 priors: tuple[float, ...] = (0.6,), strength: float = 2.0, decay: float = 0.9, min_gain: float = 1.1,
+                 packed: bool = False):
+        self.packed = packed
         if not priors or not all(0.0 <= p < 1.0 for p in priors):
             raise ValueError(f"acceptance priors must be in [0, 1), one per confidence class, got {priors!r}")
         self.max_k = max_k
@@ -189,7 +193,11 @@ class AdaptiveK:
         if available is not None:
             terms = terms.masked_fill(ks[None, :] > torch.tensor(available, dtype=torch.float64)[:, None], 0.0)
         expected = terms.cumsum(dim=1).sum(0)  # [max_k + 1]
-        cost = self.step_cost.relative(len(rows), ks + 1, context) + self.draft_cost_per_token * ks
+        tokens = ks + 1  # per row, padded to k
+        if self.packed and available is not None:  # each row feeds min(k, what it offers) drafts
+            offered = torch.tensor(available, dtype=torch.float64)[:, None]
+            tokens = (1 + torch.minimum(ks[None, :], offered)).mean(0)
+        cost = self.step_cost.relative(len(rows), tokens, context) + self.draft_cost_per_token * ks
         value = expected / cost
         best = int(torch.argmax(value))
         return best if value[best] >= self.min_gain * value[0] else 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 
+logger = logging.getLogger("hf_specdec")
+
 # Layer kinds our paged cache handles exactly; anything else (recurrent, linear or chunked attention) is refused.
 _SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 # Vocabulary sizes of models sharing a tokenizer differ only by embedding padding (e.g. 151936 vs 152064).
@@ -106,7 +108,39 @@ def _trial_forward(model, role: str, name: str) -> None:
             f"the {role} {name} gives a row of a ragged batch other logits than the same row alone (it likely takes "
             "positions from the cache length rather than from position_ids), so hf_specdec cannot batch it"
         )
+    with torch.no_grad(), paged_attention(model):
+        model._hf_specdec_packable = _packs_exactly(model, device, tokens, tolerance)
     model._hf_specdec_trial_passed = True
+
+
+def _packs_exactly(model, device, tokens: list[int], tolerance: float) -> bool:
+    """Whether ragged steps may go through `model` packed (`paged_cache.PackedLayout`): two steps of two rows
+    with different widths, padded and packed, must give the same logits. A model that mixes tokens across the batch
+    outside attention, or cannot take a tensor `logits_to_keep`, keeps the padded layout (nothing is refused)."""
+    import torch
+
+    from .model_runner import ModelRunner
+
+    logits = []
+    try:
+        for packed in (False, True):
+            runner = ModelRunner(model, num_blocks=4, packed=packed)
+            for seq_id in (0, 1):
+                runner.add_sequence(seq_id)
+            first = runner.forward([0, 1], torch.tensor([tokens[0:3], [tokens[3]] * 3], device=device), [3, 1],
+                                   num_logits=2).logits
+            second = runner.forward([0, 1], torch.tensor([tokens[4:6], [tokens[5]] * 2], device=device), [2, 1],
+                                    num_logits=2).logits
+            for seq_id in (0, 1):
+                runner.free(seq_id)
+            if packed and runner.num_packed_forwards != 2:
+                return False
+            # Row 1's first column is padding in both steps: its logits are not compared.
+            logits.append(torch.cat([first[0], first[1, -1:], second[0], second[1, -1:]]).float())
+    except Exception:  # noqa: BLE001 - whatever failed packed, the padded layout serves the model
+        logger.debug("%s keeps the padded layout: the packed trial failed", type(model).__name__, exc_info=True)
+        return False
+    return logits[0].shape == logits[1].shape and float((logits[0] - logits[1]).abs().max()) <= tolerance
 
 
 def check_vocab_compatible(target, draft) -> None:

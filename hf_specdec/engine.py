@@ -89,14 +89,14 @@ class SpeculativeEngine:
                              "speculative_tree_nodes=")
         batch = self._make_batch(input_ids, attention_mask, max_new_tokens, do_sample, logits_processor, pad_token_id)
         self._check_pool_fits(batch.lengths, max_new_tokens)
+        target = ModelRunner(self.model, block_size=self.block_size, max_num_blocks=self.max_num_blocks)
         self._policy = None
         if self.schedule == "adaptive":  # costs are read from the cache, never timed here: seeded calls reproduce
             cost, draft_cost, cost_source = adaptive_costs(self.model, self.speculator, self.step_cost,
                                                            self.calibration)
             self._policy = AdaptiveK(len(batch.lengths), self.k, cost, draft_cost,
-                                     priors=self.speculator.confidence_priors)
+                                     priors=self.speculator.confidence_priors, packed=target.packed)
         stop = StopRules(stopping_criteria, eos_token_ids)
-        target = ModelRunner(self.model, block_size=self.block_size, max_num_blocks=self.max_num_blocks)
         step = Step(self.speculator, self.k, self.tree_nodes, self.tree_branching, self._constraints, self._policy)
         scheduler = Scheduler(batch, target, step, stop, pad_token_id, metrics, collect_tokens=streamer is not None)
         requests = [Request(None, max_new_tokens, slot=row) for row in range(len(batch.lengths))]

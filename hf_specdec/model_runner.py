@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -65,8 +66,13 @@ class ModelRunner:
         max_num_blocks (`int`, *optional*): cap on the KV pool.
     """
 
-    def __init__(self, model, block_size: int = 16, num_blocks: int = 64, max_num_blocks: int | None = None):
+    def __init__(self, model, block_size: int = 16, num_blocks: int = 64, max_num_blocks: int | None = None,
+                 packed: bool | None = None):
         self.model = model
+        # Ragged steps go through the model as one stream of real tokens (`PackedLayout`) where the model passed the
+        # packed trial (compat.py); `packed=False` keeps every step padded (benchmarks compare the two).
+        self.packed = packs(model) if packed is None else packed
+        self.num_packed_forwards = 0
         self.cache = PagedKVCache(block_size=block_size, num_blocks=num_blocks, max_num_blocks=max_num_blocks)
         self.device = input_device(model)  # where inputs and the step plan go; layers copy the plan to their own
         # Under tensor parallelism, rank 0's drafts and verified tokens on every rank (see `distributed.py`).
@@ -90,16 +96,29 @@ class ModelRunner:
         caller = input_ids.device  # outputs go back there: the model may sit on other devices than the batch
         input_ids = _to(input_ids, self.device)
         model_kwargs = {name: _to(value, self.device) for name, value in model_kwargs.items()}
+        rows, width = input_ids.shape
+        # Packed only where padding would be fed: rows of different widths, every row feeding something.
+        pack = (self.packed and tree is None and not model_kwargs and sum(num_tokens) < rows * width
+                and min(num_tokens) > 0 and width == max(num_tokens))
         starts = self.cache.reserve(seq_ids, num_tokens)
-        plan = self.cache.plan_step(seq_ids, starts, num_tokens, self.device, _tree_to(tree, self.device))
+        plan = self.cache.plan_step(seq_ids, starts, num_tokens, self.device, _tree_to(tree, self.device), pack)
         self.num_forwards += 1
+        layout, keep = plan.packed, num_logits
+        position_ids = plan.query_positions
+        if layout is not None:
+            self.num_packed_forwards += 1
+            input_ids = input_ids.reshape(-1).index_select(0, layout.pack_index)[None]
+            position_ids = layout.positions
+            num_logits = min(num_logits, width)
+            # Each row's trailing `num_logits` positions, by their place in the stream.
+            keep = layout.unpack_index.view(rows, width)[:, width - num_logits:].reshape(-1)
         with self.cache.active(plan):
             out = self.model(
                 input_ids=input_ids,
-                position_ids=plan.query_positions,
+                position_ids=position_ids,
                 **{self._cache_kwarg: self.cache},
                 use_cache=True,
-                logits_to_keep=num_logits,
+                logits_to_keep=keep,
                 output_hidden_states=output_hidden_states,
                 **model_kwargs,
                 **{PLAN_KWARG: plan},
@@ -114,6 +133,8 @@ class ModelRunner:
             )
         if isinstance(out, torch.Tensor):  # a draft head returns its hidden states
             return _to(out, caller)
+        if layout is not None:
+            _unpack_output(out, layout, keep, rows, num_logits)
         logits = getattr(out, "logits", None)
         if logits is not None and logits.shape[1] > num_logits:  # the model ignored logits_to_keep (Whisper)
             out.logits = logits = logits[:, -num_logits:]
@@ -134,6 +155,27 @@ class ModelRunner:
 
     def free(self, seq_id: int) -> None:
         self.cache.free(seq_id)
+
+
+def packs(model) -> bool:
+    """Whether `model` takes ragged steps packed: it passed the packed trial (`compat._trial_forward`), and the
+    `HF_SPECDEC_PACKED=0` switch (for comparisons) is not set."""
+    return bool(getattr(model, "_hf_specdec_packable", False)) and os.environ.get("HF_SPECDEC_PACKED", "1") != "0"
+
+
+def _unpack_output(out, layout, keep: torch.Tensor, rows: int, num_logits: int) -> None:
+    """A packed forward's logits `[1, rows * num_logits, vocab]` (or the whole stream's, where the model ignored
+    `logits_to_keep`) to `[rows, num_logits, vocab]`, and its hidden states `[1, T, hidden]` to the padded
+    `[rows, q, hidden]` (padding repeats the row's first token), as the padded layout returns them."""
+    logits = getattr(out, "logits", None)
+    if logits is not None:
+        if logits.shape[1] != keep.numel():
+            logits = logits[:, keep.to(logits.device)]
+        out.logits = logits.view(rows, num_logits, logits.shape[-1])
+    if getattr(out, "hidden_states", None) is not None:
+        out.hidden_states = tuple(
+            h[0].index_select(0, layout.unpack_index.to(h.device)).view(rows, -1, h.shape[-1])
+            for h in out.hidden_states)
 
 
 def _tree_to(tree, device):

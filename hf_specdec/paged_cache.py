@@ -65,6 +65,53 @@ class TreeAttention:
 
 
 @dataclass
+class PackedLayout:
+    """A step whose rows' tokens go through the model as one stream `[1, T]` (T: the rows' token counts summed),
+    so a row with 1 token does not pay for another's 8 in every linear layer. Attention unpacks each layer's
+    queries into the padded `[rows, q]` layout (PyTorch path) or reads them in place (`cu_query`, Triton kernel).
+
+    Attributes:
+        pack_index: `[T]` index into the flattened padded `[rows * q]` layout of each packed token.
+        unpack_index: `[rows * q]` packed index of each padded position; padding points at its row's first token.
+        cu_query: `[rows + 1]` offset of each row's first token in the stream.
+        positions: `[1, T]` position of each packed token (the model's `position_ids`).
+    """
+
+    pack_index: torch.Tensor
+    unpack_index: torch.Tensor
+    cu_query: torch.Tensor
+    positions: torch.Tensor
+
+    @classmethod
+    def build(cls, counts: torch.Tensor, q: int, total: int, query_positions: torch.Tensor) -> PackedLayout:
+        """`counts` `[rows]` tokens per row (each at least 1), right-aligned in a width of `q`; `total` their sum
+        (known on the host, so nothing here waits for the device)."""
+        rows = counts.shape[0]
+        device = counts.device
+        cu_query = torch.zeros(rows + 1, dtype=torch.long, device=device)
+        cu_query[1:] = counts.cumsum(0)
+        row_of = torch.repeat_interleave(torch.arange(rows, device=device), counts, output_size=total)
+        within = torch.arange(total, device=device) - cu_query[row_of]
+        pack_index = row_of * q + (q - counts)[row_of] + within
+        offset = torch.arange(q, device=device)[None, :] - (q - counts)[:, None]
+        unpack_index = (cu_query[:-1, None] + offset.clamp(min=0)).reshape(-1)
+        return cls(pack_index, unpack_index, cu_query, query_positions.reshape(-1)[pack_index][None])
+
+    def to(self, device) -> PackedLayout:
+        return PackedLayout(*(t.to(device) for t in (self.pack_index, self.unpack_index, self.cu_query,
+                                                     self.positions)))
+
+    def pad(self, packed: torch.Tensor, rows: int) -> torch.Tensor:
+        """`[..., T, *rest]` (stream in dim -2 of a `[1, heads, T, dim]` query) to `[rows, heads, q, dim]`."""
+        heads, _, dim = packed.shape[1:]
+        return packed[0].index_select(1, self.unpack_index).view(heads, rows, -1, dim).transpose(0, 1)
+
+    def pack(self, padded: torch.Tensor) -> torch.Tensor:
+        """`[rows, q, *rest]` to `[1, T, *rest]`."""
+        return padded.flatten(0, 1).index_select(0, self.pack_index)[None]
+
+
+@dataclass
 class StepPlan:
     """Where one forward's tokens go and what each query may see.
 
@@ -88,6 +135,7 @@ class StepPlan:
     context_slots: torch.Tensor | None = None
     tree: TreeAttention | None = None
     query_slots: torch.Tensor | None = None  # [rows, q] storage index of each query, when a tree makes it differ
+    packed: PackedLayout | None = None  # the model sees one stream of every row's tokens (no padding)
     _masks: dict = field(default_factory=dict)
     _kernel_tree: TreeMask | None = None
     # Layers that wrote keys/values and layers that attended through our function in this step: they differ when a
@@ -105,6 +153,8 @@ class StepPlan:
             moved = {f: getattr(self, f).to(device) for f in ("write_slots", "block_tables", "query_positions",
                                                                "context_lens", "context_slots", "query_slots")
                      if getattr(self, f) is not None}
+            if self.packed is not None:
+                moved["packed"] = self.packed.to(device)
             tree = self.tree and TreeAttention(*(t.to(device) for t in (
                 self.tree.region_start, self.tree.query_positions, self.tree.region_mask, self.tree.region_positions)))
             if self.backend == "triton" and device.type != "cuda":  # a layer on the host: gather, then SDPA
@@ -204,11 +254,12 @@ class PagedKVCache(Cache):
 
     # --- one forward step ----------------------------------------------------------------------------------------
     def plan_step(self, seq_ids: list[int], starts: list[int], num_tokens: list[int], device,
-                  tree: TreeAttention | None = None) -> StepPlan:
+                  tree: TreeAttention | None = None, packed: bool = False) -> StepPlan:
         """Builds the plan for a step in which row i writes `num_tokens[i]` tokens from storage index `starts[i]`.
 
         Without `tree` storage index and position agree. With one, queries take `tree.query_positions` and attend by
-        its masks, on either backend."""
+        its masks, on either backend. `packed`: the model gets the rows' tokens as one stream (`PackedLayout`; not
+        with a tree, and every row must feed at least one token)."""
         bs = self.block_size
         q = max(num_tokens)
         tables = [self.manager.block_table(s) for s in seq_ids]
@@ -230,8 +281,12 @@ class PagedKVCache(Cache):
             num_context = int(max(s + n for s, n in zip(starts, num_tokens)))
             slots = context_slots(block_tables, context_lens, num_context, bs, pad_slot=SCRATCH_SLOT)
         if tree is None:
-            self.plan = StepPlan(write_slots.reshape(-1), block_tables, bs, query_positions, context_lens, backend,
-                                 slots)
+            layout = PackedLayout.build(counts_t, q, sum(num_tokens), query_positions) if packed else None
+            write_slots = write_slots.reshape(-1)
+            if layout is not None:
+                write_slots = write_slots.index_select(0, layout.pack_index)
+            self.plan = StepPlan(write_slots, block_tables, bs, query_positions, context_lens, backend, slots,
+                                 packed=layout)
         else:
             self.plan = StepPlan(write_slots.reshape(-1), block_tables, bs, tree.query_positions, context_lens,
                                  backend, slots, tree, query_positions)
@@ -353,12 +408,22 @@ def paged_attention_forward(
     sinks = _head_sinks(kwargs, query.shape[1])
     plan.num_attended += 1
     plan = plan.on(query.device)
+    packed = plan.packed
     if plan.backend == "triton":
         from .kernels.paged_attention.triton_kernel import paged_attention_triton
 
+        if packed is not None:  # the kernel reads each row's queries from the stream in place
+            out = paged_attention_triton(query, key, value, plan.block_tables, packed.positions, plan.block_size,
+                                         sliding_window, scaling, softcap, sinks=sinks, cu_query=packed.cu_query,
+                                         max_query_len=plan.query_positions.shape[1])
+            return out, None
         out = paged_attention_triton(query, key, value, plan.block_tables, plan.query_positions, plan.block_size,
                                      sliding_window, scaling, softcap, tree=plan.kernel_tree(), sinks=sinks)
         return out, None
+    if packed is not None:  # attention runs padded ([rows, q]); the linear layers around it saw only real tokens
+        rows = plan.query_positions.shape[0]
+        out = attend(packed.pad(query, rows), key, value, plan.mask(sliding_window), scaling, softcap, sinks)
+        return packed.pack(out), None
     return attend(query, key, value, plan.mask(sliding_window), scaling, softcap, sinks).contiguous(), None
 
 

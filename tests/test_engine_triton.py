@@ -26,7 +26,7 @@ MAX_NEW = 12
 def kernel_calls(monkeypatch):
     """Forces the triton backend and counts kernel launches, so a test proves the kernels really ran."""
     monkeypatch.setenv(ENV_VAR, "triton")
-    calls = {"attention": 0, "tree_attention": 0, "rejection": 0, "sampling": 0}
+    calls = {"attention": 0, "tree_attention": 0, "packed_attention": 0, "rejection": 0, "sampling": 0}
 
     def counted(module, name, key):
         original = getattr(module, name)
@@ -34,6 +34,7 @@ def kernel_calls(monkeypatch):
         def wrapper(*args, **kwargs):
             calls[key] += 1
             calls["tree_attention"] += kwargs.get("tree") is not None
+            calls["packed_attention"] += kwargs.get("cu_query") is not None
             return original(*args, **kwargs)
 
         monkeypatch.setattr(module, name, wrapper)
@@ -58,6 +59,8 @@ def test_greedy_equals_generate_on_triton_kernels(arch, kind, kernel_calls):
     assert torch.equal(out.sequences, expected)
     assert out.speculative_metrics.num_draft_tokens > 0
     assert kernel_calls["attention"] > 0 and kernel_calls["rejection"] > 0
+    # The ragged prompts (and n-gram steps where rows offer different drafts) went through the kernel packed.
+    assert kernel_calls["packed_attention"] > 0
 
 
 def test_sampling_with_top_k_one_equals_greedy_on_triton_kernels(kernel_calls):

@@ -175,7 +175,8 @@ def test_every_kv_block_returns_to_the_pool(monkeypatch):
     target = make_model("llama")
     input_ids, mask = ragged_batch(rows=4, width=14)
     run(target, make_model("llama", seed=1), input_ids, mask)
-    assert len(runners) == 2 + 2 * 2  # target and draft, and the two runners of each model's trial (compat.py)
+    # target and draft, and the four runners of each model's trial (compat.py: ragged batch, then padded vs packed)
+    assert len(runners) == 2 + 2 * 4
     for runner in runners:
         manager = runner.cache.manager
         assert manager.sequences() == []

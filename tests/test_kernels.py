@@ -310,6 +310,45 @@ def test_paged_attention_kernel_matches_reference(inputs):
     torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
 
 
+
+def _pack(query, positions, num_queries):
+    """The padded right-aligned step as one stream: `[1, heads, T, dim]`, `[1, T]` and `cu_query` `[rows + 1]`."""
+    q = query.shape[2]
+    keep = torch.arange(q, device=query.device)[None, :] >= q - torch.tensor(num_queries, device=query.device)[:, None]
+    cu_query = torch.tensor([0] + num_queries, device=query.device).cumsum(0)
+    return query.transpose(1, 2)[keep].transpose(0, 1)[None], positions[keep][None], cu_query, keep
+
+
+@FEW
+@given(attention_inputs(), st.integers(0, 2**16))
+def test_packed_queries_attend_as_their_padded_rows(inputs, seed):
+    """The packed (varlen) layout: each row's real queries in one stream, no padding. The reference and the kernel
+    give each query what the padded layout gives it, with windows, soft-capping, sinks and fp32/bf16/fp16."""
+    query, key_pool, value_pool, tables, positions, block_size, window, softcap = inputs
+    q = query.shape[2]
+    # The padded layout's real queries: padding columns repeat the row's first position.
+    num_queries = [int(n) for n in q - (positions == positions[:, :1]).sum(1) + 1]
+    sinks = None
+    if seed % 2:
+        sinks = (torch.randn(query.shape[1], generator=torch.Generator().manual_seed(seed)) * 4).to(query.dtype)
+        sinks = sinks.to(DEVICE)
+    query, key_pool, value_pool, tables, positions = (t.to(DEVICE) for t in (query, key_pool, value_pool, tables,
+                                                                             positions))
+    packed, packed_positions, cu_query, keep = _pack(query, positions, num_queries)
+    padded = paged_attention_reference(query, key_pool, value_pool, tables, positions, block_size, window, None,
+                                       softcap, None, sinks)
+    expected = padded[keep][None]  # [1, T, heads, dim]
+    got = paged_attention_reference(packed, key_pool, value_pool, tables, packed_positions, block_size, window,
+                                    None, softcap, None, sinks, cu_query)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    kernel = paged_attention_triton(packed.contiguous(), key_pool, value_pool, tables, packed_positions, block_size,
+                                    window, None, softcap, block_m=16, block_n=16, sinks=sinks, cu_query=cu_query,
+                                    max_query_len=max(num_queries))
+    tolerance = 1e-5 if query.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(kernel.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    assert kernel.shape == (1, sum(num_queries), *query.shape[1:2], query.shape[-1])
+
+
 @st.composite
 def tree_attention_inputs(draw):
     """A draft-tree step as the engine lays it out: per row, `pending` committed tokens fed this step, then `nodes`

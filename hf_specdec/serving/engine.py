@@ -178,7 +178,8 @@ class ServingEngine:
         policy = None
         if schedule == "adaptive":
             cost, draft_cost, _ = adaptive_costs(self.model, self.speculator, None, calibration)
-            policy = AdaptiveK(slots, self.k, cost, draft_cost, priors=self.speculator.confidence_priors)
+            policy = AdaptiveK(slots, self.k, cost, draft_cost, priors=self.speculator.confidence_priors,
+                               packed=self.target.packed)
         constraints = None
         try:
             from ..structured import xgrammar

@@ -23,6 +23,7 @@ def paged_attention(
     backend: str = "auto",
     tree: TreeMask | None = None,
     sinks: torch.Tensor | None = None,
+    cu_query: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each row's queries attend causally to that row's cached tokens through its block table.
 
@@ -38,14 +39,18 @@ def paged_attention(
         backend: `"auto"`, `"torch"` (gather, then SDPA) or `"triton"` (reads the pool in place).
         tree (`TreeMask`, *optional*): a draft-tree step (see `reference.tree_attention_mask`).
         sinks: `[heads]` attention-sink logits (gpt-oss): each joins its head's softmax with a zero value.
+        cu_query: the packed (varlen) layout: `[rows + 1]` offsets of each row's queries in one stream; `query` is
+            `[1, heads, T, head_dim]` and `query_positions` `[1, T]`.
 
     Returns:
-        `[rows, q, heads, head_dim]`.
+        `[rows, q, heads, head_dim]` (`[1, T, heads, head_dim]` when packed).
     """
     if resolve_backend(backend, query.device) == "triton":
         from .triton_kernel import paged_attention_triton
 
+        max_query_len = int(cu_query.diff().max()) if cu_query is not None else None
         return paged_attention_triton(query, key_pool, value_pool, block_tables, query_positions, block_size,
-                                      sliding_window, scale, softcap, tree=tree, sinks=sinks)
+                                      sliding_window, scale, softcap, tree=tree, sinks=sinks, cu_query=cu_query,
+                                      max_query_len=max_query_len)
     return paged_attention_reference(query, key_pool, value_pool, block_tables, query_positions, block_size,
-                                     sliding_window, scale, softcap, tree, sinks)
+                                     sliding_window, scale, softcap, tree, sinks, cu_query)

@@ -121,6 +121,7 @@ def paged_attention_reference(
     softcap: float | None = None,
     tree: TreeMask | None = None,
     sinks: torch.Tensor | None = None,
+    cu_query: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The spec.
 
@@ -136,10 +137,23 @@ def paged_attention_reference(
         tree (`TreeMask`, *optional*): a draft-tree step: queries sit at `tree.query_slots` in storage and see what
             `tree_attention_mask` allows.
         sinks: `[heads]` attention-sink logits (see the module docstring), or `None`.
+        cu_query: the packed layout: `[rows + 1]` int64 offsets into one stream of every row's queries; `query` is
+            then `[1, heads, T, head_dim]` and `query_positions` `[1, T]` (T = `cu_query[-1]`; no tree).
 
     Returns:
-        `[rows, q, heads, head_dim]` in the query's dtype.
+        `[rows, q, heads, head_dim]` in the query's dtype (`[1, T, heads, head_dim]` when packed).
     """
+    if cu_query is not None:  # each row's queries padded on the right, attended as above, then packed again
+        counts = cu_query.diff()
+        width = int(counts.max()) if counts.numel() else 0
+        index = cu_query[:-1, None] + torch.arange(width, device=cu_query.device)[None, :]
+        real = torch.arange(width, device=cu_query.device)[None, :] < counts[:, None]
+        index = torch.where(real, index, cu_query[:-1, None])  # padding repeats the row's first query
+        padded = query[0][:, index].transpose(0, 1)  # [rows, heads, width, head_dim]
+        positions = query_positions[0][index]
+        out = paged_attention_reference(padded, key_pool, value_pool, block_tables, positions, block_size,
+                                        sliding_window, scale, softcap, None, sinks)
+        return out[real][None]
     context_lens = (query_positions if tree is None else tree.query_slots).max(dim=1).values + 1
     num_context = int(context_lens.max())
     slots = context_slots(block_tables, context_lens, num_context, block_size)

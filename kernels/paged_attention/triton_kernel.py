@@ -43,19 +43,26 @@ def _paged_attention_kernel(
     region_positions_ptr, stride_region_positions_b,  # tree steps: [rows, region] int64
     region_len,
     sinks_ptr,  # [heads] float32 sink logits, when HAS_SINKS
+    cu_query_ptr,  # VARLEN: [rows + 1] int64 offset of each row's first query in the stream (batch strides are 0)
     num_queries, groups, head_dim, block_size, sliding_window, scale, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     ACC_DTYPE: tl.constexpr, IEEE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, HAS_TREE: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, VARLEN: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     tile = tl.program_id(2)
 
     m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    query_idx = m // groups
     head = kv_head * groups + m % groups
-    valid_m = query_idx < num_queries
+    if VARLEN:  # this row's queries are entries first .. first + row_len - 1 of one stream
+        first_query = tl.load(cu_query_ptr + row)
+        row_len = tl.load(cu_query_ptr + row + 1) - first_query
+        valid_m = m // groups < row_len
+        query_idx = first_query + m // groups
+    else:
+        query_idx = m // groups
+        valid_m = query_idx < num_queries
     d = tl.arange(0, BLOCK_D)
     valid_d = d < head_dim
 
@@ -153,17 +160,32 @@ def paged_attention_triton(
     block_n: int = 32,
     tree: TreeMask | None = None,
     sinks: torch.Tensor | None = None,
+    cu_query: torch.Tensor | None = None,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
-    """Launches the kernel; arguments and result as in `reference.paged_attention_reference`."""
-    rows, heads, num_queries, head_dim = query.shape
+    """Launches the kernel; arguments and result as in `reference.paged_attention_reference`, including its
+    packed layout (`cu_query`, with `max_query_len` the longest row's query count, known on the host)."""
+    varlen = cu_query is not None
+    if varlen:
+        if tree is not None:
+            raise ValueError("a packed query (cu_query=) cannot be combined with a draft tree")
+        if max_query_len is None:
+            raise ValueError("a packed query (cu_query=) needs max_query_len, the longest row's query count")
+        rows = cu_query.shape[0] - 1
+        _, heads, num_queries, head_dim = query.shape  # num_queries: the stream's length
+    else:
+        rows, heads, num_queries, head_dim = query.shape
     kv_heads = key_pool.shape[1]
     device = query.device
     dtypes = (torch.float32, torch.float16, torch.bfloat16) + ((torch.float64,) if interpreting() else ())
-    check_tensor("query", query, (rows, heads, num_queries, head_dim), dtypes, device)
+    check_tensor("query", query, (1 if varlen else rows, heads, num_queries, head_dim), dtypes, device)
     check_tensor("key_pool", key_pool, (None, kv_heads, head_dim), (query.dtype,), device)
     check_tensor("value_pool", value_pool, tuple(key_pool.shape), (query.dtype,), device)
     check_tensor("block_tables", block_tables, (rows, None), (torch.int32, torch.int64), device)
-    check_tensor("query_positions", query_positions, (rows, num_queries), (torch.int64,), device)
+    check_tensor("query_positions", query_positions, (1, num_queries) if varlen else (rows, num_queries),
+                 (torch.int64,), device)
+    if varlen:
+        check_tensor("cu_query", cu_query, (rows + 1,), (torch.int64,), device)
     if tree is not None:
         region = tree.region_mask.shape[-1]
         check_tensor("tree.query_slots", tree.query_slots, (rows, num_queries), (torch.int64,), device)
@@ -178,10 +200,10 @@ def paged_attention_triton(
     if key_pool.stride() != value_pool.stride() or key_pool.stride(1) != head_dim:
         raise ValueError("key_pool and value_pool must be contiguous [num_slots, kv_heads, head_dim] with equal strides")
     groups = heads // kv_heads
-    out = torch.empty((rows, num_queries, heads, head_dim), dtype=query.dtype, device=device)
+    out = torch.empty((1 if varlen else rows, num_queries, heads, head_dim), dtype=query.dtype, device=device)
     if rows == 0 or num_queries == 0:
         return out
-    grid = (rows, kv_heads, triton.cdiv(num_queries * groups, block_m))
+    grid = (rows, kv_heads, triton.cdiv((max_query_len if varlen else num_queries) * groups, block_m))
     if tree is not None:
         slots, region_start = tree.query_slots.contiguous(), tree.region_start.contiguous()
         region_mask = tree.region_mask.to(torch.int8).contiguous()  # no copy when the caller passes int8
@@ -190,14 +212,16 @@ def paged_attention_triton(
                      region_positions, region_positions.stride(0), region_mask.shape[-1])
     else:  # unused pointers: the positions stand in
         tree_args = (query_positions, 0, query_positions, query_positions, 0, 0, query_positions, 0, 0)
+    batch_stride = 0 if varlen else 1  # a packed stream: every row reads the one batch entry
     _paged_attention_kernel[grid](
-        out, out.stride(0), out.stride(1), out.stride(2),
-        query, query.stride(0), query.stride(1), query.stride(2),
+        out, out.stride(0) * batch_stride, out.stride(1), out.stride(2),
+        query, query.stride(0) * batch_stride, query.stride(1), query.stride(2),
         key_pool, value_pool, key_pool.stride(0), key_pool.stride(1),
         block_tables, block_tables.stride(0),
-        query_positions, query_positions.stride(0),
+        query_positions, query_positions.stride(0) * batch_stride,
         *tree_args,
         sinks.contiguous() if sinks is not None else query_positions,  # unused pointer without sinks
+        cu_query if varlen else query_positions,  # unused pointer without a packed query
         num_queries, groups, head_dim, block_size, sliding_window or 0,
         scale if scale is not None else 1 / math.sqrt(head_dim), softcap or 0.0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
@@ -207,5 +231,6 @@ def paged_attention_triton(
         DOT_DTYPE=tl.float32 if query.dtype == torch.bfloat16 and interpreting() else _TL_DTYPES[query.dtype],
         HAS_TREE=tree is not None,
         HAS_SINKS=sinks is not None,
+        VARLEN=varlen,
     )
     return out

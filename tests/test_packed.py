@@ -1,0 +1,118 @@
+"""The packed (varlen) step layout: rows of different widths go through the model as one stream of real tokens
+(`paged_cache.PackedLayout`), so a row feeding 1 token does not pay for another's 8 in every linear layer.
+
+Packed and padded steps must give the same logits and hidden states; generation stays the target's own; models
+that cannot take the packed stream keep the padded layout; adaptive k prices a packed verify by the tokens fed."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from conftest import ARCHITECTURES, make_model, ragged_batch
+from hf_specdec import model_runner
+from hf_specdec.adaptive import AdaptiveK, StepCost
+from hf_specdec.compat import check_model_supported
+from hf_specdec.model_runner import ModelRunner, paged_attention
+
+
+def _steps(seed: int, rows: int, vocab: int):
+    """Ragged steps as the engine feeds them: a prompt each, then 1 to 5 tokens per row per step."""
+    g = torch.Generator().manual_seed(seed)
+    steps = [[int(n) for n in torch.randint(1, 12, (rows,), generator=g)]]
+    steps += [[int(n) for n in torch.randint(1, 6, (rows,), generator=g)] for _ in range(3)]
+    return [(counts, torch.randint(2, vocab, (rows, max(counts)), generator=g)) for counts in steps]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_packed_steps_give_the_padded_logits_and_hidden_states(arch):
+    model = make_model(arch)
+    check_model_supported(model, "target model")
+    assert model._hf_specdec_packable
+    outputs = {}
+    with torch.no_grad(), paged_attention(model):
+        for packed in (False, True):
+            runner = ModelRunner(model, packed=packed)
+            for row in range(3):
+                runner.add_sequence(row)
+            outputs[packed] = []
+            for counts, ids in _steps(seed=7, rows=3, vocab=model.config.vocab_size):
+                out = runner.forward([0, 1, 2], ids, counts, num_logits=3, output_hidden_states=True)
+                # Only each row's real positions count: padding's logits are never read.
+                for row, n in enumerate(counts):
+                    real = min(n, 3)
+                    outputs[packed].append(out.logits[row, 3 - real:])
+                    width = ids.shape[1]
+                    outputs[packed].extend(h[row, width - n:] for h in out.hidden_states)
+            if packed:
+                assert runner.num_packed_forwards == 4  # every step had rows of different widths
+            else:
+                assert runner.num_packed_forwards == 0
+    assert len(outputs[True]) == len(outputs[False])
+    for got, expected in zip(outputs[True], outputs[False]):
+        torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("speculator", ["ngram", "draft"])
+def test_generation_with_packed_steps_is_the_targets_own(speculator, monkeypatch):
+    runners = []
+    original = ModelRunner.__init__
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        runners.append(self)
+
+    monkeypatch.setattr(ModelRunner, "__init__", spy)
+    target = make_model("llama")
+    input_ids, mask = ragged_batch(rows=4, width=14)
+    expected = target.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    draft = "ngram" if speculator == "ngram" else make_model("llama", seed=1)
+    out = target.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False, speculator=draft,
+                          num_speculative_tokens=3, speculative_schedule="constant", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    engine_runner = next(r for r in runners if r.model is target and r.cache.manager.num_blocks >= 64)
+    assert engine_runner.packed and engine_runner.num_packed_forwards > 0
+
+
+def test_the_padded_layout_can_be_forced_and_gives_the_same_output(monkeypatch):
+    target = make_model("mistral")
+    input_ids, mask = ragged_batch(rows=3, width=16)
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, speculator="ngram",
+                  speculative_schedule="constant")
+    packed = target.generate(input_ids, **kwargs)
+    monkeypatch.setenv("HF_SPECDEC_PACKED", "0")
+    assert not model_runner.packs(target)
+    assert torch.equal(target.generate(input_ids, **kwargs), packed)
+
+
+def test_a_model_that_cannot_take_the_packed_stream_keeps_the_padded_layout():
+    """A model that refuses a tensor `logits_to_keep` (or gives other logits packed) still runs, padded."""
+    target = make_model("llama")
+    forward = target.forward
+
+    @functools.wraps(forward)
+    def no_tensor_logits_to_keep(*args, logits_to_keep=0, **kwargs):
+        if isinstance(logits_to_keep, torch.Tensor):
+            raise TypeError("logits_to_keep must be an int")
+        return forward(*args, logits_to_keep=logits_to_keep, **kwargs)
+
+    target.forward = no_tensor_logits_to_keep
+    input_ids, mask = ragged_batch(rows=3, width=12)
+    expected = target.generate(input_ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    out = target.generate(input_ids, attention_mask=mask, max_new_tokens=10, do_sample=False, speculator="ngram",
+                          speculative_schedule="constant")
+    assert target._hf_specdec_trial_passed and not target._hf_specdec_packable
+    assert torch.equal(out, expected)
+
+
+def test_adaptive_k_prices_a_packed_verify_by_the_tokens_fed():
+    """One row of eight offers 4 drafts. Padded, every row would feed 5 tokens; packed, the step feeds 12 instead
+    of 8, which a curve rising steeply past 8 tokens makes worth it only packed."""
+    cost = StepCost(per_row=0.0, points=((1, 10.0), (8, 10.0), (12, 12.0), (40, 60.0)))
+    offered = [4] + [0] * 7
+    padded = AdaptiveK(8, 4, cost, priors=(0.9,))
+    packed = AdaptiveK(8, 4, cost, priors=(0.9,), packed=True)
+    assert padded.choose(list(range(8)), offered, [0] * 8) == 0
+    assert packed.choose(list(range(8)), offered, [0] * 8) == 4
