@@ -3,23 +3,27 @@
 from __future__ import annotations
 
 import inspect
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from .distributed import RankZeroDecides, tp_group
-from .paged_cache import ATTENTION_NAME, PLAN_KWARG, PagedKVCache
+from .paged_cache import ATTENTION_NAME, PLAN_KWARG
+from .recurrent_state import make_cache, recurrent_layers_split
 
 
 @contextmanager
 def paged_attention(*models):
-    """Switches the models to hf_specdec's paged attention for the duration, then restores what they had."""
+    """Switches the models to hf_specdec's paged attention (and per-row recurrent state, `recurrent_state.py`) for
+    the duration, then restores what they had."""
     saved = [m.config._attn_implementation for m in models]
     try:
-        for m in models:
-            m.set_attn_implementation(ATTENTION_NAME)
-        yield
+        with ExitStack() as stack:
+            for m in models:
+                m.set_attn_implementation(ATTENTION_NAME)
+                stack.enter_context(recurrent_layers_split(m))
+            yield
     finally:
         for m, name in zip(models, saved):
             m.set_attn_implementation(name)
@@ -67,7 +71,7 @@ class ModelRunner:
 
     def __init__(self, model, block_size: int = 16, num_blocks: int = 64, max_num_blocks: int | None = None):
         self.model = model
-        self.cache = PagedKVCache(block_size=block_size, num_blocks=num_blocks, max_num_blocks=max_num_blocks)
+        self.cache = make_cache(model, block_size=block_size, num_blocks=num_blocks, max_num_blocks=max_num_blocks)
         self.device = input_device(model)  # where inputs and the step plan go; layers copy the plan to their own
         # Under tensor parallelism, rank 0's drafts and verified tokens on every rank (see `distributed.py`).
         self.agree = RankZeroDecides(tp_group(model), self.device)
@@ -91,6 +95,7 @@ class ModelRunner:
         input_ids = _to(input_ids, self.device)
         model_kwargs = {name: _to(value, self.device) for name, value in model_kwargs.items()}
         starts = self.cache.reserve(seq_ids, num_tokens)
+        self.cache.num_logits = num_logits  # recurrent layers keep their state after each of these positions
         plan = self.cache.plan_step(seq_ids, starts, num_tokens, self.device, _tree_to(tree, self.device))
         self.num_forwards += 1
         with self.cache.active(plan):
