@@ -162,14 +162,16 @@ class RecurrentPagedCache(PagedKVCache):
     """A `PagedKVCache` that also keeps each row's conv and recurrent states, with O(1) per-row rollback.
 
     Rollback is a declared capability: `rollback(seq_id, length)` returns a row to its state after `length` tokens,
-    for any `length` from the row's previous rollback (or 0) up to its current length, by moving its length pointer.
+    for any `length` from the row's previous rollback (or 0; at most `reach` tokens before its last step) up to its
+    current length, by moving its length pointer.
     Each layer's states live in a ring `[rows + 1, H, *state]` indexed by `length % H` (the extra row is scratch);
     `H` grows when a row writes more positions than it holds between two rollbacks.
     """
 
-    def __init__(self, *args, history: int = 8, **kwargs):
+    def __init__(self, *args, history: int = 8, reach: int = 64, **kwargs):
         super().__init__(*args, **kwargs)
         self.history = history
+        self.reach = reach
         self.num_logits: int | None = None  # set by the runner before each step: the positions to keep states of
         self.states: dict[tuple, torch.Tensor] = {}  # (layer, kind, state_idx) -> [num_slots + 1, H, *state]
         self.conv_widths: dict[tuple, int] = {}
@@ -203,7 +205,9 @@ class RecurrentPagedCache(PagedKVCache):
         plan = super().plan_step(seq_ids, starts, num_tokens, device, tree)
         if max(seq_ids) >= self.num_slots:
             self._grow_slots(max(seq_ids) + 1)
-        span = max(s + n - self._floor.get(r, 0) for r, s, n in zip(seq_ids, starts, num_tokens))
+        for seq_id, start in zip(seq_ids, starts):  # a row that never rolls back must not grow its ring forever
+            self._floor[seq_id] = max(self._floor.get(seq_id, 0), start - self.reach)
+        span = max(s + n - self._floor[r] for r, s, n in zip(seq_ids, starts, num_tokens))
         if span >= self.history:
             self._grow_history(seq_ids, starts, span + 1)
         self._step = dict(seq_ids=list(seq_ids), starts=list(starts), counts=list(num_tokens), device=device,
