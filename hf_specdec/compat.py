@@ -9,7 +9,7 @@ from contextlib import contextmanager
 _SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 # Layer kinds of models whose recurrent layers keep their state through the cache (`recurrent_state.py`), and the
 # stateless blocks hybrids interleave with them.
-_RECURRENT_LAYER_TYPES = {"linear_attention", "mamba", "conv", "hybrid", "mlp", "moe"}
+_RECURRENT_LAYER_TYPES = {"linear_attention", "mamba", "conv", "hybrid", "hybrid_sliding", "mlp", "moe"}
 # Vocabulary sizes of models sharing a tokenizer differ only by embedding padding (e.g. 151936 vs 152064).
 _MAX_VOCAB_PADDING = 1024
 # Models whose attention layers compute a mask of their own from the cached states; our attention masks by the step
