@@ -100,7 +100,7 @@ def _split_forward(module, forward):
 
     def split(*args, **kwargs):
         cache = next((v for v in (*args, *kwargs.values()) if isinstance(v, RecurrentPagedCache)), None)
-        if cache is None:
+        if cache is None or cache._call is not None:  # another cache, or inside a mixer that already split the step
             return forward(*args, **kwargs)
         hidden_states = args[0] if args else kwargs["hidden_states"]
         rows, q = hidden_states.shape[:2]
@@ -239,8 +239,8 @@ class RecurrentPagedCache(PagedKVCache):
             cols = torch.arange(chunk, device=device)
             mask = (cols[None, :] >= first[:, None]).long()
             num_real = mask.sum(-1)
-            calls.append(MixerCall(0, chunk, slots, starts_t, starts_t + num_real, torch.where(num_real > 0, slots, scratch),
-                                   mask, all(s == 0 for s in starts)))
+            calls.append(MixerCall(0, chunk, slots, starts_t, starts_t + num_real,
+                                   torch.where(num_real > 0, slots, scratch), mask, all(s == 0 for s in starts)))
         for col in range(chunk, q):
             before = (col - first).clamp(min=0)
             real = col >= first

@@ -5,8 +5,6 @@ leaving a running batch equal their solo runs; the cache's rollback is checked a
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from transformers import (
@@ -51,7 +49,8 @@ def ragged_batch():
     """Three left-padded rows of lengths 13, 6 and 9; the first repeats a phrase (n-gram lookup finds matches)."""
     g = torch.Generator().manual_seed(1)
     phrase = torch.randint(3, VOCAB, (4,), generator=g)
-    rows = [phrase.repeat(4)[:13], torch.randint(3, VOCAB, (6,), generator=g), torch.randint(3, VOCAB, (9,), generator=g)]
+    rows = [phrase.repeat(4)[:13], torch.randint(3, VOCAB, (6,), generator=g),
+            torch.randint(3, VOCAB, (9,), generator=g)]
     input_ids = torch.zeros((3, 13), dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     for i, row in enumerate(rows):
