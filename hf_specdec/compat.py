@@ -7,8 +7,11 @@ from contextlib import contextmanager
 
 logger = logging.getLogger("hf_specdec")
 
-# Layer kinds our paged cache handles exactly; anything else (recurrent, linear or chunked attention) is refused.
+# Layer kinds our paged cache handles exactly; anything else (chunked attention, say) is refused.
 _SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+# Layer kinds of models whose recurrent layers keep their state through the cache (`recurrent_state.py`), and the
+# stateless blocks hybrids interleave with them.
+_RECURRENT_LAYER_TYPES = {"linear_attention", "mamba", "conv", "hybrid", "hybrid_sliding", "mlp", "moe"}
 # Vocabulary sizes of models sharing a tokenizer differ only by embedding padding (e.g. 151936 vs 152064).
 _MAX_VOCAB_PADDING = 1024
 # Models whose attention layers compute a mask of their own from the cached states; our attention masks by the step
@@ -23,7 +26,10 @@ class UnsupportedModelError(ValueError):
 
 
 def check_model_supported(model, role: str = "model") -> None:
-    """Raises `UnsupportedModelError` unless `model` is a decoder-only LM whose KV cache we can page and roll back."""
+    """Raises `UnsupportedModelError` unless `model` is a decoder-only LM whose KV cache (and recurrent state) we can
+    page and roll back."""
+    from .recurrent_state import is_recurrent
+
     config = model.config
     name = type(model).__name__
     if getattr(config, "is_encoder_decoder", False):
@@ -46,11 +52,13 @@ def check_model_supported(model, role: str = "model") -> None:
             f"the {role} {name} {own_mask}, which hf_specdec's paged attention cannot apply"
         )
     layer_types = set(getattr(config.get_text_config(), "layer_types", None) or [])
-    if not layer_types <= _SUPPORTED_LAYER_TYPES or getattr(model, "_is_stateful", False):
+    recurrent = is_recurrent(model)
+    supported = _SUPPORTED_LAYER_TYPES | (_RECURRENT_LAYER_TYPES if recurrent else set())
+    if not layer_types <= supported or (getattr(model, "_is_stateful", False) and not recurrent):
         raise UnsupportedModelError(
-            f"the {role} {name} has layers of kinds {sorted(layer_types - _SUPPORTED_LAYER_TYPES) or ['stateful']} "
-            "whose state cannot be rolled back to an earlier token; only full and sliding-window attention are "
-            "supported"
+            f"the {role} {name} has layers of kinds {sorted(layer_types - supported) or ['stateful']} "
+            "whose state cannot be rolled back to an earlier token; only full and sliding-window attention and "
+            "recurrent layers that keep their state through transformers' cache methods are supported"
         )
     _trial_forward(model, role, name)
 
@@ -97,7 +105,7 @@ def _trial_forward(model, role: str, name: str) -> None:
         raise UnsupportedModelError(
             f"the {role} {name} failed a trial forward through hf_specdec's paged attention ({reason})"
         ) from None
-    if together.cache.plan.num_updates == 0:  # the plan of the last step
+    if together.cache.plan.num_updates == 0 and not getattr(together.cache, "num_state_writes", 0):
         raise UnsupportedModelError(
             f"the {role} {name} keeps no keys and values in the cache it is given, so hf_specdec cannot roll it back"
         )

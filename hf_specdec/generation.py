@@ -171,6 +171,13 @@ def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=N
     return _speculative_generate.original(self, *args, custom_generate=decode, **kwargs)
 
 
+def _cache_filled(cache) -> bool:
+    try:
+        return cache.get_seq_length() > 0
+    except ValueError:  # a cache of recurrent layers only (Mamba) holds no length; it holds a state or not
+        return cache.has_previous_state()
+
+
 def _decode(model, speculator, k, schedule, step_cost, input_ids, logits_processor, stopping_criteria,
             generation_config, streamer, model_kwargs, tree=(None, DEFAULT_TREE_BRANCHING), constraint=(None, None),
             calibration=True):
@@ -184,7 +191,7 @@ def _decode(model, speculator, k, schedule, step_cost, input_ids, logits_process
     if config.use_cache is False:
         raise ValueError("speculative decoding needs a KV cache; drop use_cache=False")
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    if cache is not None and cache.get_seq_length() > 0:
+    if cache is not None and _cache_filled(cache):
         raise ValueError("speculator= cannot continue from a filled past_key_values; pass the full prompt instead")
     # A multimodal model given text only gets `mm_encoder_outputs={}` from transformers: empty means not given.
     unknown = sorted(name for name, value in model_kwargs.items() if name not in _PREPARED_MODEL_KWARGS

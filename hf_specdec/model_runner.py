@@ -4,23 +4,27 @@ from __future__ import annotations
 
 import inspect
 import os
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from .distributed import RankZeroDecides, tp_group
-from .paged_cache import ATTENTION_NAME, PLAN_KWARG, PagedKVCache
+from .paged_cache import ATTENTION_NAME, PLAN_KWARG
+from .recurrent_state import make_cache, recurrent_layers_split
 
 
 @contextmanager
 def paged_attention(*models):
-    """Switches the models to hf_specdec's paged attention for the duration, then restores what they had."""
+    """Switches the models to hf_specdec's paged attention (and per-row recurrent state, `recurrent_state.py`) for
+    the duration, then restores what they had."""
     saved = [m.config._attn_implementation for m in models]
     try:
-        for m in models:
-            m.set_attn_implementation(ATTENTION_NAME)
-        yield
+        with ExitStack() as stack:
+            for m in models:
+                m.set_attn_implementation(ATTENTION_NAME)
+                stack.enter_context(recurrent_layers_split(m))
+            yield
     finally:
         for m, name in zip(models, saved):
             m.set_attn_implementation(name)
@@ -69,11 +73,12 @@ class ModelRunner:
     def __init__(self, model, block_size: int = 16, num_blocks: int = 64, max_num_blocks: int | None = None,
                  packed: bool | None = None):
         self.model = model
+        self.cache = make_cache(model, block_size=block_size, num_blocks=num_blocks, max_num_blocks=max_num_blocks)
         # Ragged steps go through the model as one stream of real tokens (`PackedLayout`) where the model passed the
-        # packed trial (compat.py); `packed=False` keeps every step padded (benchmarks compare the two).
-        self.packed = packs(model) if packed is None else packed
+        # packed trial (compat.py); `packed=False` keeps every step padded (benchmarks compare the two). Recurrent
+        # layers step each row through its own positions, so their models stay padded.
+        self.packed = (packs(model) if packed is None else packed) and type(self.cache) is PagedKVCache
         self.num_packed_forwards = 0
-        self.cache = PagedKVCache(block_size=block_size, num_blocks=num_blocks, max_num_blocks=max_num_blocks)
         self.device = input_device(model)  # where inputs and the step plan go; layers copy the plan to their own
         # Under tensor parallelism, rank 0's drafts and verified tokens on every rank (see `distributed.py`).
         self.agree = RankZeroDecides(tp_group(model), self.device)
@@ -101,6 +106,7 @@ class ModelRunner:
         pack = (self.packed and tree is None and not model_kwargs and sum(num_tokens) < rows * width
                 and min(num_tokens) > 0 and width == max(num_tokens))
         starts = self.cache.reserve(seq_ids, num_tokens)
+        self.cache.num_logits = num_logits  # recurrent layers keep their state after each of these positions
         plan = self.cache.plan_step(seq_ids, starts, num_tokens, self.device, _tree_to(tree, self.device), pack)
         self.num_forwards += 1
         layout, keep = plan.packed, num_logits

@@ -1,7 +1,8 @@
 """Seeded speculative sampling on architectures with unusual attention: the first two generated tokens follow the
 target's exact joint distribution (total-variation check), with a draft model that disagrees with the target and with
 n-gram drafts. Attention sinks (gpt-oss), alternating sliding-window and global layers shorter than the prompt
-(Gemma 3), a mixture of experts (Mixtral)."""
+(Gemma 3), a mixture of experts (Mixtral), a hybrid of Gated DeltaNet and attention layers whose recurrent state rolls
+back per row (Qwen3-Next)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from transformers import (
     Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, GptOssForCausalLM, MixtralConfig, MixtralForCausalLM,
+    Qwen3NextConfig, Qwen3NextForCausalLM,
 )
 
 import hf_specdec  # noqa: F401
@@ -27,6 +29,10 @@ ARCHITECTURES = {
         "sliding_attention", "full_attention"])), torch.float64),
     "mixtral": (lambda: MixtralForCausalLM(MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2)),
                 torch.float32),
+    "qwen3_next": (lambda: Qwen3NextForCausalLM(Qwen3NextConfig(
+        **COMMON, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, mlp_only_layers=[0, 1])),
+        torch.float64),
 }
 
 
