@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .distributed import RankZeroDecides, tp_group
-from .paged_cache import ATTENTION_NAME, PLAN_KWARG
+from .paged_cache import ATTENTION_NAME, PLAN_KWARG, PagedKVCache
 from .recurrent_state import make_cache, recurrent_layers_split
 
 

@@ -8,7 +8,9 @@ feeds requests in from other threads (`serving.ServingEngine`).
 Rows that join a batch already running get one step of their own first, without drafts: it feeds their prompts
 (prefill) and gives speculators that draft from the target's hidden states (EAGLE, Medusa) the states of the prompt.
 From then on they are verified together with the others. Rows that all arrive together skip it: their first step
-feeds the prompts and verifies drafts proposed from them, as a one-call `generate` always did.
+feeds the prompts and verifies drafts proposed from them, as a one-call `generate` always did. So do rows joining a
+running batch when the target takes packed steps (a newcomer's prompt then costs the others nothing in width) and
+the speculator does not draft from the target's states: their prompts go into the others' verify.
 """
 
 from __future__ import annotations
@@ -220,8 +222,9 @@ class Scheduler:
         batch, step = self.batch, self.step_fn
         everyone = sorted(self.running)
         joining = sorted(self._fresh)
-        # Rows joining a running batch are fed on their own first (see the module docstring).
-        rows = joining if joining and len(joining) < len(everyone) else everyone
+        # Rows joining a running batch are fed on their own first, or with the others (see the module docstring).
+        mixed = self.target.packed and step.tree_nodes is None and not step.speculator.needs_hidden_states
+        rows = joining if joining and len(joining) < len(everyone) and not mixed else everyone
         step.drafting = rows is everyone
         batch.active = rows
         sampling = batch.sampling

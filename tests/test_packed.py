@@ -116,3 +116,43 @@ def test_adaptive_k_prices_a_packed_verify_by_the_tokens_fed():
     packed = AdaptiveK(8, 4, cost, priors=(0.9,), packed=True)
     assert padded.choose(list(range(8)), offered, [0] * 8) == 0
     assert packed.choose(list(range(8)), offered, [0] * 8) == 4
+
+
+@pytest.mark.parametrize("speculator", ["ngram", "draft"])
+def test_rows_joining_a_running_batch_are_prefilled_inside_the_others_verify(speculator, monkeypatch):
+    """With packed steps a newcomer's prompt costs the running rows nothing in width, so it goes into their verify
+    instead of a step of its own; every request still gets exactly its solo greedy output. With the padded layout
+    (`HF_SPECDEC_PACKED=0`) the same requests get prefill-only steps, so the count below can fail."""
+    from hf_specdec import ServingEngine
+    from hf_specdec.step import Step
+
+    target = make_model("llama")
+    draft = "ngram" if speculator == "ngram" else make_model("llama", seed=1)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 128, (int(n),), generator=g).tolist() for n in (9, 4, 13, 6, 11)]
+    expected = [target.generate(torch.tensor([p]), max_new_tokens=8 + 3 * i, do_sample=False)[0, len(p):].tolist()
+                for i, p in enumerate(prompts)]
+    original = Step.__call__
+    prefill_only = []
+
+    def spy(self, batch, *args, **kwargs):
+        prefill_only.append(not self.drafting)
+        return original(self, batch, *args, **kwargs)
+
+    monkeypatch.setattr(Step, "__call__", spy)
+    counts = {}
+    for packed in ("1", "0"):
+        monkeypatch.setenv("HF_SPECDEC_PACKED", packed)
+        prefill_only.clear()
+        engine = ServingEngine(target, None, draft, num_speculative_tokens=3, max_batch_size=2,
+                               schedule="constant").start()
+        try:  # all queued at once: each joins when an earlier (shorter) request leaves its slot
+            streams = [engine.submit(p, 8 + 3 * i) for i, p in enumerate(prompts)]
+            for stream in streams:
+                for _ in stream:
+                    pass
+        finally:
+            engine.shutdown()
+        assert [s.request.output_ids for s in streams] == expected
+        counts[packed] = sum(prefill_only)
+    assert counts["1"] == 0 and counts["0"] > 0
