@@ -77,13 +77,14 @@ class DenseRunner:
         max_num_blocks (`int`, *optional*): must be `None`: a dense cache has no block pool to cap.
         contiguous (`bool`, *optional*): keep every row free of holes (compact before each forward that needs it);
             by default what `needs_contiguous_rows` says.
-        max_hole_fraction (`float`): otherwise, compact once holes would be this fraction of the width.
+        max_hole_fraction (`float`, *optional*): otherwise, compact once holes would be this fraction of the width
+            (default `DEFAULT_MAX_HOLE_FRACTION`).
     """
 
     supports_trees = False
 
     def __init__(self, model, block_size: int = 16, max_num_blocks: int | None = None,
-                 contiguous: bool | None = None, max_hole_fraction: float = DEFAULT_MAX_HOLE_FRACTION):
+                 contiguous: bool | None = None, max_hole_fraction: float | None = None):
         if max_num_blocks is not None:
             from .compat import UnsupportedModelError
 
@@ -98,6 +99,8 @@ class DenseRunner:
         self.num_forwards = 0
         contiguous = needs_contiguous_rows(model) if contiguous is None else contiguous
         config = model.config.get_text_config()
+        if max_hole_fraction is None:
+            max_hole_fraction = DEFAULT_MAX_HOLE_FRACTION
         self.cache = MaskedKVCache(self.device, block_size, 0.0 if contiguous else max_hole_fraction,
                                    max_width=getattr(config, "max_position_embeddings", None))
         parameters = inspect.signature(model.forward).parameters
