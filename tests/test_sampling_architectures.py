@@ -1,14 +1,16 @@
 """Seeded speculative sampling on architectures with unusual attention: the first two generated tokens follow the
 target's exact joint distribution (total-variation check), with a draft model that disagrees with the target and with
 n-gram drafts. Attention sinks (gpt-oss), alternating sliding-window and global layers shorter than the prompt
-(Gemma 3), a mixture of experts (Mixtral)."""
+(Gemma 3), a mixture of experts (Mixtral), and a model outside transformers' attention interface on the masked dense
+cache (Falcon with ALiBi counted from the attention mask)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from transformers import (
-    Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, GptOssForCausalLM, MixtralConfig, MixtralForCausalLM,
+    FalconConfig, FalconForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, GptOssForCausalLM,
+    MixtralConfig, MixtralForCausalLM,
 )
 
 import hf_specdec  # noqa: F401
@@ -27,6 +29,10 @@ ARCHITECTURES = {
         "sliding_attention", "full_attention"])), torch.float64),
     "mixtral": (lambda: MixtralForCausalLM(MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2)),
                 torch.float32),
+    # Rows roll back through holes in the attention mask, which ALiBi positions must skip.
+    "falcon": (lambda: FalconForCausalLM(FalconConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=True, pad_token_id=0,
+        bos_token_id=1, eos_token_id=None, tie_word_embeddings=False)), torch.float64),
 }
 
 
