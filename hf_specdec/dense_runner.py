@@ -26,8 +26,9 @@ from .model_runner import ModelRunner, input_device, paged_attention
 
 # Config fields of attention windows counted in cache columns: holes would widen them, so rows stay contiguous.
 _WINDOW_FIELDS = ("sliding_window", "window_size", "attention_window", "local_attention_window")
-# Below this many columns, holes are cheaper to attend over than to compact away (see docs/reliability.md).
-DEFAULT_MAX_HOLE_FRACTION = 0.5
+# Compact once a quarter of the width is holes: attending over holes and copying rows to remove them both move cache
+# cells, and this moved the fewest in benchmarks/masked_cache_holes.py (see docs/reliability.md).
+DEFAULT_MAX_HOLE_FRACTION = 0.25
 
 
 def uses_paged_cache(model) -> bool:
