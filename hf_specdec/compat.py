@@ -27,7 +27,7 @@ class UnsupportedModelError(ValueError):
 
 def check_model_supported(model, role: str = "model") -> None:
     """Raises `UnsupportedModelError` unless `model` is a decoder-only LM whose KV cache (and recurrent state) we can
-    page and roll back."""
+    roll back per row: paged, for models on transformers' attention interface, else masked (`dense_runner.py`)."""
     from .recurrent_state import is_recurrent
 
     config = model.config
@@ -35,16 +35,6 @@ def check_model_supported(model, role: str = "model") -> None:
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(
             f"the {role} {name} is an encoder-decoder model; speculative decoding supports decoder-only causal LMs"
-        )
-    # A multimodal wrapper's own module may hold a vision tower's attention; text runs through its decoder's.
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    on_interface = model._can_set_attn_implementation() or (
-        decoder is not None and decoder is not model and type(decoder)._can_set_attn_implementation())
-    if not on_interface:
-        raise UnsupportedModelError(
-            f"the {role} {name} does not use transformers' AttentionInterface, so its KV cache cannot be paged or "
-            "rolled back per row; use a model that supports attn_implementation switching (Llama, Mistral, Qwen2/3, "
-            "Phi-3, Gemma 3, ...)"
         )
     own_mask = _OWN_ATTENTION_MASKS.get(getattr(config.get_text_config(), "model_type", None))
     if own_mask:
@@ -60,6 +50,11 @@ def check_model_supported(model, role: str = "model") -> None:
             "whose state cannot be rolled back to an earlier token; only full and sliding-window attention and "
             "recurrent layers that keep their state through transformers' cache methods are supported"
         )
+    from .dense_runner import check_dense_supported, uses_paged_cache
+
+    if not uses_paged_cache(model):  # it attends by its own code: served through its cache and attention mask
+        check_dense_supported(model, role, name)
+        return
     _trial_forward(model, role, name)
 
 

@@ -17,7 +17,7 @@ from .calibration import adaptive_costs, host_linear, report_idle
 from .block_manager import OutOfBlocksError
 from .logits import LogitsProcessing
 from .metrics import SpeculativeMetrics, logger
-from .model_runner import ModelRunner, paged_attention
+from .dense_runner import make_runner, runner_attention
 from .scheduler import Request, Scheduler
 from .speculators.base import Speculator
 from .step import Step
@@ -89,7 +89,7 @@ class SpeculativeEngine:
                              "speculative_tree_nodes=")
         batch = self._make_batch(input_ids, attention_mask, max_new_tokens, do_sample, logits_processor, pad_token_id)
         self._check_pool_fits(batch.lengths, max_new_tokens)
-        target = ModelRunner(self.model, block_size=self.block_size, max_num_blocks=self.max_num_blocks)
+        target = make_runner(self.model, block_size=self.block_size, max_num_blocks=self.max_num_blocks)
         self._policy = None
         if self.schedule == "adaptive":  # costs are read from the cache, never timed here: seeded calls reproduce
             cost, draft_cost, cost_source = adaptive_costs(self.model, self.speculator, self.step_cost,
@@ -97,12 +97,16 @@ class SpeculativeEngine:
             self._policy = AdaptiveK(len(batch.lengths), self.k, cost, draft_cost,
                                      priors=self.speculator.confidence_priors, packed=target.packed)
         stop = StopRules(stopping_criteria, eos_token_ids)
+        if self.tree_nodes is not None and not getattr(target, "supports_trees", True):
+            raise ValueError(f"{type(self.model).__name__} runs on hf_specdec's masked cache (it does not use "
+                             "transformers' attention interface), which cannot attend by a draft tree; drop "
+                             "speculative_tree_nodes=")
         step = Step(self.speculator, self.k, self.tree_nodes, self.tree_branching, self._constraints, self._policy)
         scheduler = Scheduler(batch, target, step, stop, pad_token_id, metrics, collect_tokens=streamer is not None)
         requests = [Request(None, max_new_tokens, slot=row) for row in range(len(batch.lengths))]
         scheduler.place(requests)
         with ExitStack() as stack:
-            stack.enter_context(paged_attention(self.model))
+            stack.enter_context(runner_attention(self.model))
             stack.enter_context(host_linear(self.model, self.speculator, self.calibration))
             self.speculator.begin(self.model, batch)
             stack.callback(self.speculator.end)

@@ -188,7 +188,9 @@ def _decode(model, speculator, k, schedule, step_cost, input_ids, logits_process
     requested = [name for name in _UNSUPPORTED_OUTPUTS if getattr(config, name, False)]
     if requested:
         raise NotImplementedError(f"{', '.join(requested)} are not supported with speculator= yet; drop them")
-    if config.use_cache is False:
+    # A model whose config turns the cache off by default (MPT's, for training) still decodes with ours; only a
+    # caller's own use_cache=False is refused.
+    if config.use_cache is False and getattr(model.generation_config, "use_cache", True) is not False:
         raise ValueError("speculative decoding needs a KV cache; drop use_cache=False")
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is not None and _cache_filled(cache):

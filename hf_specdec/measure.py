@@ -153,19 +153,21 @@ def check_step_cost(step_cost, rows: tuple[int, ...] = (1, 4, 16), tokens: tuple
 # The target's step cost ---------------------------------------------------------------------------------------------
 def measure_step_cost(model, rows: tuple[int, ...], tokens: tuple[int, ...], contexts: tuple[int, ...],
                       repeats: int, timer: Timer | None = None, attempts: int = ATTEMPTS):
-    """Times target forwards through the paged KV cache (random token ids, `contexts` tokens cached per row), every
-    (rows, tokens, context) cell once per round, and fits a `StepCost`. Returns `(step cost, Measurement)`; the
+    """Times target forwards through the model's KV cache (paged, or masked: `dense_runner.make_runner`) with random
+    token ids, `contexts` tokens cached per row, every (rows, tokens, context) cell once per round, and fits a
+    `StepCost`. Returns `(step cost, Measurement)`; the
     measurement's `problem` says why the cost is not to be trusted."""
     from .adaptive import StepCost
-    from .model_runner import ModelRunner, input_device, paged_attention
+    from .dense_runner import make_runner, runner_attention
+    from .model_runner import input_device
 
     vocab = model.config.get_text_config().vocab_size
     device = input_device(model)  # not model.device: `meta` for a model offloaded to disk
     timer = timer or wall_timer(device)
     runners, cells = {}, {}
-    with torch.no_grad(), paged_attention(model):
+    with torch.no_grad(), runner_attention(model):
         for b, c in ((b, c) for c in contexts for b in rows):
-            runner = runners[b, c] = ModelRunner(model, num_blocks=b * (c + max(tokens)) // 16 + 2 * b + 1)
+            runner = runners[b, c] = make_runner(model, num_blocks=b * (c + max(tokens)) // 16 + 2 * b + 1)
             for seq in range(b):
                 runner.add_sequence(seq)
             runner.forward(list(range(b)), torch.randint(vocab, (b, c), device=device), [c] * b, 1)

@@ -2,15 +2,16 @@
 target's exact joint distribution (total-variation check), with a draft model that disagrees with the target and with
 n-gram drafts. Attention sinks (gpt-oss), alternating sliding-window and global layers shorter than the prompt
 (Gemma 3), a mixture of experts (Mixtral), a hybrid of Gated DeltaNet and attention layers whose recurrent state rolls
-back per row (Qwen3-Next)."""
+back per row (Qwen3-Next), and a model outside transformers' attention interface on the masked dense cache (Falcon
+with ALiBi counted from the attention mask)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from transformers import (
-    Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, GptOssForCausalLM, MixtralConfig, MixtralForCausalLM,
-    Qwen3NextConfig, Qwen3NextForCausalLM,
+    FalconConfig, FalconForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, GptOssForCausalLM,
+    MixtralConfig, MixtralForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM,
 )
 
 import hf_specdec  # noqa: F401
@@ -33,6 +34,10 @@ ARCHITECTURES = {
         **COMMON, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, mlp_only_layers=[0, 1])),
         torch.float64),
+    # Rows roll back through holes in the attention mask, which ALiBi positions must skip.
+    "falcon": (lambda: FalconForCausalLM(FalconConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=True, pad_token_id=0,
+        bos_token_id=1, eos_token_id=None, tie_word_embeddings=False)), torch.float64),
 }
 
 

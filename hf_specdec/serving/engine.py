@@ -23,7 +23,7 @@ from ..compat import check_model_supported
 from ..constraints import RowConstraints, first_position_spellable
 from ..generation import DEFAULT_GRAMMAR_TOKENS, resolve_speculator
 from ..metrics import SpeculativeMetrics, logger
-from ..model_runner import ModelRunner, paged_attention
+from ..dense_runner import make_runner, runner_attention
 from ..scheduler import Request, RowSampling, SamplingParams, Scheduler
 from ..speculators.grammar import GrammarSpeculator
 from ..step import Step
@@ -174,7 +174,7 @@ class ServingEngine:
         sampling = RowSampling(slots, device)
         self.batch = SequenceBatch(token_ids, torch.zeros(slots, dtype=torch.long, device=device), [0] * slots, [],
                                    0, False, sampling, self.vocab_size, sampling)
-        self.target = ModelRunner(self.model, block_size=block_size, max_num_blocks=max_num_blocks)
+        self.target = make_runner(self.model, block_size=block_size, max_num_blocks=max_num_blocks)
         policy = None
         if schedule == "adaptive":
             cost, draft_cost, _ = adaptive_costs(self.model, self.speculator, None, calibration)
@@ -325,7 +325,7 @@ class ServingEngine:
         try:
             with ExitStack() as stack:
                 stack.enter_context(torch.no_grad())
-                stack.enter_context(paged_attention(self.model))
+                stack.enter_context(runner_attention(self.model))
                 stack.enter_context(host_linear(self.model, self.speculator, self.calibration))
                 self.speculator.begin(self.model, self.batch)
                 stack.callback(self.speculator.end)

@@ -1,4 +1,5 @@
-"""A smaller causal LM proposes drafts autoregressively, with its own paged KV cache."""
+"""A smaller causal LM proposes drafts autoregressively, with its own KV cache (paged, or masked for models outside
+transformers' attention interface: `dense_runner.make_runner`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ from contextlib import ExitStack
 
 import torch
 
-from ..model_runner import ModelRunner, paged_attention
+from ..dense_runner import make_runner, runner_attention
+from ..model_runner import ModelRunner
 from ..types import DraftProposal, SequenceBatch, gather_right_aligned
 from .base import Speculator, sample_or_argmax
 
@@ -58,8 +60,8 @@ class DraftModelSpeculator(Speculator):
         self._num_embeddings = self.model.get_input_embeddings().num_embeddings
         self._check_prompts_readable(batch)
         self._stack = ExitStack()
-        self._stack.enter_context(paged_attention(self.model))
-        self._runner = ModelRunner(self.model, block_size=self.block_size)
+        self._stack.enter_context(runner_attention(self.model))
+        self._runner = make_runner(self.model, block_size=self.block_size)
         for row in batch.active:
             self._runner.add_sequence(row)
 
