@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 
-from conftest import ARCHITECTURES, make_model, ragged_batch
+from conftest import ARCHITECTURES, VOCAB, make_model, ragged_batch
 from hf_specdec import model_runner
 from hf_specdec.adaptive import AdaptiveK, StepCost
 from hf_specdec.compat import check_model_supported
@@ -129,7 +129,7 @@ def test_rows_joining_a_running_batch_are_prefilled_inside_the_others_verify(spe
     target = make_model("llama")
     draft = "ngram" if speculator == "ngram" else make_model("llama", seed=1)
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(2, 128, (int(n),), generator=g).tolist() for n in (9, 4, 13, 6, 11)]
+    prompts = [torch.randint(2, VOCAB, (int(n),), generator=g).tolist() for n in (9, 4, 13, 6, 11)]
     expected = [target.generate(torch.tensor([p]), max_new_tokens=8 + 3 * i, do_sample=False)[0, len(p):].tolist()
                 for i, p in enumerate(prompts)]
     original = Step.__call__
