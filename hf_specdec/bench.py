@@ -18,6 +18,7 @@ alike, and medians are reported. Definitions:
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -42,6 +43,7 @@ class Config:
     kwargs: dict = field(default_factory=dict)
     batch_one_only: bool = False  # transformers' assisted generation refuses batch size > 1
     draft_cost: float = 0.0  # drafting one token relative to a target step
+    env: dict = field(default_factory=dict)  # environment variables set for its calls (HF_SPECDEC_PACKED=0)
 
 
 @dataclass
@@ -67,7 +69,7 @@ class Result:
 
 def build_configs(model, speculators: dict, k: int, draft_costs: dict, schedule: str = "adaptive",
                   assisted: bool = True, trees: tuple = (), tree_depth: int = 5,
-                  uncalibrated: bool = False) -> list[Config]:
+                  uncalibrated: bool = False, padded: bool = False) -> list[Config]:
     configs = [Config("plain generate")]
     if assisted:
         configs.append(Config("transformers prompt lookup", dict(prompt_lookup_num_tokens=k), batch_one_only=True))
@@ -82,6 +84,9 @@ def build_configs(model, speculators: dict, k: int, draft_costs: dict, schedule:
         if uncalibrated:  # the same without this host's profile: static costs, stock linear layers
             configs.append(Config(f"hf_specdec {name} uncalibrated", dict(configs[-1].kwargs,
                                   speculative_calibration=False), draft_cost=draft_costs.get(name, 0.0)))
+        if padded:  # the same with every step padded to its widest row (no packed layout)
+            configs.append(Config(f"hf_specdec {name} padded", dict(configs[-1].kwargs),
+                                  draft_cost=draft_costs.get(name, 0.0), env={"HF_SPECDEC_PACKED": "0"}))
         for nodes, branching in trees if getattr(spec, "supports_trees", False) else ():
             configs.append(Config(f"hf_specdec {name} tree {nodes}x{branching} depth {tree_depth}", dict(
                 speculator=spec, num_speculative_tokens=tree_depth, speculative_tree_nodes=nodes,
@@ -92,12 +97,13 @@ def build_configs(model, speculators: dict, k: int, draft_costs: dict, schedule:
 def run_bench(model, tokenizer, speculators: dict, batch_sizes=(1, 4, 16), workloads=("grounded", "open_chat"),
               max_new_tokens: int = 128, k: int = 10, repeats: int = 3, progress: bool = True,
               schedule: str = "adaptive", assisted: bool = True, trees: tuple = (),
-              tree_depth: int = 5, uncalibrated: bool = False) -> list[Result]:
+              tree_depth: int = 5, uncalibrated: bool = False, padded: bool = False) -> list[Result]:
     """Runs every configuration; returns one `Result` per (workload, batch size, configuration).
 
     `schedule` is hf_specdec's `speculative_schedule`; `assisted=False` leaves out transformers' own speculation.
     `trees`: `(nodes, branching)` draft-tree shapes, each also run, `tree_depth` deep, by every speculator that
-    drafts trees. `uncalibrated=True` also runs each hf_specdec configuration with `speculative_calibration=False`.
+    drafts trees. `uncalibrated=True` also runs each hf_specdec configuration with `speculative_calibration=False`,
+    `padded=True` with every step padded to its widest row (`HF_SPECDEC_PACKED=0`).
     """
     from tqdm.auto import tqdm
 
@@ -105,7 +111,8 @@ def run_bench(model, tokenizer, speculators: dict, batch_sizes=(1, 4, 16), workl
         n: s.relative_cost(model) if isinstance(s, Speculator) else s.num_parameters() / model.num_parameters()
         for n, s in speculators.items() if not isinstance(s, str)
     }
-    configs = build_configs(model, speculators, k, draft_costs, schedule, assisted, trees, tree_depth, uncalibrated)
+    configs = build_configs(model, speculators, k, draft_costs, schedule, assisted, trees, tree_depth, uncalibrated,
+                            padded)
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
         raise ValueError(f"unknown workloads {unknown}; choose from {sorted(WORKLOADS)}")
@@ -155,12 +162,21 @@ def _measure(model, groups, configs, workload, batch_size, max_new_tokens, repea
 
     def call(config, group, n):
         inputs, extra = group
-        start = time.perf_counter()
-        out = model.generate(**inputs, max_new_tokens=n, do_sample=False, return_dict_in_generate=True,
-                             **extra, **config.kwargs)
-        if model.device.type == "cuda":
-            torch.cuda.synchronize(model.device)  # the timing must include the last kernels
-        return time.perf_counter() - start, out
+        saved = {name: os.environ.get(name) for name in config.env}
+        os.environ.update(config.env)
+        try:
+            start = time.perf_counter()
+            out = model.generate(**inputs, max_new_tokens=n, do_sample=False, return_dict_in_generate=True,
+                                 **extra, **config.kwargs)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize(model.device)  # the timing must include the last kernels
+            return time.perf_counter() - start, out
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
     latencies = {c.name: [] for c in configs}
     ttfts = {c.name: [] for c in configs}

@@ -262,7 +262,8 @@ def cmd_bench(args) -> int:
     results = run_bench(model, tokenizer, speculators, [int(b) for b in args.batch_sizes.split(",")],
                         args.workloads.split(","), args.max_new_tokens, args.k, args.repeats,
                         schedule=args.schedule, assisted=not args.no_assisted, trees=trees,
-                        tree_depth=args.tree_depth, uncalibrated=args.compare_calibration)
+                        tree_depth=args.tree_depth, uncalibrated=args.compare_calibration,
+                        padded=args.compare_layout)
     meta = {"model": args.model, "speculators": list(speculators), "k": args.k, "trees": args.trees,
             "tree_depth": args.tree_depth, "max_new_tokens": args.max_new_tokens,
             "repeats": args.repeats, "schedule": args.schedule, "command": "hf-specdec bench " + " ".join(sys.argv[2:]),
@@ -405,6 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-calibrate", action="store_true", help="skip measuring this host's costs at start")
     bench.add_argument("--compare-calibration", action="store_true", help="also run each hf_specdec configuration "
                        "with speculative_calibration=False (static default costs, stock linear layers)")
+    bench.add_argument("--compare-layout", action="store_true", help="also run each hf_specdec configuration with "
+                       "every step padded to its widest row (HF_SPECDEC_PACKED=0) instead of packed")
     bench.set_defaults(func=cmd_bench)
 
     gen = sub.add_parser("generate", help="stream one prompt's speculative generation")

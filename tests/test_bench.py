@@ -1,6 +1,7 @@
 """`hf-specdec bench` end to end on a tiny model: every configuration runs, outputs compare, files are written."""
 
 import json
+import os
 
 import torch
 
@@ -44,3 +45,27 @@ def test_bench_takes_speculator_objects():
     assert "hf_specdec ngram-object" in configs
     assert not any("assisted" in c for c in configs)
     assert all(r.identical for r in results)
+
+
+def test_bench_compares_the_packed_and_padded_layouts(monkeypatch):
+    """`--compare-layout`: each hf_specdec configuration also runs with every step padded (HF_SPECDEC_PACKED=0 set
+    for its calls only), and gives the same output."""
+    from hf_specdec import model_runner
+    from hf_specdec.bench import run_bench
+
+    seen = []
+    original = model_runner.ModelRunner.__init__
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if self.cache.manager.num_blocks >= 64:  # the calls' own runners, not the trial's (4 blocks)
+            seen.append(self.packed)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "__init__", spy)
+    model, tokenizer = make_model("llama", dtype=torch.float32), make_tokenizer()
+    results = run_bench(model, tokenizer, {"ngram": "ngram"}, batch_sizes=(3,), workloads=("grounded",),
+                        max_new_tokens=6, repeats=1, progress=False, padded=True)
+    assert {r.config for r in results} == {"plain generate", "hf_specdec ngram", "hf_specdec ngram padded"}
+    assert all(r.identical for r in results)
+    assert True in seen and False in seen  # both layouts ran
+    assert "HF_SPECDEC_PACKED" not in os.environ
