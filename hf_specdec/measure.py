@@ -197,7 +197,9 @@ def measure_thin_linear(model, rows: tuple[int, ...], margin: float, repeats: in
     """Times the model's linear layers (each weight shape, weighted by how many layers have it) over `rows` input
     rows as `F.linear` ("stock") and as `(W @ x.T).T` ("thin"), the two forms side by side in each round; returns the
     row counts where thin took at most `margin` of stock's time, the timings, and why they are not to be trusted
-    (None when they are)."""
+    (None when they are). The decision and its trust rest on each round's ratio of the pair (thin over stock), not
+    on absolute times: load that comes and goes slows both forms of a pair alike, so the ratio stays steady on a
+    host whose absolute timings do not."""
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear and type(m.weight) is torch.nn.Parameter
               and m.weight.is_floating_point() and m.weight.device.type == "cpu"]  # (not meta: offloaded to disk)
     if model.device.type != "cpu" or not layers:
@@ -214,6 +216,8 @@ def measure_thin_linear(model, rows: tuple[int, ...], margin: float, repeats: in
                 cells["linear", "stock", r, shape] = lambda w=w, x=x, reps=reps: [F.linear(x, w) for _ in range(reps)]
                 cells["linear", "thin", r, shape] = lambda w=w, x=x, reps=reps: [(w @ x.t()).t() for _ in range(reps)]
 
+        rounds: list[dict[tuple, float]] = []  # this attempt's totals per (form, rows), round by round
+
         def run_round(i: int) -> dict[tuple, float]:
             keys = list(cells)
             if i % 2:  # each pair side by side, and each form first in every other round
@@ -223,9 +227,18 @@ def measure_thin_linear(model, rows: tuple[int, ...], margin: float, repeats: in
             for (_, form, r, shape), t in times.items():
                 totals["linear", form, r] = totals.get(("linear", form, r), 0.0) + t * shapes[shape] / min(
                     shapes[shape], 8)
-            return totals
+            if i == 0:
+                rounds.clear()
+            rounds.append(totals)
+            # What is compared is each round's pair, timed side by side: load that slows both forms cancels out.
+            return {("linear", "thin / stock", r): totals["linear", "thin", r] / totals["linear", "stock", r]
+                    for r in rows}
 
-        def check(medians):
+        def absolute() -> dict[tuple, float]:
+            return {key: statistics.median(t[key] for t in rounds) for key in rounds[0]}
+
+        def check(ratios):
+            medians = absolute()
             best = {r: min(medians["linear", "stock", r], medians["linear", "thin", r]) for r in rows}
             for r in rows:
                 problem = _out_of_bounds(best[r], r, best[min(rows)], f"the faster form over {r} rows")
@@ -235,10 +248,13 @@ def measure_thin_linear(model, rows: tuple[int, ...], margin: float, repeats: in
 
         timed_round(cells, lambda key, fn: fn())  # warm-up
         measurement = measure_repeated(run_round, repeats, check, attempts)
-    stock = {r: measurement.medians["linear", "stock", r] for r in rows}
-    thin = {r: measurement.medians["linear", "thin", r] for r in rows}
-    faster = tuple(r for r in rows if thin[r] <= margin * stock[r])
+        medians = absolute()
+    stock = {r: medians["linear", "stock", r] for r in rows}
+    thin = {r: medians["linear", "thin", r] for r in rows}
+    ratio = {r: measurement.medians["linear", "thin / stock", r] for r in rows}
+    faster = tuple(r for r in rows if ratio[r] <= margin)
     details = {"linear_ms": {str(r): [round(1000 * stock[r], 3), round(1000 * thin[r], 3)] for r in rows},
+               "linear_thin_over_stock": {str(r): round(ratio[r], 3) for r in rows},
                "linear_attempts": measurement.attempts}
     return faster, details, measurement.problem
 

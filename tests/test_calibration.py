@@ -361,6 +361,24 @@ def test_the_small_row_linear_form_is_timed_side_by_side_and_a_burst_of_load_doe
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+def test_load_that_slows_both_forms_of_a_pair_alike_does_not_hide_the_faster_form(caplog):
+    """A host whose load comes and goes (round after round 1x, 3x, 1x, 5x, 2x slower) spoils absolute linear timings
+    but not the side-by-side ratio: thin steadily at half stock's time over 2 and 3 rows is still chosen."""
+    target = make_model("llama", dtype=torch.float32)
+    load = [1.0, 3.0, 1.0, 5.0, 2.0]
+
+    def cost(key):
+        return steady(key) / (2 if key[:2] == ("linear", "thin") and key[2] > 1 else 1)
+
+    # Each (form, rows, shape) key is timed once per round: its call count is the round.
+    timer = fake_timer(cost=cost, slowdown=lambda key, call: load[(call - 1) % 5] if key[0] == "linear" else 1.0)
+    with caplog.at_level(logging.WARNING, logger="hf_specdec"):
+        profile = calibrate(target, **GRID, timer=timer)
+    assert profile.thin_linear_rows == (2, 3) and profile.details["linear_attempts"] == 1
+    assert profile.details["linear_thin_over_stock"] == {"1": 1.0, "2": 0.5, "3": 0.5}
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 def test_an_untrustworthy_linear_timing_keeps_the_stock_form():
     target = make_model("llama", dtype=torch.float32)
     # Thin looks 3x faster over 2 rows, but the stock timings of 2 and 3 rows exceed 1.25x rows one-row timings.
