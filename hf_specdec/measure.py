@@ -58,9 +58,15 @@ class Measurement:
 
 def spread(values: list[float]) -> float:
     """How far a timing's middle repeats lie apart (the lowest and highest quarter left out), as a ratio."""
+    low, high = _middle(values)
+    return high / max(low, 1e-12)
+
+
+def _middle(values) -> tuple[float, float]:
+    """The lowest and highest of the middle repeats (the lowest and highest quarter left out)."""
     values = sorted(values)
     cut = len(values) // 4
-    return values[-1 - cut] / max(values[cut], 1e-12)
+    return values[cut], values[-1 - cut]
 
 
 def name(key: tuple) -> str:
@@ -88,16 +94,19 @@ def _disagreement(samples: dict[tuple, list[float]]) -> str | None:
 
 def measure_repeated(run_round: Callable[[int], dict[tuple, float]], repeats: int,
                      check: Callable[[dict[tuple, float]], str | None] | None = None,
-                     attempts: int = ATTEMPTS) -> Measurement:
+                     attempts: int = ATTEMPTS,
+                     agree: Callable[[dict[tuple, list[float]]], str | None] | None = None) -> Measurement:
     """Runs `repeats` rounds (`run_round(i) -> {key: seconds}`) and keeps each key's median, when the repeats agree
-    and `check(medians)` finds nothing implausible; otherwise measures all again, `attempts` times in all."""
+    (`agree(samples)` says why not; by default no key's middle repeats may lie more than `SPREAD` apart) and
+    `check(medians)` finds nothing implausible; otherwise measures all again, `attempts` times in all."""
+    agree = agree or _disagreement
     for attempt in range(1, attempts + 1):
         samples: dict[tuple, list[float]] = {}
         for i in range(repeats):
             for key, value in run_round(i).items():
                 samples.setdefault(key, []).append(value)
         medians = {key: statistics.median(values) for key, values in samples.items()}
-        problem = _disagreement(samples) or (check(medians) if check is not None else None)
+        problem = agree(samples) or (check(medians) if check is not None else None)
         if problem is None:
             return Measurement(medians, None, attempt)
     return Measurement(medians, f"{problem}; measured {attempts} time(s)", attempts)
@@ -246,8 +255,17 @@ def measure_thin_linear(model, rows: tuple[int, ...], margin: float, repeats: in
                     return problem
             return None
 
+        def same_choice(samples):  # the ratio may wander, as long as every round makes the same choice
+            unsure = [key for key, ratios in samples.items() if len(ratios) >= 3 and spread(ratios) > SPREAD
+                      and _middle(ratios)[0] <= margin < _middle(ratios)[1]]
+            if not unsure:
+                return None
+            ratios = sorted(samples[unsure[0]])
+            return (f"over {unsure[0][2]} rows the thin form took {ratios[0]:.2f} to {ratios[-1]:.2f} of the stock "
+                    f"form's time, round by round, on both sides of the {margin} needed to choose it")
+
         timed_round(cells, lambda key, fn: fn())  # warm-up
-        measurement = measure_repeated(run_round, repeats, check, attempts)
+        measurement = measure_repeated(run_round, repeats, check, attempts, agree=same_choice)
         medians = absolute()
     stock = {r: medians["linear", "stock", r] for r in rows}
     thin = {r: medians["linear", "thin", r] for r in rows}

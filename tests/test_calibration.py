@@ -379,6 +379,22 @@ def test_load_that_slows_both_forms_of_a_pair_alike_does_not_hide_the_faster_for
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+def test_a_ratio_on_both_sides_of_the_margin_keeps_the_stock_form(caplog):
+    """Over 2 rows the thin form takes half stock's time in some rounds and all of it in others: no choice."""
+    target = make_model("llama", dtype=torch.float32)
+
+    def slowdown(key, call):
+        return 2.0 if key[:3] == ("linear", "thin", 2) and call % 2 == 0 else 1.0
+
+    timer = fake_timer(cost=lambda key: steady(key) / (2 if key[:2] == ("linear", "thin") and key[2] > 1 else 1),
+                       slowdown=slowdown)
+    with caplog.at_level(logging.WARNING, logger="hf_specdec"):
+        profile = calibrate(target, **GRID, timer=timer)
+    assert profile.thin_linear_rows == () and profile.details["linear_attempts"] == 2
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "over 2 rows the thin form took 0.50 to 1.00 of the stock form's time" in warning
+
+
 def test_an_untrustworthy_linear_timing_keeps_the_stock_form():
     target = make_model("llama", dtype=torch.float32)
     # Thin looks 3x faster over 2 rows, but the stock timings of 2 and 3 rows exceed 1.25x rows one-row timings.
