@@ -209,9 +209,9 @@ def measure_thin_linear(model, rows: tuple[int, ...], margin: float, repeats: in
     """Times the model's linear layers (each weight shape, weighted by how many layers have it) over `rows` input
     rows as `F.linear` ("stock") and as `(W @ x.T).T` ("thin"), the two forms side by side in each round; returns the
     row counts where thin took at most `margin` of stock's time, the timings, and why they are not to be trusted
-    (None when they are). The decision and its trust rest on each round's ratio of the pair (thin over stock), not
-    on absolute times: load that comes and goes slows both forms of a pair alike, so the ratio stays steady on a
-    host whose absolute timings do not."""
+    (None when they are). The choice rests on each round's ratio of the pair (thin over stock), not on absolute
+    times: load that comes and goes slows both forms of a pair alike. A row count gets the thin form only where
+    every middle round (the lowest and highest quarter left out) chose it; elsewhere it keeps the stock form."""
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear and type(m.weight) is torch.nn.Parameter
               and m.weight.is_floating_point() and m.weight.device.type == "cpu"]  # (not meta: offloaded to disk)
     if model.device.type != "cpu" or not layers:
@@ -258,14 +258,12 @@ def measure_thin_linear(model, rows: tuple[int, ...], margin: float, repeats: in
                     return problem
             return None
 
-        def same_choice(samples):  # the ratio may wander, as long as every round makes the same choice
-            unsure = [key for key, ratios in samples.items() if len(ratios) >= 3 and spread(ratios) > SPREAD
-                      and _middle(ratios)[0] <= margin < _middle(ratios)[1]]
-            if not unsure:
-                return None
-            ratios = sorted(samples[unsure[0]])
-            return (f"over {unsure[0][2]} rows the thin form took {ratios[0]:.2f} to {ratios[-1]:.2f} of the stock "
-                    f"form's time, round by round, on both sides of the {margin} needed to choose it")
+        chosen: dict[int, bool] = {}
+
+        def same_choice(samples):  # the ratio may wander: a row count is chosen where every middle round chose it
+            chosen.clear()
+            chosen.update({key[2]: _middle(ratios)[1] <= margin for key, ratios in samples.items()})
+            return None
 
         timed_round(cells, lambda key, fn: fn())  # warm-up
         measurement = measure_repeated(run_round, repeats, check, attempts, agree=same_choice)
@@ -273,7 +271,7 @@ def measure_thin_linear(model, rows: tuple[int, ...], margin: float, repeats: in
     stock = {r: medians["linear", "stock", r] for r in rows}
     thin = {r: medians["linear", "thin", r] for r in rows}
     ratio = {r: measurement.medians["linear", "thin / stock", r] for r in rows}
-    faster = tuple(r for r in rows if ratio[r] <= margin)
+    faster = tuple(r for r in rows if chosen.get(r, False))
     details = {"linear_ms": {str(r): [round(1000 * stock[r], 3), round(1000 * thin[r], 3)] for r in rows},
                "linear_thin_over_stock": {str(r): round(ratio[r], 3) for r in rows},
                "linear_attempts": measurement.attempts}

@@ -379,8 +379,9 @@ def test_load_that_slows_both_forms_of_a_pair_alike_does_not_hide_the_faster_for
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-def test_a_ratio_on_both_sides_of_the_margin_keeps_the_stock_form(caplog):
-    """Over 2 rows the thin form takes half stock's time in some rounds and all of it in others: no choice."""
+def test_a_ratio_on_both_sides_of_the_margin_keeps_the_stock_form_there(caplog):
+    """Over 2 rows the thin form takes half stock's time in some rounds and all of it in others: no choice there;
+    over 3 rows it is steadily twice as fast: chosen. Nothing is untrustworthy about that."""
     target = make_model("llama", dtype=torch.float32)
 
     def slowdown(key, call):
@@ -390,9 +391,9 @@ def test_a_ratio_on_both_sides_of_the_margin_keeps_the_stock_form(caplog):
                        slowdown=slowdown)
     with caplog.at_level(logging.WARNING, logger="hf_specdec"):
         profile = calibrate(target, **GRID, timer=timer)
-    assert profile.thin_linear_rows == () and profile.details["linear_attempts"] == 2
-    [warning] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert "over 2 rows the thin form took 0.50 to 1.00 of the stock form's time" in warning
+    assert profile.thin_linear_rows == (3,) and profile.details["linear_attempts"] == 1
+    assert profile.details["linear_thin_over_stock"]["2"] == 0.5  # the median alone would have chosen it
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_an_untrustworthy_linear_timing_keeps_the_stock_form():
