@@ -22,7 +22,7 @@ import torch
 
 from .distributed import RankZeroDecides, tp_group
 from .masked_cache import MaskedKVCache
-from .model_runner import ModelRunner, input_device, paged_attention
+from .model_runner import CacheRows, ModelRunner, input_device, paged_attention
 
 # Config fields of attention windows counted in cache columns: holes would widen them, so rows stay contiguous.
 _WINDOW_FIELDS = ("sliding_window", "window_size", "attention_window", "local_attention_window")
@@ -69,7 +69,7 @@ def _has_attention_window(model) -> bool:
     return any(getattr(config, name, None) for name in _WINDOW_FIELDS)
 
 
-class DenseRunner:
+class DenseRunner(CacheRows):
     """One model and its `MaskedKVCache`. Rows are identified by the caller's integer ids.
 
     Args:
@@ -152,18 +152,6 @@ class DenseRunner:
             out.hidden_states = tuple(_to(h.gather(1, right.to(h.device)[..., None].expand(-1, -1, h.shape[-1])),
                                           caller) for h in out.hidden_states)
         return out
-
-    def add_sequence(self, seq_id: int) -> None:
-        self.cache.add_sequence(seq_id)
-
-    def length(self, seq_id: int) -> int:
-        return self.cache.length(seq_id)
-
-    def rollback(self, seq_id: int, length: int) -> None:
-        self.cache.rollback(seq_id, length)
-
-    def free(self, seq_id: int) -> None:
-        self.cache.free(seq_id)
 
 
 def _to(value, device):

@@ -61,7 +61,25 @@ def _to(value, device: torch.device):
     return value.to(device) if isinstance(value, torch.Tensor) and value.device != device else value
 
 
-class ModelRunner:
+class CacheRows:
+    """A runner's rows, each kept by its `cache` (rollback is the cache's declared capability)."""
+
+    cache = None
+
+    def add_sequence(self, seq_id: int) -> None:
+        self.cache.add_sequence(seq_id)
+
+    def length(self, seq_id: int) -> int:
+        return self.cache.length(seq_id)
+
+    def rollback(self, seq_id: int, length: int) -> None:
+        self.cache.rollback(seq_id, length)
+
+    def free(self, seq_id: int) -> None:
+        self.cache.free(seq_id)
+
+
+class ModelRunner(CacheRows):
     """One model and its paged cache. Rows are identified by the caller's integer ids.
 
     Args:
@@ -150,17 +168,6 @@ class ModelRunner:
             out.hidden_states = tuple(_to(h, caller) for h in out.hidden_states)
         return out
 
-    def add_sequence(self, seq_id: int) -> None:
-        self.cache.add_sequence(seq_id)
-
-    def length(self, seq_id: int) -> int:
-        return self.cache.length(seq_id)
-
-    def rollback(self, seq_id: int, length: int) -> None:
-        self.cache.rollback(seq_id, length)
-
-    def free(self, seq_id: int) -> None:
-        self.cache.free(seq_id)
 
 
 def packs(model) -> bool:
