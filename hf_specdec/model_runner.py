@@ -169,7 +169,6 @@ class ModelRunner(CacheRows):
         return out
 
 
-
 def packs(model) -> bool:
     """Whether `model` takes ragged steps packed: it passed the packed trial (`compat._trial_forward`), and the
     `HF_SPECDEC_PACKED=0` switch (for comparisons) is not set."""

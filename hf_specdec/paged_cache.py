@@ -102,7 +102,8 @@ class PackedLayout:
                                                      self.positions)))
 
     def pad(self, packed: torch.Tensor, rows: int) -> torch.Tensor:
-        """`[..., T, *rest]` (stream in dim -2 of a `[1, heads, T, dim]` query) to `[rows, heads, q, dim]`."""
+        """A packed query `[1, heads, T, dim]` to the padded `[rows, heads, q, dim]` (padding repeats each row's first
+        query)."""
         heads, _, dim = packed.shape[1:]
         return packed[0].index_select(1, self.unpack_index).view(heads, rows, -1, dim).transpose(0, 1)
 
