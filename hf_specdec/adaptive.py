@@ -3,7 +3,9 @@
 Acceptance. Each proposal falls in one of its speculator's confidence classes (n-gram lookup: the length of the
 matched context; a model speculator: a single class). Per class the call keeps counts of drafts accepted and tried,
 pooled over its rows, and each row keeps its own. A row's chance `p` that its next draft is accepted is its own count
-shrunk towards the pooled one, which is shrunk towards the speculator's prior for the class. Counts decay each step,
+shrunk towards the pooled one, which is shrunk towards the speculator's prior for the class, scaled by how the call's
+drafts fared against the priors over all classes (a class seldom seen borrows that evidence: on free text every
+match length is accepted less often than its prior says, on copying tasks more often). Counts decay each step,
 so estimates follow a row that moves between copying and free writing, and a row that stopped drafting drifts back
 towards the prior and is tried again later. With k drafts a row emits `1 + p + ... + p^k` tokens on average (fewer
 when it has fewer drafts to offer).
@@ -24,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+_MAX_RATE = 0.95  # a prior scaled up by a call's evidence stays below certainty
 
 
 @dataclass(frozen=True)
@@ -162,10 +166,19 @@ class AdaptiveK:
     def acceptance(self, rows: list[int], classes: list[int] | None = None) -> torch.Tensor:
         """`[len(rows)]` each row's estimated chance that a draft of the given class is accepted."""
         cls = torch.tensor(classes if classes is not None else [0] * len(rows), dtype=torch.long)
-        pooled = (self.accepted.sum(0) + self.strength * self.priors) / (self.tried.sum(0) + self.strength)
+        pooled = self.pooled()
         r = torch.tensor(rows, dtype=torch.long)
         own_accepted, own_tried = self.accepted[r, cls], self.tried[r, cls]
         return (own_accepted + self.strength * pooled[cls]) / (own_tried + self.strength)
+
+    def pooled(self) -> torch.Tensor:
+        """`[classes]` the call's acceptance per class: its counts over every row, shrunk towards the class's prior
+        times the ratio of drafts accepted to those the priors expected over all classes."""
+        accepted, tried = self.accepted.sum(0), self.tried.sum(0)
+        expected = (tried * self.priors).sum()
+        scale = (accepted.sum() + self.strength) / (expected + self.strength)
+        prior = (self.priors * scale).clamp(max=_MAX_RATE)
+        return (accepted + self.strength * prior) / (tried + self.strength)
 
     def choose(self, rows: list[int], available: list[int] | None = None, classes: list[int] | None = None,
                context: float = 0.0) -> int:
@@ -211,7 +224,7 @@ class AdaptiveK:
             return None
         rows, context = self._last
         verify = self.step_cost.relative(rows, torch.tensor([2.0, self.max_k + 1.0], dtype=torch.float64), context)
-        pooled = (self.accepted.sum(0) + self.strength * self.priors) / (self.tried.sum(0) + self.strength)
+        pooled = self.pooled()
         return (f"adaptive k kept drafting off in {idle} of {len(self.chosen)} steps: at batch {rows} a verify of 1 "
                 f"draft costs {float(verify[0]):.2f} plain steps and one of {self.max_k} drafts "
                 f"{float(verify[1]):.2f}, a drafted token {self.draft_cost_per_token:.2f}, and the acceptance "

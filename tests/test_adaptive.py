@@ -110,6 +110,25 @@ def test_confidence_classes_keep_separate_estimates():
     assert low < 0.1 < 0.9 < high
 
 
+def test_a_class_without_evidence_borrows_how_the_priors_fared():
+    """Free text: short matches are rejected far more often than their prior says, so a long match seen for the
+    first time is trusted less than its prior (and no draft is made at a cost where the prior alone would draft);
+    copying: the opposite, capped below certainty."""
+    priors = (0.4, 0.57, 0.67, 0.73)
+    cost = StepCost(per_row=0.0, points=((1, 1.0), (2, 1.3), (5, 1.6)))
+    fresh = AdaptiveK(num_rows=2, max_k=4, step_cost=cost, priors=priors)
+    free, copying = (AdaptiveK(num_rows=2, max_k=4, step_cost=cost, priors=priors) for _ in range(2))
+    for _ in range(6):
+        free.update([0], [2], [0], classes=[1])
+        copying.update([0], [4], [4], classes=[1])
+    prior_only = fresh.acceptance([1], [3]).item()
+    assert prior_only == pytest.approx(0.73)
+    assert free.acceptance([1], [3]).item() < 0.5 * prior_only
+    assert prior_only + 0.1 < copying.acceptance([1], [3]).item() <= 0.95
+    assert fresh.choose([1], available=[4], classes=[3]) > 0
+    assert free.choose([1], available=[4], classes=[3]) == 0
+
+
 def test_rows_share_evidence_through_the_pooled_estimate():
     """A row with no evidence of its own starts from what other rows of the call showed for the class."""
     policy = AdaptiveK(num_rows=3, max_k=8, step_cost=LINEAR, priors=(0.5,))
