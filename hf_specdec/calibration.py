@@ -285,23 +285,39 @@ def _thin_forward(linear: torch.nn.Linear, rows: frozenset[int]):
     return forward
 
 
+def _runs_on_cpu(module: torch.nn.Module) -> bool:
+    """Whether a layer's product runs on the CPU: its weight is there, or accelerate's hook brings it there (an
+    offloaded layer's weight sits on `meta` until the hook streams it in for the forward)."""
+    device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    return torch.device(device if device is not None else module.weight.device).type == "cpu"
+
+
 @contextmanager
 def thin_linear(modules, rows):
-    """Within the block, every plain `torch.nn.Linear` (full-precision weight on the CPU) inside `modules` computes
-    inputs of `rows` rows as `(W @ x.T).T`; restored on exit. Quantized or wrapped layers are left alone."""
+    """Within the block, every plain `torch.nn.Linear` (full-precision weight, computed on the CPU) inside `modules`
+    computes inputs of `rows` rows as `(W @ x.T).T`; restored on exit. Quantized or wrapped layers are left alone. A
+    layer under an accelerate hook (`device_map`, offload) keeps its hook: the hook's inner forward is the one
+    switched, so the weights it streams in are the ones multiplied."""
     rows = frozenset(rows)
     patched = []
     try:
         for module in {id(m): m for root in modules for m in root.modules()}.values():
-            if (type(module) is torch.nn.Linear and type(module.weight) is torch.nn.Parameter
-                    and module.weight.device.type == "cpu" and module.weight.is_floating_point()
-                    and "forward" not in vars(module)):
-                module.forward = _thin_forward(module, rows)
-                patched.append(module)
+            if not (type(module) is torch.nn.Linear and type(module.weight) is torch.nn.Parameter
+                    and module.weight.is_floating_point() and _runs_on_cpu(module)):
+                continue
+            hooked = getattr(module, "_hf_hook", None) is not None and "_old_forward" in vars(module)
+            name = "_old_forward" if hooked else "forward"
+            if not hooked and "forward" in vars(module):  # someone else's wrapper: leave it
+                continue
+            patched.append((module, name, vars(module).get(name)))
+            setattr(module, name, _thin_forward(module, rows))
         yield
     finally:
-        for module in patched:
-            del module.forward
+        for module, name, original in patched:
+            if original is None:
+                delattr(module, name)
+            else:
+                setattr(module, name, original)
 
 
 # Measuring --------------------------------------------------------------------------------------------------------

@@ -160,6 +160,28 @@ def test_calibration_measures_an_offloaded_model(saved, tmp_path):
     assert profile_key(target) != profile_key(load(saved["target"]))
 
 
+def test_thin_linear_reaches_offloaded_layers(saved, tmp_path):
+    """The host's faster linear form also runs in layers whose weights accelerate streams in from disk: the hook's
+    inner forward is switched (the hook stays, so the streamed weights are the ones used), exactly, and restored."""
+    from hf_specdec.calibration import thin_linear
+
+    target = load(saved["target"], tmp_path / "offload", device_map=CPU_DISK_MAP)
+    layer = target.model.layers[1].mlp.down_proj
+    assert layer.weight.device.type == "meta" and "_old_forward" in vars(layer)
+    original, hooked = vars(layer)["_old_forward"], vars(layer)["forward"]
+    input_ids, mask = prompts()
+    expected = target(input_ids=input_ids, attention_mask=mask).logits
+    calls = []
+    with thin_linear([target], rows=range(1, 64)):
+        inner = vars(layer)["_old_forward"]
+        assert inner is not original and vars(layer)["forward"] is hooked
+        vars(layer)["_old_forward"] = lambda x, _inner=inner: calls.append(x.shape) or _inner(x)
+        got = target(input_ids=input_ids, attention_mask=mask).logits
+        vars(layer)["_old_forward"] = inner
+    assert calls and torch.allclose(got, expected, rtol=0, atol=1e-12)
+    assert vars(layer)["_old_forward"] is original and layer.weight.device.type == "meta"
+
+
 # --- tensor parallelism under torchrun ------------------------------------------------------------------------------
 CASES = ["greedy ngram", "greedy draft", "sampled ngram", "sampled draft", "greedy eagle", "sampled eagle"]
 
