@@ -9,7 +9,9 @@ those weights back in, as for a model loaded with `device_map=..., offload_folde
     python benchmarks/offload_bench.py --disk-layers 24 --max-new-tokens 64 --repeats 3
 
 Prints a table (tokens/s per prompt, speedup of the median) and writes bench_offload.json. Every speculative output
-is checked against plain `generate`'s (token for token).
+is checked against plain `generate`'s (token for token). Per prompt it also gives the speedup's ceiling: tokens per
+target forward when every step drafts k (`speculative_schedule="constant"`), which bounds the speedup even where a
+verify costs no more than a plain step.
 """
 
 from __future__ import annotations
@@ -94,6 +96,10 @@ def main():
                 spec_times.append(seconds)
                 metrics = out.speculative_metrics
                 assert torch.equal(out.sequences, plain.sequences), f"{key}: output differs from plain generate"
+            # The ceiling: target forwards when every step drafts k (greedy, so the same output): even with a verify
+            # as cheap as a plain step, the speedup is at most tokens per forward.
+            ceiling = timed(model, inputs, args.max_new_tokens, speculator=speculator, num_speculative_tokens=args.k,
+                            speculative_schedule="constant")[0].speculative_metrics
             tokens = plain.sequences.shape[1] - inputs["input_ids"].shape[1]
             rows.append({"workload": workload, "prompt": key, "speculator": name, "new_tokens": tokens,
                          "plain_tok_s": tokens / statistics.median(plain_times),
@@ -101,11 +107,15 @@ def main():
                          "speedup": statistics.median(plain_times) / statistics.median(spec_times),
                          "mean_acceptance_length": metrics.mean_acceptance_length,
                          "mean_k": statistics.mean(metrics.k_per_step) if metrics.k_per_step else 0.0,
+                         "tokens_per_forward": metrics.num_emitted_tokens / metrics.num_steps,
+                         "ceiling_tokens_per_forward": ceiling.num_emitted_tokens / ceiling.num_steps,
                          "identical": True})
             r = rows[-1]
             print(f"{workload:9} {key:17} {name:5} plain {r['plain_tok_s']:5.2f} tok/s  {name} "
                   f"{r['spec_tok_s']:5.2f} tok/s  {r['speedup']:.2f}x  acceptance length "
-                  f"{r['mean_acceptance_length']:.2f}  mean k {r['mean_k']:.1f}", flush=True)
+                  f"{r['mean_acceptance_length']:.2f}  mean k {r['mean_k']:.1f}  tokens per forward "
+                  f"{r['tokens_per_forward']:.2f} (drafting {args.k} every step: {r['ceiling_tokens_per_forward']:.2f})",
+                  flush=True)
     for workload in ("grounded", "open_chat"):
         speedups = [r["speedup"] for r in rows if r["workload"] == workload]
         print(f"{workload}: median speedup {statistics.median(speedups):.2f}x over {len(speedups)} prompts")

@@ -42,7 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from .adaptive import DEFAULT_STEP_COST, StepCost
-from .measure import ATTEMPTS, Timer, check_step_cost, measure_draft_cost, measure_step_cost, measure_thin_linear
+from .measure import (ATTEMPTS, Timer, check_step_cost, measure_draft_cost, measure_step_cost, measure_thin_linear,
+                      runs_on_cpu)
 from .model_runner import input_device
 
 logger = logging.getLogger("hf_specdec")
@@ -285,13 +286,6 @@ def _thin_forward(linear: torch.nn.Linear, rows: frozenset[int]):
     return forward
 
 
-def _runs_on_cpu(module: torch.nn.Module) -> bool:
-    """Whether a layer's product runs on the CPU: its weight is there, or accelerate's hook brings it there (an
-    offloaded layer's weight sits on `meta` until the hook streams it in for the forward)."""
-    device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
-    return torch.device(device if device is not None else module.weight.device).type == "cpu"
-
-
 @contextmanager
 def thin_linear(modules, rows):
     """Within the block, every plain `torch.nn.Linear` (full-precision weight, computed on the CPU) inside `modules`
@@ -303,7 +297,7 @@ def thin_linear(modules, rows):
     try:
         for module in {id(m): m for root in modules for m in root.modules()}.values():
             if not (type(module) is torch.nn.Linear and type(module.weight) is torch.nn.Parameter
-                    and module.weight.is_floating_point() and _runs_on_cpu(module)):
+                    and module.weight.is_floating_point() and runs_on_cpu(module)):
                 continue
             hooked = getattr(module, "_hf_hook", None) is not None and "_old_forward" in vars(module)
             name = "_old_forward" if hooked else "forward"

@@ -204,6 +204,13 @@ def measure_step_cost(model, rows: tuple[int, ...], tokens: tuple[int, ...], con
 
 
 # The small-row linear form ------------------------------------------------------------------------------------------
+def runs_on_cpu(module: torch.nn.Module) -> bool:
+    """Whether a layer's product runs on the CPU: its weight is there, or accelerate's hook brings it there (an
+    offloaded layer's weight sits on `meta` until the hook streams it in for the forward)."""
+    device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    return torch.device(device if device is not None else module.weight.device).type == "cpu"
+
+
 def measure_thin_linear(model, rows: tuple[int, ...], margin: float, repeats: int = 5, timer: Timer | None = None,
                         attempts: int = ATTEMPTS) -> tuple[tuple[int, ...], dict, str | None]:
     """Times the model's linear layers (each weight shape, weighted by how many layers have it) over `rows` input
@@ -212,13 +219,22 @@ def measure_thin_linear(model, rows: tuple[int, ...], margin: float, repeats: in
     (None when they are). The choice rests on each round's ratio of the pair (thin over stock), not on absolute
     times: load that comes and goes slows both forms of a pair alike. A row count gets the thin form only where
     every middle round (the lowest and highest quarter left out) chose it; elsewhere it keeps the stock form."""
+    from .model_runner import input_device
+
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear and type(m.weight) is torch.nn.Parameter
-              and m.weight.is_floating_point() and m.weight.device.type == "cpu"]  # (not meta: offloaded to disk)
-    if model.device.type != "cpu" or not layers:
+              and m.weight.is_floating_point() and runs_on_cpu(m)]
+    device = input_device(model)  # not model.device: `meta` when the first weights live on disk
+    if device.type != "cpu" or not layers:
         return (), {}, None
-    timer = timer or wall_timer(model.device)
+    timer = timer or wall_timer(device)
     shapes = Counter(tuple(m.weight.shape) for m in layers)
-    weights = {tuple(m.weight.shape): m.weight for m in layers}
+    # A layer offloaded to disk has its weight on `meta` until its forward streams it in: time a stand-in of the
+    # same shape and dtype (the product's cost does not depend on the values).
+    weights = {}
+    for m in layers:
+        if m.weight.device.type == "cpu" or tuple(m.weight.shape) not in weights:
+            weights[tuple(m.weight.shape)] = (m.weight if m.weight.device.type == "cpu"
+                                              else torch.randn(m.weight.shape, dtype=m.weight.dtype))
     cells = {}
     with torch.no_grad():
         for r in rows:

@@ -82,6 +82,7 @@ def run_server(model_name: str, spec: str, k: int | None, requests, rate: float,
     import socket
     import subprocess
     import sys
+    import tempfile
 
     import httpx
 
@@ -95,7 +96,15 @@ def run_server(model_name: str, spec: str, k: int | None, requests, rate: float,
         command += ["-k", str(k)] + (["--schedule", "constant"] if k == 0 else [])
     if threads:
         command += ["--threads", str(threads)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # The server's log goes to a file: a pipe nobody reads while the requests run would fill and stall the server.
+    log = tempfile.NamedTemporaryFile("w+", prefix="hf_specdec_serve_", suffix=".log", delete=False)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, text=True)
+
+    def log_tail() -> str:
+        log.flush()
+        with open(log.name) as f:
+            return f.read()[-2000:]
+
     url = f"http://127.0.0.1:{port}"
 
     async def one(client, delay: float, prompt: list[int], max_tokens: int) -> Served:
@@ -141,7 +150,7 @@ def run_server(model_name: str, spec: str, k: int | None, requests, rate: float,
             except httpx.HTTPError:
                 pass
             if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"hf-specdec serve did not start: {process.stderr.read()[-2000:]}")
+                raise RuntimeError(f"hf-specdec serve did not start: {log_tail()}")
             time.sleep(0.2)
         # Warm-up: one short request, so the first timed one does not pay for setup.
         httpx.post(url + "/v1/completions", json={"model": model_name, "prompt": requests[0][0], "max_tokens": 4,
@@ -155,6 +164,9 @@ def run_server(model_name: str, spec: str, k: int | None, requests, rate: float,
             process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.kill(process.pid, signal.SIGKILL)
+    tail = log_tail()
+    if "Traceback" in tail or "ERROR" in tail:  # a failed step ends its requests' streams early: say why
+        print(f"{name}: the server logged errors ({log.name}):\n{tail}", file=sys.stderr)
     result = summarize(name, served, [start + i / rate for i in range(len(requests))], start)
     drafted = after["spec_decode_num_draft_tokens_total"] - before["spec_decode_num_draft_tokens_total"]
     accepted = after["spec_decode_num_accepted_tokens_total"] - before["spec_decode_num_accepted_tokens_total"]

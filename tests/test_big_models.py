@@ -182,6 +182,19 @@ def test_thin_linear_reaches_offloaded_layers(saved, tmp_path):
     assert vars(layer)["_old_forward"] is original and layer.weight.device.type == "meta"
 
 
+def test_linear_form_is_measured_for_a_model_all_on_disk(saved, tmp_path):
+    """Calibration's small-row linear timing covers layers whose weights are on disk (a stand-in of each shape is
+    timed), instead of finding no layer on the CPU and measuring nothing."""
+    from hf_specdec.measure import measure_thin_linear
+
+    target = load(saved["target"], tmp_path / "offload", **ALL_ON_DISK)
+    assert all(m.weight.device.type == "meta" for m in target.modules() if type(m) is torch.nn.Linear)
+    _, details, _ = measure_thin_linear(target, rows=(1, 2), margin=0.8, repeats=1, attempts=1)
+    assert set(details["linear_ms"]) == {"1", "2"} and all(t > 0 for pair in details["linear_ms"].values()
+                                                           for t in pair)
+    assert all(m.weight.device.type == "meta" for m in target.modules() if type(m) is torch.nn.Linear)
+
+
 # --- tensor parallelism under torchrun ------------------------------------------------------------------------------
 CASES = ["greedy ngram", "greedy draft", "sampled ngram", "sampled draft", "greedy eagle", "sampled eagle"]
 

@@ -593,6 +593,46 @@ def test_adaptive_schedule_stays_lossless(tmp_path):
     assert torch.equal(out.sequences, expected)
 
 
+def test_idle_backlog_is_taken_in_chunks_and_drafting_resumes_from_it(fitted, tmp_path, monkeypatch):
+    """While adaptive k keeps drafting off, the head takes the target's pending states every `IDLE_BACKLOG` steps
+    instead of letting them pile up; when drafting resumes, its drafts are the ones a head that caught up in one
+    forward makes (same acceptance, step by step), and the output is the target's."""
+    from hf_specdec import adaptive
+
+    target, src = fitted[3]
+    directory = convert_eagle(src, tmp_path / "head", target=target)
+    choose = adaptive.AdaptiveK.choose
+
+    def off_then_on(self, rows, available=None, classes=None, context=0.0):  # 14 steps off, then 3 drafts
+        k = choose(self, rows, available, classes, context)
+        self.chosen[-1] = 0 if len(self.chosen) <= 14 else 3
+        return self.chosen[-1]
+
+    monkeypatch.setattr(adaptive.AdaptiveK, "choose", off_then_on)
+    input_ids = torch.randint(2, VOCAB, (3, 6), generator=torch.Generator().manual_seed(7))
+    expected = target.generate(input_ids=input_ids, max_new_tokens=30, do_sample=False)
+    runs, widths = {}, {}
+    for backlog in (4, 10**9):
+        spec = EagleSpeculator.from_pretrained(directory)
+        spec.IDLE_BACKLOG = backlog
+        observe = spec.observe_hidden_states
+
+        def watch(hidden, spec=spec, observe=observe, backlog=backlog):
+            observe(hidden)
+            widths.setdefault(backlog, []).append(max(spec._pending.num_states))
+
+        spec.observe_hidden_states = watch
+        out = target.generate(input_ids=input_ids, max_new_tokens=30, do_sample=False, speculator=spec,
+                              num_speculative_tokens=3, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, expected)
+        runs[backlog] = out.speculative_metrics
+    # after the prompt's states, chunks taken while idle / one pile
+    assert max(widths[4][1:]) <= 4 < max(widths[10**9][1:])
+    chunked, whole = runs[4], runs[10**9]
+    assert chunked.num_accepted_tokens > 0
+    assert (chunked.accepted_per_position, chunked.num_steps) == (whole.accepted_per_position, whole.num_steps)
+
+
 def test_sampling_keeps_the_target_distribution(fitted):
     """The second token (drafted by a fitted head, then accepted or recovered) follows the target's exact marginal."""
     target, src = fitted[1]

@@ -112,14 +112,19 @@ def test_requests_joining_a_running_batch_equal_their_solo_runs(tokenizer, specu
         engine.shutdown()
 
 
+@pytest.mark.parametrize("idle_backlog", [None, 1])
 @pytest.mark.parametrize("version", [1, 3])
-def test_eagle_head_under_continuous_batching(tokenizer, tmp_path, version):
-    """EAGLE heads draft from the target's hidden states: rows that join get theirs from their own first step."""
+def test_eagle_head_under_continuous_batching(tokenizer, tmp_path, version, idle_backlog):
+    """EAGLE heads draft from the target's hidden states: rows that join get theirs from their own first step.
+    `idle_backlog=1`: every step that drafts nothing (a newcomer's prefill) has the head take the states pending,
+    while the rows joining have none yet."""
     from hf_specdec import EagleSpeculator
     from test_eagle import convert  # a random-init EAGLE-1 or EAGLE-3 checkpoint for the target, converted
 
     model = served_model()
     head = EagleSpeculator.from_pretrained(convert(tmp_path, model, version, **({"aux_layers": [0, 1, 1]} if version == 3 else {})))
+    if idle_backlog is not None:
+        head.IDLE_BACKLOG = idle_backlog
     engine = ServingEngine(model, tokenizer, head, num_speculative_tokens=3, max_batch_size=2,
                            schedule="constant").start()
     try:

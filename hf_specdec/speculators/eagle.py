@@ -36,6 +36,7 @@ class EagleSpeculator(Speculator):
 
     needs_hidden_states = True
     supports_trees = True
+    IDLE_BACKLOG = 32  # target states a row may hold back while drafting is off (`_consume_backlog`)
 
     def __init__(self, head: EagleHead, block_size: int = 16):
         self.head = head.eval()
@@ -91,6 +92,7 @@ class EagleSpeculator(Speculator):
         rows = list(batch.active)
         self._rows, self._real_lengths = rows, None
         if k == 0 or self._pending is None:  # nothing to draft from yet (first step): keep the states for later
+            self._consume_backlog(batch, rows)
             return DraftProposal.empty(len(rows), batch.device)
         rows_t = batch.active_tensor()
         runner = self._runner
@@ -123,6 +125,7 @@ class EagleSpeculator(Speculator):
         rows = list(batch.active)
         self._rows, self._real_lengths = rows, None
         if depth == 0 or self._pending is None:
+            self._consume_backlog(batch, rows)
             return DraftTree.empty(len(rows), batch.device)
         rows_t = batch.active_tensor()
         device = batch.device
@@ -194,6 +197,22 @@ class EagleSpeculator(Speculator):
         parents = torch.where(parents >= 0, slot.gather(1, parents.clamp(min=0)), -1)
         return DraftTree(torch.cat(cand_tokens, dim=1).gather(1, chosen), parents,
                          torch.isfinite(all_scores.gather(1, chosen)))
+
+    def _consume_backlog(self, batch: SequenceBatch, rows: list[int]) -> None:
+        """While adaptive k keeps drafting off, the target's states pile up, and appending each step's copies the
+        pile: once a row has `IDLE_BACKLOG` of them, the head takes them in one forward (what it would do at its next
+        draft anyway), so an idle step costs the same however long drafting has been off."""
+        pending = self._pending
+        if pending is None or max(pending.num_states) < self.IDLE_BACKLOG:
+            return
+        active = set(rows)
+        # Rows joining the batch this step have no states yet, and rows may hold states while not active.
+        take = [r for r in pending.rows if r in active]
+        rest = [r for r in pending.rows if r not in active]
+        if take:
+            self._catch_up(batch, take, torch.tensor(take, device=batch.device))
+            self._pending = _keep_rows(pending, rest) if rest else None
+        self._real_lengths = None  # nothing was drafted: every entry the head now holds is the target's
 
     def _catch_up(self, batch: SequenceBatch, rows: list[int], rows_t: torch.Tensor) -> torch.Tensor:
         """Feeds the committed tokens whose target states arrived since the last step; returns the head's outputs
