@@ -8,7 +8,6 @@ against plain's. Prints each one's median speedup, the paired per-repeat speedup
     python benchmarks/adaptive_priors_ab.py BATCH {grounded,open} [SPECULATOR] [REPEATS]
 """
 
-import statistics
 import sys
 import time
 
@@ -18,6 +17,8 @@ import hf_specdec  # noqa: F401  (registers generate(speculator=...))
 from hf_specdec import adaptive
 from hf_specdec.models import DEFAULT_MODEL, load_model
 from hf_specdec.workloads import GROUNDED, OPEN_CHAT, chat_inputs
+
+from _paired import report  # benchmarks/_paired.py
 
 
 def fixed_priors(self):
@@ -53,12 +54,7 @@ def main() -> None:
                 assert torch.equal(out.sequences, expected), f"{name}: output differs from plain generate"
     finally:
         adaptive.AdaptiveK.pooled = variants["call-calibrated priors"]
-    plain = statistics.median(times["plain"])
-    for name in variants:
-        paired = [p / t for p, t in zip(times["plain"], times[name])]
-        print(f"{name}: median {plain / statistics.median(times[name]):.3f}x, per repeat "
-              f"{', '.join(f'{r:.2f}x' for r in paired)}, (drafts, accepted) per call {drafts[name]}")
-
+    report(times, {name: f"(drafts, accepted) per call {drafts[name]}" for name in variants})
 
 if __name__ == "__main__":
     main()

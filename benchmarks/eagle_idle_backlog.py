@@ -7,7 +7,6 @@ backlog taken every 32 steps, then with it never taken while idle, and checks bo
     python benchmarks/eagle_idle_backlog.py [REPEATS]
 """
 
-import statistics
 import sys
 import time
 
@@ -16,6 +15,8 @@ import torch
 import hf_specdec
 from hf_specdec.models import DEFAULT_MODEL, load_model, trained_head
 from hf_specdec.workloads import GROUNDED, chat_inputs
+
+from _paired import report  # benchmarks/_paired.py
 
 
 def main() -> None:
@@ -40,12 +41,7 @@ def main() -> None:
             out = model.generate(**inputs, **kwargs, speculator=head)
             times[name].append(time.perf_counter() - start)
             assert torch.equal(out, expected), f"{name}: output differs from plain generate"
-    plain = statistics.median(times["plain"])
-    for name in heads:
-        paired = [p / t for p, t in zip(times["plain"], times[name])]
-        print(f"{name}: median {plain / statistics.median(times[name]):.3f}x, per repeat "
-              f"{', '.join(f'{r:.2f}x' for r in paired)}")
-
+    report(times)
 
 if __name__ == "__main__":
     main()
