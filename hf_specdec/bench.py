@@ -23,6 +23,7 @@ import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from unittest import mock
 
 import torch
 
@@ -162,21 +163,13 @@ def _measure(model, groups, configs, workload, batch_size, max_new_tokens, repea
 
     def call(config, group, n):
         inputs, extra = group
-        saved = {name: os.environ.get(name) for name in config.env}
-        os.environ.update(config.env)
-        try:
+        with mock.patch.dict(os.environ, config.env):
             start = time.perf_counter()
             out = model.generate(**inputs, max_new_tokens=n, do_sample=False, return_dict_in_generate=True,
                                  **extra, **config.kwargs)
             if model.device.type == "cuda":
                 torch.cuda.synchronize(model.device)  # the timing must include the last kernels
             return time.perf_counter() - start, out
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
 
     latencies = {c.name: [] for c in configs}
     ttfts = {c.name: [] for c in configs}

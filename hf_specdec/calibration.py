@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from .adaptive import DEFAULT_STEP_COST, StepCost
 from .measure import (ATTEMPTS, Timer, check_step_cost, measure_draft_cost, measure_step_cost, measure_thin_linear,
-                      runs_on_cpu)
+                      thin_linear_candidate)
 from .model_runner import input_device
 
 logger = logging.getLogger("hf_specdec")
@@ -296,8 +296,7 @@ def thin_linear(modules, rows):
     patched = []
     try:
         for module in {id(m): m for root in modules for m in root.modules()}.values():
-            if not (type(module) is torch.nn.Linear and type(module.weight) is torch.nn.Parameter
-                    and module.weight.is_floating_point() and runs_on_cpu(module)):
+            if not thin_linear_candidate(module):
                 continue
             hooked = getattr(module, "_hf_hook", None) is not None and "_old_forward" in vars(module)
             name = "_old_forward" if hooked else "forward"

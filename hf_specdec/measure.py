@@ -204,9 +204,13 @@ def measure_step_cost(model, rows: tuple[int, ...], tokens: tuple[int, ...], con
 
 
 # The small-row linear form ------------------------------------------------------------------------------------------
-def runs_on_cpu(module: torch.nn.Module) -> bool:
-    """Whether a layer's product runs on the CPU: its weight is there, or accelerate's hook brings it there (an
-    offloaded layer's weight sits on `meta` until the hook streams it in for the forward)."""
+def thin_linear_candidate(module: torch.nn.Module) -> bool:
+    """Whether a module is a plain full-precision `torch.nn.Linear` whose product runs on the CPU: its weight is
+    there, or accelerate's hook brings it there (an offloaded layer's weight sits on `meta` until the hook streams it
+    in for the forward). Quantized and wrapped layers are not."""
+    if not (type(module) is torch.nn.Linear and type(module.weight) is torch.nn.Parameter
+            and module.weight.is_floating_point()):
+        return False
     device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
     return torch.device(device if device is not None else module.weight.device).type == "cpu"
 
@@ -221,8 +225,7 @@ def measure_thin_linear(model, rows: tuple[int, ...], margin: float, repeats: in
     every middle round (the lowest and highest quarter left out) chose it; elsewhere it keeps the stock form."""
     from .model_runner import input_device
 
-    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and type(m.weight) is torch.nn.Parameter
-              and m.weight.is_floating_point() and runs_on_cpu(m)]
+    layers = [m for m in model.modules() if thin_linear_candidate(m)]
     device = input_device(model)  # not model.device: `meta` when the first weights live on disk
     if device.type != "cpu" or not layers:
         return (), {}, None
@@ -230,11 +233,10 @@ def measure_thin_linear(model, rows: tuple[int, ...], margin: float, repeats: in
     shapes = Counter(tuple(m.weight.shape) for m in layers)
     # A layer offloaded to disk has its weight on `meta` until its forward streams it in: time a stand-in of the
     # same shape and dtype (the product's cost does not depend on the values).
-    weights = {}
-    for m in layers:
-        if m.weight.device.type == "cpu" or tuple(m.weight.shape) not in weights:
-            weights[tuple(m.weight.shape)] = (m.weight if m.weight.device.type == "cpu"
-                                              else torch.randn(m.weight.shape, dtype=m.weight.dtype))
+    weights = {tuple(m.weight.shape): m.weight for m in layers if m.weight.device.type == "cpu"}
+    for shape, m in {tuple(m.weight.shape): m for m in layers}.items():
+        if shape not in weights:
+            weights[shape] = torch.randn(shape, dtype=m.weight.dtype)
     cells = {}
     with torch.no_grad():
         for r in rows:

@@ -97,11 +97,10 @@ def run_server(model_name: str, spec: str, k: int | None, requests, rate: float,
     if threads:
         command += ["--threads", str(threads)]
     # The server's log goes to a file: a pipe nobody reads while the requests run would fill and stall the server.
-    log = tempfile.NamedTemporaryFile("w+", prefix="hf_specdec_serve_", suffix=".log", delete=False)
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    with tempfile.NamedTemporaryFile("w", prefix="hf_specdec_serve_", suffix=".log", delete=False) as log:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, text=True)
 
     def log_tail() -> str:
-        log.flush()
         with open(log.name) as f:
             return f.read()[-2000:]
 
