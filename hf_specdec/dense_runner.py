@@ -111,7 +111,7 @@ class DenseRunner(CacheRows):
         self._takes_logits_to_keep = "logits_to_keep" in parameters
 
     def forward(self, seq_ids: list[int], input_ids: torch.Tensor, num_tokens: list[int], num_logits: int,
-                output_hidden_states: bool = False, tree=None, **model_kwargs):
+                output_hidden_states: bool | tuple[int, ...] = False, tree=None, **model_kwargs):
         """Appends `num_tokens[i]` tokens to row `seq_ids[i]` and returns the model output.
 
         Args:
@@ -139,7 +139,7 @@ class DenseRunner(CacheRows):
         self.num_forwards += 1
         try:
             out = self.model(input_ids=left, attention_mask=attention_mask, **{self._cache_kwarg: self.cache},
-                             use_cache=True, output_hidden_states=output_hidden_states, **kwargs,
+                             use_cache=True, output_hidden_states=bool(output_hidden_states), **kwargs,
                              **{name: _to(value, self.device) for name, value in model_kwargs.items()})
         finally:
             self.cache.end_step()

@@ -105,12 +105,13 @@ class ModelRunner(CacheRows):
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def forward(self, seq_ids: list[int], input_ids: torch.Tensor, num_tokens: list[int], num_logits: int,
-                output_hidden_states: bool = False, tree=None, **model_kwargs):
+                output_hidden_states: bool | tuple[int, ...] = False, tree=None, **model_kwargs):
         """Appends `num_tokens[i]` tokens to row `seq_ids[i]` and returns the model output.
 
         Args:
             input_ids: `[rows, q]` right-aligned tokens (row i's are its last `num_tokens[i]` columns).
             num_logits: how many trailing positions need logits.
+            output_hidden_states: True, or the indices of the entries the caller reads (the others may be None).
             tree (`TreeAttention`, *optional*): the step feeds draft-tree nodes (see `paged_cache.TreeAttention`).
             model_kwargs: passed on to the model (a draft head's input features, say).
         Returns:
@@ -143,7 +144,7 @@ class ModelRunner(CacheRows):
                 **{self._cache_kwarg: self.cache},
                 use_cache=True,
                 logits_to_keep=keep,
-                output_hidden_states=output_hidden_states,
+                output_hidden_states=bool(output_hidden_states),
                 **model_kwargs,
                 **{PLAN_KWARG: plan},
             )
@@ -158,14 +159,15 @@ class ModelRunner(CacheRows):
         if isinstance(out, torch.Tensor):  # a draft head returns its hidden states
             return _to(out, caller)
         if layout is not None:
-            _unpack_output(out, layout, keep, rows, num_logits)
+            layers = output_hidden_states if isinstance(output_hidden_states, tuple) else None
+            _unpack_output(out, layout, keep, rows, num_logits, layers)
         logits = getattr(out, "logits", None)
         if logits is not None and logits.shape[1] > num_logits:  # the model ignored logits_to_keep (Whisper)
             out.logits = logits = logits[:, -num_logits:]
         if logits is not None:
             out.logits = _to(logits, caller)
         if getattr(out, "hidden_states", None) is not None:
-            out.hidden_states = tuple(_to(h, caller) for h in out.hidden_states)
+            out.hidden_states = tuple(None if h is None else _to(h, caller) for h in out.hidden_states)
         return out
 
 
@@ -175,10 +177,11 @@ def packs(model) -> bool:
     return bool(getattr(model, "_hf_specdec_packable", False)) and os.environ.get("HF_SPECDEC_PACKED", "1") != "0"
 
 
-def _unpack_output(out, layout, keep: torch.Tensor, rows: int, num_logits: int) -> None:
+def _unpack_output(out, layout, keep: torch.Tensor, rows: int, num_logits: int, layers=None) -> None:
     """A packed forward's logits `[1, rows * num_logits, vocab]` (or the whole stream's, where the model ignored
     `logits_to_keep`) to `[rows, num_logits, vocab]`, and its hidden states `[1, T, hidden]` to the padded
-    `[rows, q, hidden]` (padding repeats the row's first token), as the padded layout returns them."""
+    `[rows, q, hidden]` (padding repeats the row's first token), as the padded layout returns them: those at
+    `layers` only, when given (the others become None; a newcomer's prompt makes every row as wide as it)."""
     logits = getattr(out, "logits", None)
     if logits is not None:
         if logits.shape[1] != keep.numel():
@@ -187,7 +190,7 @@ def _unpack_output(out, layout, keep: torch.Tensor, rows: int, num_logits: int) 
     if getattr(out, "hidden_states", None) is not None:
         out.hidden_states = tuple(
             h[0].index_select(0, layout.unpack_index.to(h.device)).view(rows, -1, h.shape[-1])
-            for h in out.hidden_states)
+            if layers is None or i in layers else None for i, h in enumerate(out.hidden_states))
 
 
 def _tree_to(tree, device):

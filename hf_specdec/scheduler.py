@@ -10,7 +10,8 @@ Rows that join a batch already running get one step of their own first, without 
 From then on they are verified together with the others. Rows that all arrive together skip it: their first step
 feeds the prompts and verifies drafts proposed from them, as a one-call `generate` always did. So do rows joining a
 running batch when the target takes packed steps (a newcomer's prompt then costs the others nothing in width) and
-the speculator does not draft from the target's states: their prompts go into the others' verify.
+the speculator can join them there (`Speculator.joins_in_verify`: it proposes nothing for a row whose target states
+have not arrived yet, as the EAGLE, Medusa and MLP heads do): their prompts go into the others' verify.
 """
 
 from __future__ import annotations
@@ -223,7 +224,7 @@ class Scheduler:
         everyone = sorted(self.running)
         joining = sorted(self._fresh)
         # Rows joining a running batch are fed on their own first, or with the others (see the module docstring).
-        mixed = self.target.packed and step.tree_nodes is None and not step.speculator.needs_hidden_states
+        mixed = self.target.packed and step.tree_nodes is None and step.speculator.joins_in_verify
         rows = joining if joining and len(joining) < len(everyone) and not mixed else everyone
         step.drafting = rows is everyone
         batch.active = rows

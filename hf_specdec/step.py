@@ -74,7 +74,7 @@ class Step:
         counts_fed = torch.tensor(num_fed, device=batch.device)
         input_ids = gather_right_aligned(batch.token_ids, rows_t, start_cols, counts_fed, max(num_fed))
         wants_states = self.speculator.needs_hidden_states
-        out = target.forward(rows, input_ids, num_fed, num_logits=k + 1, output_hidden_states=wants_states)
+        out = target.forward(rows, input_ids, num_fed, num_logits=k + 1, output_hidden_states=self._hidden_layers(wants_states))
         logits = out.logits  # [rows, k + 1, vocab]
         masked = constrained.mask(logits) if constrained is not None else logits
         history = end[:, None] + torch.arange(k + 1, device=end.device)  # [rows, k + 1] history length per position
@@ -155,7 +155,7 @@ class Step:
                                node_positions], dim=1)
         region_mask = torch.cat([ancestors.new_zeros(len(rows), width, n), ancestors], dim=1)
         wants_states = self.speculator.needs_hidden_states
-        out = target.forward(rows, input_ids, num_fed, num_logits=n + 1, output_hidden_states=wants_states,
+        out = target.forward(rows, input_ids, num_fed, num_logits=n + 1, output_hidden_states=self._hidden_layers(wants_states),
                              tree=TreeAttention(lengths, positions, region_mask, node_positions) if n else None)
         logits = out.logits  # [rows, n + 1, vocab]: after the root (the last pending token), then after each node
         end = batch.end_cols(rows)
@@ -257,6 +257,10 @@ class Step:
                                 draft.token_ids[:, :k], PAD_ID)
         probs = draft.probs[:, :k] if draft.probs is not None else None
         return DraftProposal(token_ids, num_tokens, probs), classes
+    def _hidden_layers(self, wants_states: bool):
+        # Only the entries the speculator reads come back (a packed step's states are unpacked per entry).
+        return tuple(self.speculator.hidden_state_layers) if wants_states else False
+
     def _no_drafts(self, batch, limits) -> DraftProposal:
         draft = self.speculator.propose(batch, 0)
         return DraftProposal(draft.token_ids[:, :0], torch.zeros_like(limits), None)

@@ -118,34 +118,66 @@ def test_adaptive_k_prices_a_packed_verify_by_the_tokens_fed():
     assert packed.choose(list(range(8)), offered, [0] * 8) == 4
 
 
-@pytest.mark.parametrize("speculator", ["ngram", "draft"])
-def test_rows_joining_a_running_batch_are_prefilled_inside_the_others_verify(speculator, monkeypatch):
+def _speculator(kind: str, target, tmp_path):
+    if kind == "ngram":
+        return "ngram"
+    if kind == "draft":
+        return make_model("llama", seed=1)
+    from hf_specdec import EagleSpeculator, HybridSpeculator, MedusaSpeculator
+    if kind in ("eagle", "hybrid"):
+        from test_eagle import convert  # a random-init EAGLE-1 checkpoint for the target, converted
+
+        head = EagleSpeculator.from_pretrained(convert(tmp_path, target, 1))
+        return head if kind == "eagle" else HybridSpeculator(head, head_tokens=3)
+    from test_heads_mlp_medusa import convert_reference, medusa_reference
+
+    return MedusaSpeculator.from_pretrained(convert_reference(tmp_path, target, *medusa_reference()))
+
+
+@pytest.mark.parametrize("speculator", ["ngram", "draft", "eagle", "hybrid", "medusa"])
+def test_rows_joining_a_running_batch_are_prefilled_inside_the_others_verify(speculator, monkeypatch, tmp_path):
     """With packed steps a newcomer's prompt costs the running rows nothing in width, so it goes into their verify
-    instead of a step of its own; every request still gets exactly its solo greedy output. With the padded layout
-    (`HF_SPECDEC_PACKED=0`) the same requests get prefill-only steps, so the count below can fail."""
+    instead of a step of its own; every request still gets exactly its solo greedy output. Heads that draft from the
+    target's states (EAGLE, Medusa) propose nothing for the newcomer in that step, which has no states yet, and draft
+    for the others. With the padded layout (`HF_SPECDEC_PACKED=0`) the same requests get prefill-only steps, so the
+    count below can fail."""
     from hf_specdec import ServingEngine
     from hf_specdec.step import Step
 
     target = make_model("llama")
-    draft = "ngram" if speculator == "ngram" else make_model("llama", seed=1)
+    draft = _speculator(speculator, target, tmp_path)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, VOCAB, (int(n),), generator=g).tolist() for n in (9, 4, 13, 6, 11)]
     expected = [target.generate(torch.tensor([p]), max_new_tokens=8 + 3 * i, do_sample=False)[0, len(p):].tolist()
                 for i, p in enumerate(prompts)]
-    original = Step.__call__
-    prefill_only = []
+    original, original_propose = Step.__call__, Step._propose
+    prefill_only, drafts_beside_newcomers = [], []
 
     def spy(self, batch, *args, **kwargs):
         prefill_only.append(not self.drafting)
         return original(self, batch, *args, **kwargs)
 
+    def propose_spy(self, batch, budget):
+        draft, classes = original_propose(self, batch, budget)
+        newcomers = [i for i, r in enumerate(batch.active) if cache[0].length(r) == 0]  # nothing fed yet
+        if newcomers and len(newcomers) < len(batch.active):
+            counts = draft.num_tokens.tolist()
+            if speculator in ("eagle", "medusa"):  # no target states for them yet
+                assert all(counts[i] == 0 for i in newcomers), counts
+            drafts_beside_newcomers.append(sum(counts))
+        return draft, classes
+
+    cache = []  # the serving engine's target runner
     monkeypatch.setattr(Step, "__call__", spy)
+    monkeypatch.setattr(Step, "_propose", propose_spy)
     counts = {}
     for packed in ("1", "0"):
         monkeypatch.setenv("HF_SPECDEC_PACKED", packed)
         prefill_only.clear()
         engine = ServingEngine(target, None, draft, num_speculative_tokens=3, max_batch_size=2,
-                               schedule="constant").start()
+                               schedule="constant")
+        cache[:] = [engine.scheduler.target]
+        engine.start()
         try:  # all queued at once: each joins when an earlier (shorter) request leaves its slot
             streams = [engine.submit(p, 8 + 3 * i) for i, p in enumerate(prompts)]
             for stream in streams:
@@ -156,3 +188,6 @@ def test_rows_joining_a_running_batch_are_prefilled_inside_the_others_verify(spe
         assert [s.request.output_ids for s in streams] == expected
         counts[packed] = sum(prefill_only)
     assert counts["1"] == 0 and counts["0"] > 0
+    assert drafts_beside_newcomers  # steps that fed a newcomer beside running rows
+    if speculator != "ngram":  # (random prompts: nothing for the lookup to find)
+        assert max(drafts_beside_newcomers) > 0  # the running rows drafted in them

@@ -27,6 +27,14 @@ class Speculator:
     drafts_are_free: bool = False
     #: `propose_tree` is implemented: the engine can verify draft trees (`generate(..., speculative_tree_nodes=N)`).
     supports_trees: bool = False
+    @property
+    def joins_in_verify(self) -> bool:
+        """Rows joining a running batch may be fed their prompts inside the others' verify (packed steps): the
+        speculator then proposes nothing for a row it has nothing to draft from yet (no target states). One that
+        cannot says False, and such rows get a step of their own first. By default only speculators that do not
+        read the target's states join this way."""
+        return not self.needs_hidden_states
+
     #: Acceptance assumed for each confidence class (`DraftProposal.confidence`) before a call has any evidence.
     confidence_priors: tuple[float, ...] = (0.6,)
 
@@ -44,7 +52,8 @@ class Speculator:
 
     def admit(self, batch: SequenceBatch, rows: list[int]) -> None:
         """Rows joining the batch after `begin` (continuous batching): their prompts are in `batch`. Speculators with
-        per-row state start it here; the engine feeds such rows once without drafts before they are proposed for."""
+        per-row state start it here. Their first step feeds their prompts, inside the others' verify where the target
+        takes packed steps and `joins_in_verify`, else in a step of their own without drafts."""
 
     def observe_hidden_states(self, hidden) -> None:
         """Called after each verify, before `commit`, when `needs_hidden_states`: the target's hidden states at

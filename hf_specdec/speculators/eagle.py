@@ -18,7 +18,7 @@ import torch
 
 from ..model_runner import ModelRunner, TargetHiddenStates
 from ..paged_cache import TreeAttention
-from ..types import DraftProposal, DraftTree, SequenceBatch, gather_right_aligned
+from ..types import PAD_ID, DraftProposal, DraftTree, SequenceBatch, gather_right_aligned
 from .base import Speculator, sample_or_argmax
 from .heads import EagleHead, check_head_target, load_eagle_dir
 
@@ -35,6 +35,7 @@ class EagleSpeculator(Speculator):
     """
 
     needs_hidden_states = True
+    joins_in_verify = True
     supports_trees = True
     IDLE_BACKLOG = 32  # target states a row may hold back while drafting is off (`_consume_backlog`)
 
@@ -89,12 +90,15 @@ class EagleSpeculator(Speculator):
 
     @torch.no_grad()
     def propose(self, batch: SequenceBatch, k: int) -> DraftProposal:
-        rows = list(batch.active)
-        self._rows, self._real_lengths = rows, None
-        if k == 0 or self._pending is None:  # nothing to draft from yet (first step): keep the states for later
-            self._consume_backlog(batch, rows)
-            return DraftProposal.empty(len(rows), batch.device)
-        rows_t = batch.active_tensor()
+        everyone = list(batch.active)
+        self._rows, self._real_lengths = [], None
+        # Rows fed for the first time this step (joining a running batch) have no states yet: nothing to draft from.
+        rows = [] if k == 0 or self._pending is None else self._with_states(everyone)
+        if not rows:  # keep the states for later
+            self._consume_backlog(batch, everyone)
+            return DraftProposal.empty(len(everyone), batch.device)
+        self._rows = rows
+        rows_t = torch.tensor(rows, device=batch.device) if len(rows) < len(everyone) else batch.active_tensor()
         runner = self._runner
         hidden = self._catch_up(batch, rows, rows_t)
         end = batch.end_cols(rows)  # column of the first draft
@@ -110,9 +114,13 @@ class EagleSpeculator(Speculator):
             if j + 1 < k:
                 hidden = runner.forward(rows, token[:, None], [1] * len(rows), num_logits=1,
                                         features=last[:, None], from_target=False)
-        draft_probs = torch.stack(probs, dim=1) if batch.do_sample else None
-        return DraftProposal(torch.stack(tokens, dim=1), torch.full((len(rows),), k, device=batch.device),
-                             draft_probs)
+        draft = DraftProposal(torch.stack(tokens, dim=1), torch.full((len(rows),), k, device=batch.device),
+                              torch.stack(probs, dim=1) if batch.do_sample else None)
+        return draft if len(rows) == len(everyone) else _spread(draft, rows, everyone)
+
+    def _with_states(self, rows: list[int]) -> list[int]:
+        have = set(self._pending.rows)
+        return [r for r in rows if r in have]
 
     @torch.no_grad()
     def propose_tree(self, batch: SequenceBatch, depth: int, num_nodes: int, branching: int) -> DraftTree:
@@ -208,18 +216,18 @@ class EagleSpeculator(Speculator):
         active = set(rows)
         # Rows joining the batch this step have no states yet, and rows may hold states while not active.
         take = [r for r in pending.rows if r in active]
-        rest = [r for r in pending.rows if r not in active]
         if take:
             self._catch_up(batch, take, torch.tensor(take, device=batch.device))
-            self._pending = _keep_rows(pending, rest) if rest else None
         self._real_lengths = None  # nothing was drafted: every entry the head now holds is the target's
 
     def _catch_up(self, batch: SequenceBatch, rows: list[int], rows_t: torch.Tensor) -> torch.Tensor:
         """Feeds the committed tokens whose target states arrived since the last step; returns the head's outputs
         `[rows, q, hidden]` (right-aligned: column -1 is every row's newest entry)."""
-        features, num_states, starts = _select_rows(self._pending, rows)
+        pending = self._pending
+        features, num_states, starts = _select_rows(pending, rows)
         features = features[:, features.shape[1] - max(num_states):]  # rows that left may have been the widest
-        self._pending = None
+        rest = [r for r in pending.rows if r not in set(rows)]
+        self._pending = _keep_rows(pending, rest) if rest else None
         runner = self._runner
         if any(runner.length(r) != s for r, s in zip(rows, starts)):
             raise RuntimeError("EAGLE head cache out of step with the target's states; this is a bug in hf_specdec")
@@ -249,6 +257,17 @@ class EagleSpeculator(Speculator):
 
     def end(self) -> None:
         self._runner, self._pending, self._real_lengths = None, None, None
+
+
+def _spread(draft: DraftProposal, rows: list[int], everyone: list[int]) -> DraftProposal:
+    """`draft` for `rows`, as a proposal for `everyone` in which the others get none."""
+    index = {r: i for i, r in enumerate(everyone)}
+    at = torch.tensor([index[r] for r in rows], device=draft.token_ids.device)
+    token_ids = draft.token_ids.new_full((len(everyone), draft.k), PAD_ID).index_copy_(0, at, draft.token_ids)
+    num_tokens = draft.num_tokens.new_zeros(len(everyone)).index_copy_(0, at, draft.num_tokens)
+    probs = None if draft.probs is None else draft.probs.new_zeros(
+        (len(everyone), *draft.probs.shape[1:])).index_copy_(0, at, draft.probs)
+    return DraftProposal(token_ids, num_tokens, probs)
 
 
 def _select_rows(hidden: TargetHiddenStates, rows: list[int]) -> tuple[torch.Tensor, list[int], list[int]]:

@@ -32,6 +32,7 @@ class HybridSpeculator(Speculator):
 
     drafts_are_free = True
     needs_hidden_states = True
+    joins_in_verify = True
 
     def __init__(self, head: EagleSpeculator, ngram: NgramSpeculator | None = None, min_match: int = 3,
                  head_tokens: int = 2):

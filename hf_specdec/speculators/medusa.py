@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..types import DraftProposal, SequenceBatch
+from ..types import PAD_ID, DraftProposal, SequenceBatch
 from .base import Speculator, sample_or_argmax
 from .heads import check_head_target
 
@@ -35,6 +35,7 @@ class FinalStateSpeculator(Speculator):
     """
 
     needs_hidden_states = True
+    joins_in_verify = True
     #: Our format's kind (`head_config.json`) and the module class built from it; set by each subclass.
     kind: str = ""
     head_class: type[nn.Module]
@@ -43,6 +44,7 @@ class FinalStateSpeculator(Speculator):
         self.head = head.eval()
         self.config = head.config
         self._states: torch.Tensor | None = None  # [batch, hidden] each row's newest known target state
+        self._known: torch.Tensor | None = None  # [batch] bool: the row's state is its current request's
         self._seen = False
 
     def __repr__(self) -> str:
@@ -78,7 +80,13 @@ class FinalStateSpeculator(Speculator):
         self.head.to(device=batch.device, dtype=target.dtype)  # where the target's states arrive (not target.device:
         width = self.config["target"]["hidden_size"]  # `meta` when offloaded to disk)
         self._states = torch.zeros(len(batch.lengths), width, device=batch.device, dtype=target.dtype)
+        self._known = torch.zeros(len(batch.lengths), dtype=torch.bool, device=batch.device)
         self._seen = False
+
+    def admit(self, batch: SequenceBatch, rows: list[int]) -> None:
+        # A joining row may be fed inside the others' verify: until its first state arrives it gets no drafts (the
+        # slot's state is its previous request's).
+        self._known[torch.tensor(rows, device=self._known.device)] = False
 
     def observe_hidden_states(self, hidden) -> None:
         """Keeps each row's newest committed state (the last column: states arrive right-aligned)."""
@@ -87,6 +95,7 @@ class FinalStateSpeculator(Speculator):
         fresh = torch.tensor(hidden.num_states, device=device) > 0  # a row with none keeps the state it had
         self._states[rows] = torch.where(fresh[:, None], hidden.states[:, -1].to(self._states.dtype),
                                          self._states[rows])
+        self._known[rows] |= fresh
         self._seen = True
 
     @torch.no_grad()
@@ -108,11 +117,12 @@ class FinalStateSpeculator(Speculator):
             tokens.append(token)
             probs.append(token_probs)
         draft_probs = torch.stack(probs, dim=1) if batch.do_sample else None
-        return DraftProposal(torch.stack(tokens, dim=1), torch.full((len(rows),), k, device=batch.device),
-                             draft_probs)
+        num_tokens = torch.where(self._known[rows_t], k, 0)
+        token_ids = torch.where(num_tokens[:, None] > 0, torch.stack(tokens, dim=1), PAD_ID)
+        return DraftProposal(token_ids, num_tokens, draft_probs)
 
     def end(self) -> None:
-        self._states, self._seen = None, False
+        self._states, self._known, self._seen = None, None, False
 
 
 def expected_tensors(config: dict) -> dict[str, tuple[int, ...]]:
