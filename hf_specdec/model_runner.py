@@ -121,9 +121,11 @@ class ModelRunner(CacheRows):
         input_ids = _to(input_ids, self.device)
         model_kwargs = {name: _to(value, self.device) for name, value in model_kwargs.items()}
         rows, width = input_ids.shape
-        # Packed only where padding would be fed: rows of different widths, every row feeding something.
-        pack = (self.packed and tree is None and not model_kwargs and sum(num_tokens) < rows * width
-                and min(num_tokens) > 0 and width == max(num_tokens))
+        # Packed only where padding would be fed: rows of different widths, every row feeding something. Tensor
+        # arguments must be per token (`[rows, q, ...]`, a draft head's input features) to be packed alongside.
+        pack = (self.packed and tree is None and sum(num_tokens) < rows * width and min(num_tokens) > 0
+                and width == max(num_tokens) and all(not isinstance(v, torch.Tensor) or v.shape[:2] == (rows, width)
+                                                     for v in model_kwargs.values()))
         starts = self.cache.reserve(seq_ids, num_tokens)
         self.cache.num_logits = num_logits  # recurrent layers keep their state after each of these positions
         plan = self.cache.plan_step(seq_ids, starts, num_tokens, self.device, _tree_to(tree, self.device), pack)
@@ -133,6 +135,8 @@ class ModelRunner(CacheRows):
         if layout is not None:
             self.num_packed_forwards += 1
             input_ids = input_ids.reshape(-1).index_select(0, layout.pack_index)[None]
+            model_kwargs = {name: v.reshape(rows * width, *v.shape[2:]).index_select(0, layout.pack_index)[None]
+                            if isinstance(v, torch.Tensor) else v for name, v in model_kwargs.items()}
             position_ids = layout.positions
             num_logits = min(num_logits, width)
             # Each row's trailing `num_logits` positions, by their place in the stream.
@@ -157,6 +161,8 @@ class ModelRunner(CacheRows):
                 "attention cannot serve it"
             )
         if isinstance(out, torch.Tensor):  # a draft head returns its hidden states
+            if layout is not None:  # `[1, T, hidden]` to `[rows, q, hidden]`, as the padded layout returns them
+                out = out[0].index_select(0, layout.unpack_index.to(out.device)).view(rows, width, -1)
             return _to(out, caller)
         if layout is not None:
             layers = output_hidden_states if isinstance(output_hidden_states, tuple) else None

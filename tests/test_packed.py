@@ -191,3 +191,34 @@ def test_rows_joining_a_running_batch_are_prefilled_inside_the_others_verify(spe
     assert drafts_beside_newcomers  # steps that fed a newcomer beside running rows
     if speculator != "ngram":  # (random prompts: nothing for the lookup to find)
         assert max(drafts_beside_newcomers) > 0  # the running rows drafted in them
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_an_eagle_heads_ragged_catch_up_is_packed_and_gives_the_padded_outputs(version, tmp_path):
+    """A newcomer's prompt caught up beside rows with a state or two: the head takes the entries as one packed stream
+    (its input features packed alongside) and returns what the padded forward returns at every real entry."""
+    from hf_specdec import EagleSpeculator
+    from test_eagle import convert, make_target
+
+    target = make_target(num_layers=4)
+    head = EagleSpeculator.from_pretrained(
+        convert(tmp_path, target, version, **({"aux_layers": [1, 2, 3]} if version == 3 else {}))).head
+    head.to(torch.float64).bind(target)
+    width = head.fc.in_features - (target.config.hidden_size if version == 1 else 0)
+    g = torch.Generator().manual_seed(5)
+    outputs = {}
+    with torch.no_grad():
+        for packed in (False, True):
+            runner = ModelRunner(head, packed=packed)
+            for row in range(3):
+                runner.add_sequence(row)
+            outputs[packed] = []
+            g.manual_seed(5)
+            for counts in ([9, 2, 5], [1, 12, 3], [2, 2, 1]):
+                ids = torch.randint(2, target.config.vocab_size, (3, max(counts)), generator=g)
+                features = torch.randn(3, max(counts), width, generator=g, dtype=torch.float64)
+                out = runner.forward([0, 1, 2], ids, counts, num_logits=1, features=features, from_target=True)
+                outputs[packed] += [out[row, out.shape[1] - n:] for row, n in enumerate(counts)]
+            assert runner.num_packed_forwards == (3 if packed else 0)
+    for got, expected in zip(outputs[True], outputs[False]):
+        torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)

@@ -164,6 +164,10 @@ class EagleHead(nn.Module):
         config (`dict`): the contents of `eagle_config.json`.
     """
 
+    # Ragged catch-ups (a newcomer's prompt beside rows with a token or two) go through as one packed stream: every
+    # op is per entry but the attention, which is ours and takes the packed layout (`model_runner.packs`).
+    _hf_specdec_packable = True
+
     def __init__(self, config: dict):
         super().__init__()
         self.config = config
