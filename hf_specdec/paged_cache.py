@@ -81,11 +81,15 @@ class PackedLayout:
     unpack_index: torch.Tensor
     cu_query: torch.Tensor
     positions: torch.Tensor
+    #: `(rows, width)` pairs: the PyTorch path attends each group of rows padded to its own width (a newcomer's
+    #: prompt beside rows verifying a few drafts); `None`: one group, padded to `q`.
+    groups: tuple[tuple[torch.Tensor, int], ...] | None = None
 
     @classmethod
-    def build(cls, counts: torch.Tensor, q: int, total: int, query_positions: torch.Tensor) -> PackedLayout:
+    def build(cls, counts: torch.Tensor, q: int, total: int, query_positions: torch.Tensor,
+              host_counts: list[int] | None = None) -> PackedLayout:
         """`counts` `[rows]` tokens per row (each at least 1), right-aligned in a width of `q`; `total` their sum
-        (known on the host, so nothing here waits for the device)."""
+        (known on the host, so nothing here waits for the device), as `host_counts` (each row's) may be."""
         rows = counts.shape[0]
         device = counts.device
         cu_query = torch.zeros(rows + 1, dtype=torch.long, device=device)
@@ -95,11 +99,13 @@ class PackedLayout:
         pack_index = row_of * q + (q - counts)[row_of] + within
         offset = torch.arange(q, device=device)[None, :] - (q - counts)[:, None]
         unpack_index = (cu_query[:-1, None] + offset.clamp(min=0)).reshape(-1)
-        return cls(pack_index, unpack_index, cu_query, query_positions.reshape(-1)[pack_index][None])
+        groups = query_groups(host_counts, device) if host_counts is not None else None
+        return cls(pack_index, unpack_index, cu_query, query_positions.reshape(-1)[pack_index][None], groups)
 
     def to(self, device) -> PackedLayout:
+        groups = None if self.groups is None else tuple((rows.to(device), w) for rows, w in self.groups)
         return PackedLayout(*(t.to(device) for t in (self.pack_index, self.unpack_index, self.cu_query,
-                                                     self.positions)))
+                                                     self.positions)), groups)
 
     def pad(self, packed: torch.Tensor, rows: int) -> torch.Tensor:
         """A packed query `[1, heads, T, dim]` to the padded `[rows, heads, q, dim]` (padding repeats each row's first
@@ -110,6 +116,23 @@ class PackedLayout:
     def pack(self, padded: torch.Tensor) -> torch.Tensor:
         """`[rows, q, *rest]` to `[1, T, *rest]`."""
         return padded.flatten(0, 1).index_select(0, self.pack_index)[None]
+
+
+def query_groups(counts: list[int], device) -> tuple[tuple[torch.Tensor, int], ...] | None:
+    """Splits rows in two by query length where that at least halves the padded queries attention computes (rows
+    whose prompt is fed beside rows feeding a token or a few drafts); `None` where one padded group is as good."""
+    order = sorted(range(len(counts)), key=counts.__getitem__)
+    widths = [counts[i] for i in order]
+    whole = len(widths) * widths[-1]
+    best, split = whole, None
+    for n in range(1, len(widths)):  # the n shortest rows, then the rest
+        cost = n * widths[n - 1] + (len(widths) - n) * widths[-1]
+        if cost < best:
+            best, split = cost, n
+    if split is None or 2 * best > whole:
+        return None
+    return tuple((torch.tensor(sorted(part), device=device), counts[part[-1]] if part else 0)
+                 for part in (order[:split], order[split:]))
 
 
 @dataclass
@@ -282,7 +305,8 @@ class PagedKVCache(Cache):
             num_context = int(max(s + n for s, n in zip(starts, num_tokens)))
             slots = context_slots(block_tables, context_lens, num_context, bs, pad_slot=SCRATCH_SLOT)
         if tree is None:
-            layout = PackedLayout.build(counts_t, q, sum(num_tokens), query_positions) if packed else None
+            layout = PackedLayout.build(counts_t, q, sum(num_tokens), query_positions, list(num_tokens)) \
+                if packed else None
             write_slots = write_slots.reshape(-1)
             if layout is not None:
                 write_slots = write_slots.index_select(0, layout.pack_index)
@@ -423,7 +447,15 @@ def paged_attention_forward(
         return out, None
     if packed is not None:  # attention runs padded ([rows, q]); the linear layers around it saw only real tokens
         rows = plan.query_positions.shape[0]
-        out = attend(packed.pad(query, rows), key, value, plan.mask(sliding_window), scaling, softcap, sinks)
+        padded, mask = packed.pad(query, rows), plan.mask(sliding_window)
+        if packed.groups is None:
+            out = attend(padded, key, value, mask, scaling, softcap, sinks)
+        else:  # each group padded to its own width only: right-aligned, its rows' queries are the last columns
+            out = padded.new_zeros(padded.shape[0], padded.shape[2], *padded.shape[1:2], padded.shape[3])
+            for group, width in packed.groups:
+                cols = slice(padded.shape[2] - width, None)
+                out[group, cols] = attend(padded[group, :, cols], key[group], value[group], mask[group, :, cols],
+                                          scaling, softcap, sinks)
         return packed.pack(out), None
     return attend(query, key, value, plan.mask(sliding_window), scaling, softcap, sinks).contiguous(), None
 

@@ -18,19 +18,27 @@ from hf_specdec.compat import check_model_supported
 from hf_specdec.model_runner import ModelRunner, paged_attention
 
 
-def _steps(seed: int, rows: int, vocab: int):
-    """Ragged steps as the engine feeds them: a prompt each, then 1 to 5 tokens per row per step."""
+def _steps(seed: int, rows: int, vocab: int, joins: bool = False):
+    """Ragged steps as the engine feeds them: a prompt each, then 1 to 5 tokens per row per step. `joins`: then a
+    longer stretch fed by one row beside the others' one or two (a newcomer's prompt beside a verify), which the
+    PyTorch attention takes as two groups of rows (`paged_cache.query_groups`)."""
     g = torch.Generator().manual_seed(seed)
     steps = [[int(n) for n in torch.randint(1, 12, (rows,), generator=g)]]
     steps += [[int(n) for n in torch.randint(1, 6, (rows,), generator=g)] for _ in range(3)]
+    if joins:
+        steps += [[1, 2, 11][:rows], [14, 1, 1][:rows], [2, 1, 2][:rows]]
     return [(counts, torch.randint(2, vocab, (rows, max(counts)), generator=g)) for counts in steps]
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
-def test_packed_steps_give_the_padded_logits_and_hidden_states(arch):
+def test_packed_steps_give_the_padded_logits_and_hidden_states(arch, monkeypatch):
     model = make_model(arch)
     check_model_supported(model, "target model")
     assert model._hf_specdec_packable
+    from hf_specdec import paged_cache
+
+    grouped, query_groups = [], paged_cache.query_groups
+    monkeypatch.setattr(paged_cache, "query_groups", lambda *a: grouped.append(query_groups(*a)) or grouped[-1])
     outputs = {}
     with torch.no_grad(), paged_attention(model):
         for packed in (False, True):
@@ -38,7 +46,7 @@ def test_packed_steps_give_the_padded_logits_and_hidden_states(arch):
             for row in range(3):
                 runner.add_sequence(row)
             outputs[packed] = []
-            for counts, ids in _steps(seed=7, rows=3, vocab=model.config.vocab_size):
+            for counts, ids in _steps(seed=7, rows=3, vocab=model.config.vocab_size, joins=True):
                 out = runner.forward([0, 1, 2], ids, counts, num_logits=3, output_hidden_states=True)
                 # Only each row's real positions count: padding's logits are never read.
                 for row, n in enumerate(counts):
@@ -47,9 +55,10 @@ def test_packed_steps_give_the_padded_logits_and_hidden_states(arch):
                     width = ids.shape[1]
                     outputs[packed].extend(h[row, width - n:] for h in out.hidden_states)
             if packed:
-                assert runner.num_packed_forwards == 4  # every step had rows of different widths
+                assert runner.num_packed_forwards == 7  # every step had rows of different widths
             else:
                 assert runner.num_packed_forwards == 0
+    assert sum(g is not None for g in grouped) >= 2  # the joining steps' attention ran in two groups
     assert len(outputs[True]) == len(outputs[False])
     for got, expected in zip(outputs[True], outputs[False]):
         torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
