@@ -81,9 +81,9 @@ class PackedLayout:
     unpack_index: torch.Tensor
     cu_query: torch.Tensor
     positions: torch.Tensor
-    #: `(rows, width)` pairs: the PyTorch path attends each group of rows padded to its own width (a newcomer's
-    #: prompt beside rows verifying a few drafts); `None`: one group, padded to `q`.
-    groups: tuple[tuple[torch.Tensor, int], ...] | None = None
+    #: The PyTorch path's attention in groups of rows, each padded to its own width (a newcomer's prompt beside rows
+    #: verifying a few drafts), `QueryGroup`s; `None`: one group, every row padded to `q`.
+    groups: tuple[QueryGroup, ...] | None = None
 
     @classmethod
     def build(cls, counts: torch.Tensor, q: int, total: int, query_positions: torch.Tensor,
@@ -99,11 +99,16 @@ class PackedLayout:
         pack_index = row_of * q + (q - counts)[row_of] + within
         offset = torch.arange(q, device=device)[None, :] - (q - counts)[:, None]
         unpack_index = (cu_query[:-1, None] + offset.clamp(min=0)).reshape(-1)
-        groups = query_groups(host_counts, device) if host_counts is not None else None
+        split = query_groups(host_counts) if host_counts is not None else None
+        groups = None
+        if split is not None:
+            short, long_rows, long = split
+            groups = (QueryGroup.build(None, short, counts, cu_query),
+                      QueryGroup.build(torch.tensor(long_rows, device=device), long, counts, cu_query))
         return cls(pack_index, unpack_index, cu_query, query_positions.reshape(-1)[pack_index][None], groups)
 
     def to(self, device) -> PackedLayout:
-        groups = None if self.groups is None else tuple((rows.to(device), w) for rows, w in self.groups)
+        groups = None if self.groups is None else tuple(g.to(device) for g in self.groups)
         return PackedLayout(*(t.to(device) for t in (self.pack_index, self.unpack_index, self.cu_query,
                                                      self.positions)), groups)
 
@@ -118,21 +123,61 @@ class PackedLayout:
         return padded.flatten(0, 1).index_select(0, self.pack_index)[None]
 
 
-def query_groups(counts: list[int], device) -> tuple[tuple[torch.Tensor, int], ...] | None:
-    """Splits rows in two by query length where that at least halves the padded queries attention computes (rows
-    whose prompt is fed beside rows feeding a token or a few drafts); `None` where one padded group is as good."""
-    order = sorted(range(len(counts)), key=counts.__getitem__)
-    widths = [counts[i] for i in order]
+@dataclass
+class QueryGroup:
+    """Rows whose queries attend together, padded to `width` (right-aligned), gathered from and scattered back to the
+    packed stream.
+
+    Attributes:
+        rows: `[n]` the rows, or `None` for every row (their keys, values and mask are then used as they are).
+        width: the group's padded query width.
+        gather: `[n * width]` stream index of each padded position (padding repeats a row's first token).
+        real: positions in that padded layout whose output is kept.
+        targets: `[len(real)]` their stream indices.
+    """
+
+    rows: torch.Tensor | None
+    width: int
+    gather: torch.Tensor
+    real: torch.Tensor
+    targets: torch.Tensor
+
+    @classmethod
+    def build(cls, rows: torch.Tensor | None, width: int, counts: torch.Tensor, cu_query: torch.Tensor,
+              ) -> QueryGroup:
+        """Every row's last `width` tokens (the group of all rows keeps only the rows that fit in `width`: the
+        others' outputs come from their own group)."""
+        own = counts if rows is None else counts[rows]
+        starts = cu_query[:-1] if rows is None else cu_query[:-1][rows]
+        fed = own.clamp(max=width)
+        offset = torch.arange(width, device=counts.device)[None, :] - (width - fed)[:, None]
+        gather = (starts[:, None] + (own - fed)[:, None] + offset.clamp(min=0)).reshape(-1)
+        keep = (offset >= 0) & (own <= width)[:, None]
+        real = keep.reshape(-1).nonzero().squeeze(1)
+        return cls(rows, width, gather, real, gather[real])
+
+    def to(self, device) -> QueryGroup:
+        return QueryGroup(None if self.rows is None else self.rows.to(device), self.width,
+                          *(t.to(device) for t in (self.gather, self.real, self.targets)))
+
+
+def query_groups(counts: list[int]) -> tuple[int, list[int], int] | None:
+    """Where feeding rows' queries to attention in two groups at least halves the padded queries (a newcomer's
+    prompt beside rows feeding a token or a few drafts): `(short, long_rows, long)`, every row's last `short`
+    tokens in one group, the rows longer than that in another of width `long`. `None` where one padded group is as
+    good."""
+    widths = sorted(counts)
     whole = len(widths) * widths[-1]
-    best, split = whole, None
-    for n in range(1, len(widths)):  # the n shortest rows, then the rest
-        cost = n * widths[n - 1] + (len(widths) - n) * widths[-1]
+    best, short = whole, None
+    for n in range(1, len(widths)):  # every row at the n-th shortest width, then the longer rows at the longest
+        if widths[n] == widths[n - 1]:
+            continue
+        cost = len(widths) * widths[n - 1] + (len(widths) - n) * widths[-1]
         if cost < best:
-            best, split = cost, n
-    if split is None or 2 * best > whole:
+            best, short = cost, widths[n - 1]
+    if short is None or 2 * best > whole:
         return None
-    return tuple((torch.tensor(sorted(part), device=device), counts[part[-1]] if part else 0)
-                 for part in (order[:split], order[split:]))
+    return short, [i for i, c in enumerate(counts) if c > short], widths[-1]
 
 
 @dataclass
@@ -446,17 +491,20 @@ def paged_attention_forward(
                                      sliding_window, scaling, softcap, tree=plan.kernel_tree(), sinks=sinks)
         return out, None
     if packed is not None:  # attention runs padded ([rows, q]); the linear layers around it saw only real tokens
-        rows = plan.query_positions.shape[0]
-        padded, mask = packed.pad(query, rows), plan.mask(sliding_window)
+        rows, mask = plan.query_positions.shape[0], plan.mask(sliding_window)
         if packed.groups is None:
-            out = attend(padded, key, value, mask, scaling, softcap, sinks)
-        else:  # each group padded to its own width only: right-aligned, its rows' queries are the last columns
-            out = padded.new_zeros(padded.shape[0], padded.shape[2], *padded.shape[1:2], padded.shape[3])
-            for group, width in packed.groups:
-                cols = slice(padded.shape[2] - width, None)
-                out[group, cols] = attend(padded[group, :, cols], key[group], value[group], mask[group, :, cols],
-                                          scaling, softcap, sinks)
-        return packed.pack(out), None
+            return packed.pack(attend(packed.pad(query, rows), key, value, mask, scaling, softcap, sinks)), None
+        # Each group padded to its own width only; right-aligned, its queries' mask is the last `width` columns.
+        heads, total, dim = query.shape[1:]
+        out = query.new_empty(total, heads, dim)
+        for group in packed.groups:
+            n = rows if group.rows is None else group.rows.shape[0]
+            q = query[0].index_select(1, group.gather).view(heads, n, group.width, dim).transpose(0, 1)
+            k, v, m = (key, value, mask) if group.rows is None else (key[group.rows], value[group.rows],
+                                                                   mask[group.rows])
+            o = attend(q, k, v, m[:, :, m.shape[2] - group.width:], scaling, softcap, sinks)
+            out.index_copy_(0, group.targets, o.reshape(-1, heads, dim).index_select(0, group.real))
+        return out[None], None
     return attend(query, key, value, plan.mask(sliding_window), scaling, softcap, sinks).contiguous(), None
 
 

@@ -26,7 +26,7 @@ def _steps(seed: int, rows: int, vocab: int, joins: bool = False):
     steps = [[int(n) for n in torch.randint(1, 12, (rows,), generator=g)]]
     steps += [[int(n) for n in torch.randint(1, 6, (rows,), generator=g)] for _ in range(3)]
     if joins:
-        steps += [[1, 2, 11][:rows], [14, 1, 1][:rows], [2, 1, 2][:rows]]
+        steps += [[1, 1, 12][:rows], [14, 1, 2][:rows], [2, 1, 2][:rows]]
     return [(counts, torch.randint(2, vocab, (rows, max(counts)), generator=g)) for counts in steps]
 
 
