@@ -43,7 +43,8 @@ def generate_batch(model, inputs: Iterable[list[int]], speculator="ngram", max_n
     """Generates for every prompt of `inputs` (token id lists) with speculative decoding and continuous batching;
     returns the generated token ids of each, in order. Greedy by default, equal to `generate(do_sample=False)` on
     each prompt; with `do_sample`, `temperature`/`top_p`/`top_k` apply to every request and `seed` makes the run
-    reproducible (prompt i draws from its own stream, seeded `seed + i`, whatever runs beside it).
+    reproducible (prompt i verifies with its own stream, seeded `seed + i`; with a speculator that samples its drafts
+    or under adaptive k, the same inputs in the same order and batch size repeat, see docs/serving.md).
 
     `grammar` (an `hf_specdec.Grammar`, with `tokenizer`) constrains every output.
     """
