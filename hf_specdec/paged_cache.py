@@ -89,13 +89,13 @@ class PackedLayout:
     def build(cls, counts: torch.Tensor, q: int, total: int, query_positions: torch.Tensor,
               host_counts: list[int] | None = None) -> PackedLayout:
         """`counts` `[rows]` tokens per row (each at least 1), right-aligned in a width of `q`; `total` their sum
-        (known on the host, so nothing here waits for the device), as `host_counts` (each row's) may be."""
+        (known on the host, so nothing here waits for the device). `host_counts`, the same counts on the host, asks
+        for the PyTorch path's attention groups (`query_groups`)."""
         rows = counts.shape[0]
         device = counts.device
         cu_query = torch.zeros(rows + 1, dtype=torch.long, device=device)
         cu_query[1:] = counts.cumsum(0)
-        row_of = torch.repeat_interleave(torch.arange(rows, device=device), counts, output_size=total)
-        within = torch.arange(total, device=device) - cu_query[row_of]
+        row_of, within = _ragged(counts, total)
         pack_index = row_of * q + (q - counts)[row_of] + within
         offset = torch.arange(q, device=device)[None, :] - (q - counts)[:, None]
         unpack_index = (cu_query[:-1, None] + offset.clamp(min=0)).reshape(-1)
@@ -103,8 +103,10 @@ class PackedLayout:
         groups = None
         if split is not None:
             short, long_rows, long = split
-            groups = (QueryGroup.build(None, short, counts, cu_query),
-                      QueryGroup.build(torch.tensor(long_rows, device=device), long, counts, cu_query))
+            short_kept = sum(c for c in host_counts if c <= short)
+            groups = (QueryGroup.build(None, short, counts, cu_query, short_kept),
+                      QueryGroup.build(torch.tensor(long_rows, device=device), long, counts, cu_query,
+                                       total - short_kept))
         return cls(pack_index, unpack_index, cu_query, query_positions.reshape(-1)[pack_index][None], groups)
 
     def to(self, device) -> PackedLayout:
@@ -144,21 +146,31 @@ class QueryGroup:
 
     @classmethod
     def build(cls, rows: torch.Tensor | None, width: int, counts: torch.Tensor, cu_query: torch.Tensor,
-              ) -> QueryGroup:
-        """Every row's last `width` tokens (the group of all rows keeps only the rows that fit in `width`: the
-        others' outputs come from their own group)."""
+              num_kept: int) -> QueryGroup:
+        """Every row's last `width` tokens. The group of all rows keeps the outputs of the rows that fit in `width`
+        only (the others' come from their own group); `num_kept`: the tokens of the rows whose outputs it keeps."""
         own = counts if rows is None else counts[rows]
         starts = cu_query[:-1] if rows is None else cu_query[:-1][rows]
         fed = own.clamp(max=width)
         offset = torch.arange(width, device=counts.device)[None, :] - (width - fed)[:, None]
         gather = (starts[:, None] + (own - fed)[:, None] + offset.clamp(min=0)).reshape(-1)
-        keep = (offset >= 0) & (own <= width)[:, None]
-        real = keep.reshape(-1).nonzero().squeeze(1)
-        return cls(rows, width, gather, real, gather[real])
+        kept = torch.where(own <= width, own, 0)
+        row_of, within = _ragged(kept, num_kept)
+        real = row_of * width + (width - kept)[row_of] + within
+        return cls(rows, width, gather, real, starts[row_of] + within)
 
     def to(self, device) -> QueryGroup:
         return QueryGroup(None if self.rows is None else self.rows.to(device), self.width,
                           *(t.to(device) for t in (self.gather, self.real, self.targets)))
+
+
+def _ragged(counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For `total` (= `counts.sum()`, known on the host) tokens of rows holding `counts` each, in row order: each
+    token's row and its index within the row."""
+    rows = torch.arange(counts.shape[0], device=counts.device)
+    row_of = torch.repeat_interleave(rows, counts, output_size=total)
+    first = counts.cumsum(0) - counts
+    return row_of, torch.arange(total, device=counts.device) - first[row_of]
 
 
 def query_groups(counts: list[int]) -> tuple[int, list[int], int] | None:
@@ -350,8 +362,9 @@ class PagedKVCache(Cache):
             num_context = int(max(s + n for s, n in zip(starts, num_tokens)))
             slots = context_slots(block_tables, context_lens, num_context, bs, pad_slot=SCRATCH_SLOT)
         if tree is None:
-            layout = PackedLayout.build(counts_t, q, sum(num_tokens), query_positions, list(num_tokens)) \
-                if packed else None
+            # The attention groups serve the gather-then-SDPA path only (the kernel reads each row's queries in place).
+            layout = PackedLayout.build(counts_t, q, sum(num_tokens), query_positions,
+                                        list(num_tokens) if backend == "torch" else None) if packed else None
             write_slots = write_slots.reshape(-1)
             if layout is not None:
                 write_slots = write_slots.index_select(0, layout.pack_index)

@@ -27,6 +27,9 @@ class Speculator:
     drafts_are_free: bool = False
     #: `propose_tree` is implemented: the engine can verify draft trees (`generate(..., speculative_tree_nodes=N)`).
     supports_trees: bool = False
+    #: Acceptance assumed for each confidence class (`DraftProposal.confidence`) before a call has any evidence.
+    confidence_priors: tuple[float, ...] = (0.6,)
+
     @property
     def joins_in_verify(self) -> bool:
         """Rows joining a running batch may be fed their prompts inside the others' verify (packed steps): the
@@ -34,9 +37,6 @@ class Speculator:
         cannot says False, and such rows get a step of their own first. By default only speculators that do not
         read the target's states join this way."""
         return not self.needs_hidden_states
-
-    #: Acceptance assumed for each confidence class (`DraftProposal.confidence`) before a call has any evidence.
-    confidence_priors: tuple[float, ...] = (0.6,)
 
     def begin(self, target, batch: SequenceBatch) -> None:
         """Prepares per-call state. `target` is the model being decoded."""

@@ -119,6 +119,7 @@ class EagleSpeculator(Speculator):
         return draft if len(rows) == len(everyone) else _spread(draft, rows, everyone)
 
     def _with_states(self, rows: list[int]) -> list[int]:
+        """The rows among `rows` whose target states are pending."""
         have = set(self._pending.rows)
         return [r for r in rows if r in have]
 
@@ -213,9 +214,7 @@ class EagleSpeculator(Speculator):
         pending = self._pending
         if pending is None or max(pending.num_states) < self.IDLE_BACKLOG:
             return
-        active = set(rows)
-        # Rows joining the batch this step have no states yet, and rows may hold states while not active.
-        take = [r for r in pending.rows if r in active]
+        take = self._with_states(rows)  # rows joining this step have none yet; inactive rows may hold some
         if take:
             self._catch_up(batch, take, torch.tensor(take, device=batch.device))
         self._real_lengths = None  # nothing was drafted: every entry the head now holds is the target's
