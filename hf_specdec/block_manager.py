@@ -3,6 +3,10 @@
 A sequence's tokens live in `ceil(length / block_size)` blocks listed in its block table. Appending allocates tail
 blocks; rolling back (rejected drafts) moves the length pointer and frees the blocks past it, without copying.
 Block 0..num_reserved-1 are never handed out: the cache uses them as a scratch slot for padded tokens.
+
+A sequence may instead be given a region up front (`give_regions`): consecutive blocks it keeps until it is freed,
+rollback included. Rows whose regions lie one after another, equally long, can be read as one strided view of the
+pool instead of being gathered block by block (`contiguous_run`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class BlockManager:
         self._free: list[int] = list(range(num_blocks - 1, num_reserved - 1, -1))
         self._tables: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
+        self._regions: dict[int, int] = {}  # seq_id -> blocks of the region it was given (kept through rollback)
 
     # --- queries -------------------------------------------------------------------------------------------------
     @property
@@ -57,6 +62,19 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def contiguous_run(self, seq_ids: list[int]) -> tuple[int, int] | None:
+        """`(first block, blocks per sequence)` when the sequences, in this order, hold equal regions lying one
+        right after another (each still exactly its region), else `None`."""
+        blocks = self._regions.get(seq_ids[0]) if seq_ids else None
+        if blocks is None:
+            return None
+        first = self._tables[seq_ids[0]][0]
+        for i, seq_id in enumerate(seq_ids):
+            table = self._tables[seq_id]
+            if self._regions.get(seq_id) != blocks or len(table) != blocks or table[0] != first + i * blocks:
+                return None
+        return first, blocks
+
     # --- mutations -----------------------------------------------------------------------------------------------
     def add_sequence(self, seq_id: int) -> None:
         if seq_id in self._tables:
@@ -74,6 +92,25 @@ class BlockManager:
         new_ids = range(self.num_blocks + num_new_blocks - 1, self.num_blocks - 1, -1)
         self._free[:0] = new_ids  # behind the current free blocks, so those are used first
         self.num_blocks += num_new_blocks
+
+    def give_regions(self, seq_ids: list[int], num_blocks: int) -> None:
+        """Gives each of these sequences (new, still empty) `num_blocks` consecutive blocks, added to the pool after
+        every existing block, one region after another in the order given. A sequence keeps its region through
+        rollback; past it, it takes blocks from the free list as usual."""
+        total = len(seq_ids) * num_blocks
+        if self.max_num_blocks is not None and self.num_blocks + total > self.max_num_blocks:
+            raise OutOfBlocksError(
+                f"regions of {num_blocks} blocks for {len(seq_ids)} sequences need {self.num_blocks + total} blocks "
+                f"but the pool is capped at {self.max_num_blocks}"
+            )
+        for seq_id in seq_ids:
+            if self._tables.get(seq_id) != [] or seq_id in self._regions:
+                raise ValueError(f"sequence {seq_id} must be added, and still empty, before it gets a region")
+        first = self.num_blocks
+        self.num_blocks += total
+        for i, seq_id in enumerate(seq_ids):
+            self._tables[seq_id] = list(range(first + i * num_blocks, first + (i + 1) * num_blocks))
+            self._regions[seq_id] = num_blocks
 
     def blocks_missing(self, seq_id: int, num_tokens: int) -> int:
         """How many more blocks `append(seq_id, num_tokens)` would take from the free list."""
@@ -96,7 +133,7 @@ class BlockManager:
         if not 0 <= length <= self._lengths[seq_id]:
             raise ValueError(f"cannot roll sequence {seq_id} of length {self._lengths[seq_id]} back to {length}")
         table = self._tables[seq_id]
-        keep = self.blocks_for(length)
+        keep = max(self.blocks_for(length), self._regions.get(seq_id, 0))
         while len(table) > keep:
             self._free.append(table.pop())
         self._lengths[seq_id] = length
@@ -105,3 +142,4 @@ class BlockManager:
         """Returns all of a sequence's blocks to the pool and forgets it."""
         self._free.extend(reversed(self._tables.pop(seq_id)))
         del self._lengths[seq_id]
+        self._regions.pop(seq_id, None)

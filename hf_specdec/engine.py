@@ -104,7 +104,7 @@ class SpeculativeEngine:
         step = Step(self.speculator, self.k, self.tree_nodes, self.tree_branching, self._constraints, self._policy)
         scheduler = Scheduler(batch, target, step, stop, pad_token_id, metrics, collect_tokens=streamer is not None)
         requests = [Request(None, max_new_tokens, slot=row) for row in range(len(batch.lengths))]
-        scheduler.place(requests)
+        scheduler.place(requests, self._region_tokens(batch.lengths, max_new_tokens))
         with ExitStack() as stack:
             stack.enter_context(runner_attention(self.model))
             stack.enter_context(host_linear(self.model, self.speculator, self.calibration))
@@ -124,6 +124,23 @@ class SpeculativeEngine:
         if self._policy is not None:
             report_idle(self._policy, self.model, self.speculator, cost_source)
         return self._sequences(input_ids, batch, num_generated, pad_token_id), metrics
+
+    # A one-call batch reserves each row's worst case up front, in consecutive regions of the KV pool, so attention
+    # reads every row's keys and values in place instead of gathering them each layer and step (the PyTorch path;
+    # `PagedKVCache.give_regions`). Like a static cache this holds memory for tokens rows may never reach, so only
+    # for answers of at most this many tokens and where the regions (each as long as the longest row needs) hold at
+    # most twice what the rows' own worst cases add up to; otherwise blocks are taken as rows grow.
+    REGION_MAX_NEW_TOKENS = 2048
+
+    def _region_tokens(self, prompt_lengths: list[int], max_new_tokens: int) -> int | None:
+        extra = max(self.k, self.tree_nodes or 0) + 1  # a step's drafts are written before they are verified
+        worst = [n + max_new_tokens + extra for n in prompt_lengths]
+        region = -(-max(worst) // self.block_size) * self.block_size
+        if max_new_tokens > self.REGION_MAX_NEW_TOKENS or len(worst) * region > 2 * sum(worst):
+            return None
+        if self.max_num_blocks is not None and len(worst) * region // self.block_size > self.max_num_blocks - 1:
+            return None
+        return region
 
     def _check_pool_fits(self, prompt_lengths: list[int], max_new_tokens: int) -> None:
         # Refuse before starting, so a batch that cannot fit never leaves other rows half-generated.

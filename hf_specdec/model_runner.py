@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .distributed import RankZeroDecides, tp_group
+from .kernels._backend import resolve_backend
 from .paged_cache import ATTENTION_NAME, PLAN_KWARG, PagedKVCache
 from .recurrent_state import make_cache, recurrent_layers_split
 
@@ -103,6 +104,19 @@ class ModelRunner(CacheRows):
         self.num_forwards = 0
         # transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name is deprecated there).
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def give_regions(self, seq_ids: list[int], num_tokens: int) -> bool:
+        """Adds these rows, each with room for `num_tokens` tokens in one region of the pool, the regions one after
+        another (`PagedKVCache.give_regions`), where attention gathers each row's context before attending (the
+        PyTorch path): while exactly these rows step together, it reads their keys and values in place instead.
+        Returns False, adding nothing, where that does not apply (the Triton kernel reads blocks in place anyway)."""
+        if not isinstance(self.cache, PagedKVCache) or resolve_backend(self.cache.kernel_backend,
+                                                                        self.device) != "torch":
+            return False
+        for seq_id in seq_ids:
+            self.cache.add_sequence(seq_id)
+        self.cache.give_regions(seq_ids, num_tokens)
+        return True
 
     def forward(self, seq_ids: list[int], input_ids: torch.Tensor, num_tokens: list[int], num_logits: int,
                 output_hidden_states: bool | tuple[int, ...] = False, tree=None, **model_kwargs):

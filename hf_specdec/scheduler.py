@@ -190,12 +190,16 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def place(self, requests: list[Request]) -> None:
+    def place(self, requests: list[Request], region_tokens: int | None = None) -> None:
         """Admits requests whose prompts are already in the batch, at their `slot`, before the speculator's `begin`
-        (a one-call `generate`: `begin` sees them all in `batch.active`)."""
+        (a one-call `generate`: `begin` sees them all in `batch.active`). `region_tokens`: give each row that much
+        room up front, the rows' regions one after another in slot order (`ModelRunner.give_regions`)."""
+        slots = sorted(request.slot for request in requests)
+        added = region_tokens is not None and hasattr(self.target, "give_regions") and self.target.give_regions(
+            slots, region_tokens)
         for request in requests:
             self.free_slots.remove(request.slot)
-            self._admit(request, announce=False)
+            self._admit(request, announce=False, added=added)
         self.batch.active = sorted(self.running)
 
     def has_work(self) -> bool:
@@ -317,12 +321,13 @@ class Scheduler:
         batch.first_col[row] = 0
         batch.lengths[row] = len(ids)
 
-    def _admit(self, request: Request, need: int | None = None, announce: bool = True) -> None:
+    def _admit(self, request: Request, need: int | None = None, announce: bool = True, added: bool = False) -> None:
         row = request.slot
         self.running[row] = request
         self._fresh.add(row)
         self._reserved[row] = need if need is not None else 0
-        self.target.add_sequence(row)
+        if not added:
+            self.target.add_sequence(row)
         if self.batch.sampling is not None:
             self.batch.sampling.set(row, request.sampling)
         if self.step_fn.constraints is not None and request.grammar is not None:

@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 from hf_specdec import BlockManager, OutOfBlocksError
 
 operations = st.lists(
-    st.tuples(st.sampled_from(["add", "append", "rollback", "free", "grow"]), st.integers(0, 5), st.integers(0, 40)),
+    st.tuples(st.sampled_from(["add", "region", "append", "rollback", "free", "grow"]), st.integers(0, 5),
+              st.integers(0, 40)),
     max_size=80,
 )
 
@@ -19,7 +20,8 @@ def check_invariants(manager: BlockManager) -> None:
     assert not set(used) & set(free), "a block is both used and free"
     assert sorted(used + free) == list(range(manager.num_reserved, manager.num_blocks)), "a block was lost"
     for s in manager.sequences():
-        assert len(manager.block_table(s)) == manager.blocks_for(manager.length(s))
+        region = manager._regions.get(s, 0)
+        assert len(manager.block_table(s)) == max(manager.blocks_for(manager.length(s)), region)
 
 
 @settings(max_examples=300, deadline=None)
@@ -30,6 +32,9 @@ def test_blocks_are_conserved(ops, block_size):
         try:
             if op == "add":
                 manager.add_sequence(seq)
+            elif op == "region":
+                manager.add_sequence(seq)
+                manager.give_regions([seq], n % 4 + 1)
             elif op == "append" and seq in manager.sequences():
                 manager.append(seq, n)
             elif op == "rollback" and seq in manager.sequences():
@@ -72,3 +77,40 @@ def test_rollback_beyond_length_is_an_error():
     manager.append(0, 2)
     with pytest.raises(ValueError):
         manager.rollback(0, 3)
+
+
+def test_regions_lie_one_after_another_and_survive_rollback():
+    manager = BlockManager(num_blocks=5, block_size=4)
+    for seq in (3, 1, 2):
+        manager.add_sequence(seq)
+    manager.give_regions([3, 1, 2], 3)
+    assert [manager.block_table(s) for s in (3, 1, 2)] == [[5, 6, 7], [8, 9, 10], [11, 12, 13]]
+    assert manager.num_blocks == 14 and manager.num_free_blocks == 4  # the regions are not on the free list
+    assert manager.contiguous_run([3, 1, 2]) == (5, 3)
+    assert manager.contiguous_run([3, 1]) == (5, 3)
+    assert manager.contiguous_run([3, 2]) is None  # a gap: row 1's region lies between
+    assert manager.contiguous_run([1, 3, 2]) is None  # out of order
+    manager.append(1, 12)
+    manager.rollback(1, 2)  # rolling back keeps the region
+    assert manager.block_table(1) == [8, 9, 10] and manager.contiguous_run([3, 1, 2]) == (5, 3)
+    manager.append(1, 11)  # past its region: a block from the free list, and the rows are no longer one run
+    assert manager.block_table(1)[:3] == [8, 9, 10] and len(manager.block_table(1)) == 4
+    assert manager.contiguous_run([3, 1, 2]) is None
+    manager.rollback(1, 0)
+    assert manager.contiguous_run([3, 1, 2]) == (5, 3)
+    manager.free(2)
+    assert manager.num_free_blocks == 4 + 3
+    manager.add_sequence(2)
+    manager.append(2, 1)
+    assert manager.contiguous_run([3, 1, 2]) is None  # a plain sequence has no region
+    with pytest.raises(ValueError, match="still empty"):
+        manager.give_regions([2], 2)
+
+
+def test_regions_are_refused_past_the_cap_without_side_effects():
+    manager = BlockManager(num_blocks=4, block_size=2, max_num_blocks=8)
+    manager.add_sequence(0)
+    manager.add_sequence(1)
+    with pytest.raises(OutOfBlocksError, match="capped"):
+        manager.give_regions([0, 1], 3)
+    assert manager.num_blocks == 4 and manager.block_table(0) == [] and manager.contiguous_run([0, 1]) is None

@@ -231,3 +231,88 @@ def test_an_eagle_heads_ragged_catch_up_is_packed_and_gives_the_padded_outputs(v
             assert runner.num_packed_forwards == (3 if packed else 0)
     for got, expected in zip(outputs[True], outputs[False]):
         torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_rows_in_regions_read_their_context_in_place_and_give_the_gathered_outputs(arch, monkeypatch):
+    """Rows given consecutive regions of the pool (`ModelRunner.give_regions`, what a one-call `generate` does)
+    attend to a view of the pool instead of a gathered copy: padded and packed steps, a tree step, and steps over
+    part of the rows (gathered again) give the same logits and hidden states as rows taking blocks as they grow."""
+    from hf_specdec import paged_cache
+    from hf_specdec.paged_cache import TreeAttention
+
+    model = make_model(arch)
+    check_model_supported(model, "target model")
+    plans = []
+    plan_step = paged_cache.PagedKVCache.plan_step
+    monkeypatch.setattr(paged_cache.PagedKVCache, "plan_step",
+                        lambda self, *a, **k: plans.append(plan_step(self, *a, **k)) or plans[-1])
+    outputs = {}
+    with torch.no_grad(), paged_attention(model):
+        for regions in (False, True):
+            runner = ModelRunner(model, block_size=4, num_blocks=3)
+            if regions:
+                assert runner.give_regions([0, 1, 2], 40)
+            else:
+                for row in range(3):
+                    runner.add_sequence(row)
+            plans.clear()
+            outputs[regions] = []
+            steps = _steps(seed=3, rows=3, vocab=model.config.vocab_size, joins=True)
+            for i, (counts, ids) in enumerate(steps):
+                rows = [0, 1, 2] if i != 3 else [0, 2]  # one step over two of the rows: not one run of regions
+                if i == 3:
+                    counts, ids = counts[:2], ids[:2]
+                out = runner.forward(rows, ids, counts, num_logits=2, output_hidden_states=True)
+                for row, n in enumerate(counts):
+                    outputs[regions].append(out.logits[row, 2 - min(n, 2):])
+                    outputs[regions].extend(h[row, ids.shape[1] - n:] for h in out.hidden_states)
+                for row in rows:  # roll back a token, as a rejected draft would be
+                    runner.rollback(row, runner.length(row) - 1)
+            # A tree step: two nodes under the last committed token, siblings.
+            lengths = torch.tensor([runner.length(r) for r in range(3)])
+            node_positions = lengths[:, None].repeat(1, 2)
+            positions = torch.cat([lengths[:, None] - 1, node_positions], dim=1)
+            region_mask = torch.tensor([[False, False], [True, False], [False, True]]).expand(3, 3, 2)
+            runner.rollback(0, runner.length(0) - 1)
+            runner.rollback(1, runner.length(1) - 1)
+            runner.rollback(2, runner.length(2) - 1)
+            ids = torch.randint(2, model.config.vocab_size, (3, 3), generator=torch.Generator().manual_seed(5))
+            out = runner.forward([0, 1, 2], ids, [3, 3, 3], num_logits=3,
+                                 tree=TreeAttention(lengths, positions, region_mask, node_positions))
+            outputs[regions].append(out.logits)
+            views = [p.context_view is not None for p in plans]
+            if regions:
+                assert views == [True, True, True, False, True, True, True, True]
+            else:
+                assert not any(views)
+    assert len(outputs[True]) == len(outputs[False])
+    for got, expected in zip(outputs[True], outputs[False]):
+        torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
+
+
+def test_a_one_call_generate_reads_its_rows_in_place_until_one_finishes(monkeypatch):
+    from hf_specdec import paged_cache
+    from hf_specdec.engine import SpeculativeEngine
+
+    plans = []
+    plan_step = paged_cache.PagedKVCache.plan_step
+    monkeypatch.setattr(paged_cache.PagedKVCache, "plan_step",
+                        lambda self, *a, **k: plans.append(plan_step(self, *a, **k)) or plans[-1])
+    target = make_model("llama")
+    input_ids, mask = ragged_batch(rows=4, width=14)
+    expected = target.generate(input_ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    eos = int(expected[1, 14 + 5])  # row 1 stops early at its sixth token
+    expected = target.generate(input_ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                               eos_token_id=eos, pad_token_id=0)
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=0,
+                  speculator="ngram", num_speculative_tokens=3, speculative_schedule="constant")
+    plans.clear()
+    assert torch.equal(target.generate(input_ids, **kwargs), expected)
+    target_plans = [p for p in plans if p.context_slots is not None and p.context_slots.shape[0] in (3, 4)]
+    views = [p.context_view is not None for p in target_plans]
+    assert views[0] and views.count(True) >= 2 and not views[-1]  # in place while every row runs, then gathered
+    plans.clear()
+    monkeypatch.setattr(SpeculativeEngine, "REGION_MAX_NEW_TOKENS", 0)  # long answers: blocks as rows grow
+    assert torch.equal(target.generate(input_ids, **kwargs), expected)
+    assert not any(p.context_view is not None for p in plans)

@@ -493,8 +493,10 @@ def test_queue_full_gets_503(tokenizer):
         srv.stop()
 
 
-def test_sigterm_shuts_down_cleanly(tmp_path):
-    """A server process: SIGTERM while a request streams ends the stream properly and the process without error."""
+@pytest.mark.parametrize("grace", [1.0, 0.0])
+def test_sigterm_shuts_down_cleanly(tmp_path, grace):
+    """A server process: SIGTERM while a request streams ends the stream properly and the process without error,
+    whether the request finishes within the grace period or is cancelled when it ends (grace 0: at once)."""
     pytest.importorskip("uvicorn")
     import os
     import signal
@@ -511,8 +513,8 @@ def test_sigterm_shuts_down_cleanly(tmp_path):
         "from hf_specdec.serving import ServingEngine\n"
         "from hf_specdec.serving.server import serve\n"
         "engine = ServingEngine(served_model(eos=None), word_tokenizer(), 'ngram', max_batch_size=2)\n"
-        "serve(engine, 'tiny', port=%d, shutdown_grace_s=1.0, log_level='warning')\n" % (
-            os.path.dirname(__file__), port))
+        "serve(engine, 'tiny', port=%d, shutdown_grace_s=%r, log_level='warning')\n" % (
+            os.path.dirname(__file__), port, grace))
     env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
     process = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT)
@@ -533,6 +535,9 @@ def test_sigterm_shuts_down_cleanly(tmp_path):
             process.send_signal(signal.SIGTERM)
             rest = list(lines)
         assert rest[-1] == "data: [DONE]" or any('"finish_reason"' in line for line in rest)
+        if grace == 0.0:  # cancelled, and said so: the stream ends with a finish reason before its 180 tokens
+            assert sum('"text"' in line for line in rest) < 180
+            assert any('"finish_reason":"stop"' in line.replace(" ", "") for line in rest), rest[-3:]
         # uvicorn shuts down gracefully, then re-raises the signal it caught: the exit status says SIGTERM.
         assert process.wait(timeout=30) in (0, -signal.SIGTERM)
         output = process.stdout.read().decode()

@@ -161,6 +161,7 @@ class ServingEngine:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._stopping = False
+        self._draining: threading.Thread | None = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._build(block_size, max_num_blocks, schedule, calibration)
@@ -206,18 +207,31 @@ class ServingEngine:
     def shutdown(self, grace_s: float = 0.0) -> None:
         """Stops taking requests; lets those in flight finish for up to `grace_s` seconds, cancels the rest, and
         stops the engine thread."""
-        deadline = time.monotonic() + grace_s
+        self.begin_shutdown(grace_s)
+        self._draining.join()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def begin_shutdown(self, grace_s: float = 0.0) -> None:
+        """`shutdown` without waiting: stops taking requests now, and cancels what is still in flight after
+        `grace_s` seconds, from a thread of its own (a server calls this when the signal arrives, so that cancelled
+        streams still end properly while their connections are open). Later calls change nothing."""
         with self._lock:
+            if self._draining is not None:
+                return
             self._stopping = True
+            self._draining = threading.Thread(target=self._drain, args=(time.monotonic() + grace_s,),
+                                              name="hf_specdec-drain", daemon=True)
+        self._draining.start()
+
+    def _drain(self, deadline: float) -> None:
         while time.monotonic() < deadline and self.num_running + self.num_waiting > 0 and self.alive:
             time.sleep(0.02)
         with self._lock:
             for stream in list(self._streams.values()):
                 self._cancels.append(stream)
             self._wake.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-            self._thread = None
 
     @property
     def alive(self) -> bool:

@@ -394,4 +394,14 @@ def serve(engine: ServingEngine, model_name: str, host: str = "127.0.0.1", port:
 
     api_key = api_key or os.environ.get("HF_SPECDEC_API_KEY") or None
     app = create_app(engine, model_name, api_key, shutdown_grace_s)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_grace_s)
+    # The grace starts when the signal arrives: requests still running when it ends are cancelled while their
+    # connections are open, so every stream ends with its finish reason; uvicorn waits a little longer than that for
+    # the connections to close before it drops them.
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            engine.begin_shutdown(shutdown_grace_s)
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=shutdown_grace_s + 5.0)
+    Server(config).run()
