@@ -4,9 +4,10 @@ A sequence's tokens live in `ceil(length / block_size)` blocks listed in its blo
 blocks; rolling back (rejected drafts) moves the length pointer and frees the blocks past it, without copying.
 Block 0..num_reserved-1 are never handed out: the cache uses them as a scratch slot for padded tokens.
 
-A sequence may instead be given a region up front (`give_regions`): consecutive blocks it keeps until it is freed,
-rollback included. Rows whose regions lie one after another, equally long, can be read as one strided view of the
-pool instead of being gathered block by block (`contiguous_run`).
+A row id may instead be given a region up front (`give_regions`): consecutive blocks that every sequence of that id
+starts with and keeps through rollback; freeing the sequence keeps the region for the id's next one (a server's
+slot). Rows whose regions lie one after another, equally long, can be read as one strided view of the pool instead
+of being gathered block by block (`contiguous_run`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class BlockManager:
         self._free: list[int] = list(range(num_blocks - 1, num_reserved - 1, -1))
         self._tables: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
-        self._regions: dict[int, int] = {}  # seq_id -> blocks of the region it was given (kept through rollback)
+        self._regions: dict[int, list[int]] = {}  # id -> its region's blocks (kept through rollback and free)
 
     # --- queries -------------------------------------------------------------------------------------------------
     @property
@@ -62,16 +63,23 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    @property
+    def num_region_blocks(self) -> int:
+        return sum(len(r) for r in self._regions.values())
+
+    def region(self, seq_id: int) -> list[int]:
+        return self._regions.get(seq_id, [])
+
     def contiguous_run(self, seq_ids: list[int]) -> tuple[int, int] | None:
         """`(first block, blocks per sequence)` when the sequences, in this order, hold equal regions lying one
         right after another (each still exactly its region), else `None`."""
-        blocks = self._regions.get(seq_ids[0]) if seq_ids else None
-        if blocks is None:
+        region = self._regions.get(seq_ids[0]) if seq_ids else None
+        if region is None:
             return None
-        first = self._tables[seq_ids[0]][0]
+        first, blocks = region[0], len(region)
         for i, seq_id in enumerate(seq_ids):
             table = self._tables[seq_id]
-            if self._regions.get(seq_id) != blocks or len(table) != blocks or table[0] != first + i * blocks:
+            if len(table) != blocks or table[0] != first + i * blocks or len(self._regions.get(seq_id, ())) != blocks:
                 return None
         return first, blocks
 
@@ -79,7 +87,7 @@ class BlockManager:
     def add_sequence(self, seq_id: int) -> None:
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id} already exists")
-        self._tables[seq_id] = []
+        self._tables[seq_id] = list(self._regions.get(seq_id, ()))
         self._lengths[seq_id] = 0
 
     def grow(self, num_new_blocks: int) -> None:
@@ -94,23 +102,26 @@ class BlockManager:
         self.num_blocks += num_new_blocks
 
     def give_regions(self, seq_ids: list[int], num_blocks: int) -> None:
-        """Gives each of these sequences (new, still empty) `num_blocks` consecutive blocks, added to the pool after
-        every existing block, one region after another in the order given. A sequence keeps its region through
-        rollback; past it, it takes blocks from the free list as usual."""
+        """Gives each of these ids `num_blocks` consecutive blocks, added to the pool after every existing block, one
+        region after another in the order given. Every sequence of the id starts with its region and keeps it
+        through rollback (past it, it takes blocks from the free list as usual); `free` keeps it for the next. An id
+        may hold one region, and a live sequence of it must still be empty."""
         total = len(seq_ids) * num_blocks
         if self.max_num_blocks is not None and self.num_blocks + total > self.max_num_blocks:
             raise OutOfBlocksError(
-                f"regions of {num_blocks} blocks for {len(seq_ids)} sequences need {self.num_blocks + total} blocks "
+                f"regions of {num_blocks} blocks for {len(seq_ids)} rows need {self.num_blocks + total} blocks "
                 f"but the pool is capped at {self.max_num_blocks}"
             )
         for seq_id in seq_ids:
-            if self._tables.get(seq_id) != [] or seq_id in self._regions:
-                raise ValueError(f"sequence {seq_id} must be added, and still empty, before it gets a region")
+            if seq_id in self._regions or self._tables.get(seq_id, []) != []:
+                raise ValueError(f"row {seq_id} already has a region or holds tokens; regions go to rows before they "
+                                 "hold anything")
         first = self.num_blocks
         self.num_blocks += total
         for i, seq_id in enumerate(seq_ids):
-            self._tables[seq_id] = list(range(first + i * num_blocks, first + (i + 1) * num_blocks))
-            self._regions[seq_id] = num_blocks
+            self._regions[seq_id] = list(range(first + i * num_blocks, first + (i + 1) * num_blocks))
+            if seq_id in self._tables:
+                self._tables[seq_id] = list(self._regions[seq_id])
 
     def blocks_missing(self, seq_id: int, num_tokens: int) -> int:
         """How many more blocks `append(seq_id, num_tokens)` would take from the free list."""
@@ -133,13 +144,13 @@ class BlockManager:
         if not 0 <= length <= self._lengths[seq_id]:
             raise ValueError(f"cannot roll sequence {seq_id} of length {self._lengths[seq_id]} back to {length}")
         table = self._tables[seq_id]
-        keep = max(self.blocks_for(length), self._regions.get(seq_id, 0))
+        keep = max(self.blocks_for(length), len(self._regions.get(seq_id, ())))
         while len(table) > keep:
             self._free.append(table.pop())
         self._lengths[seq_id] = length
 
     def free(self, seq_id: int) -> None:
-        """Returns all of a sequence's blocks to the pool and forgets it."""
-        self._free.extend(reversed(self._tables.pop(seq_id)))
+        """Returns a sequence's blocks to the pool (its id's region stays with the id) and forgets it."""
+        table = self._tables.pop(seq_id)
+        self._free.extend(reversed(table[len(self._regions.get(seq_id, ())):]))
         del self._lengths[seq_id]
-        self._regions.pop(seq_id, None)

@@ -130,7 +130,7 @@ class SpeculativeEngine:
     # `PagedKVCache.give_regions`). Like a static cache this holds memory for tokens rows may never reach, so only
     # for answers of at most this many tokens and where the regions (each as long as the longest row needs) hold at
     # most twice what the rows' own worst cases add up to; otherwise blocks are taken as rows grow.
-    REGION_MAX_NEW_TOKENS = 2048
+    REGION_MAX_NEW_TOKENS = 1024
 
     def _region_tokens(self, prompt_lengths: list[int], max_new_tokens: int) -> int | None:
         extra = max(self.k, self.tree_nodes or 0) + 1  # a step's drafts are written before they are verified

@@ -106,15 +106,14 @@ class ModelRunner(CacheRows):
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def give_regions(self, seq_ids: list[int], num_tokens: int) -> bool:
-        """Adds these rows, each with room for `num_tokens` tokens in one region of the pool, the regions one after
+        """Gives these row ids room for `num_tokens` tokens each in one region of the pool, the regions one after
         another (`PagedKVCache.give_regions`), where attention gathers each row's context before attending (the
-        PyTorch path): while exactly these rows step together, it reads their keys and values in place instead.
-        Returns False, adding nothing, where that does not apply (the Triton kernel reads blocks in place anyway)."""
+        PyTorch path): while rows with consecutive regions step together, it reads their keys and values in place
+        instead. Returns False, giving nothing, where that does not apply (the Triton kernel reads blocks in place
+        anyway)."""
         if not isinstance(self.cache, PagedKVCache) or resolve_backend(self.cache.kernel_backend,
                                                                         self.device) != "torch":
             return False
-        for seq_id in seq_ids:
-            self.cache.add_sequence(seq_id)
         self.cache.give_regions(seq_ids, num_tokens)
         return True
 

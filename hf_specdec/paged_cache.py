@@ -326,17 +326,17 @@ class PagedKVCache(Cache):
         return [self.manager.append(s, n) for s, n in zip(seq_ids, num_tokens)]
 
     def give_regions(self, seq_ids: list[int], num_tokens: int) -> None:
-        """Gives each of these new sequences room for `num_tokens` tokens in one region of consecutive blocks, the
-        regions one after another in this order (`BlockManager.give_regions`). While exactly these rows step
-        together, in this order, the gather-then-SDPA attention reads their keys and values as a view of the pool
-        instead of copying them (`StepPlan.context_view`); a one-call `generate` takes this layout."""
+        """Gives each of these row ids room for `num_tokens` tokens in one region of consecutive blocks, the regions
+        one after another in this order, kept by the id across its sequences (`BlockManager.give_regions`). While
+        rows with consecutive regions step together, in order, the gather-then-SDPA attention reads their keys and
+        values as a view of the pool instead of copying them (`StepPlan.context_view`)."""
         before = self.manager.num_blocks
         self.manager.give_regions(seq_ids, self.manager.blocks_for(num_tokens))
         self._extend_pools(self.manager.num_blocks - before)
 
     def _grow(self, needed: int) -> None:
         # Double the pool (amortised O(1) growth), but never past the cap; the manager raises if `needed` is over it.
-        num_new_blocks = max(needed, self.manager.num_blocks)
+        num_new_blocks = max(needed, self.manager.num_blocks - self.manager.num_region_blocks)
         if self.manager.max_num_blocks is not None:
             num_new_blocks = max(needed, min(num_new_blocks, self.manager.max_num_blocks - self.manager.num_blocks))
         self.manager.grow(num_new_blocks)

@@ -194,12 +194,11 @@ class Scheduler:
         """Admits requests whose prompts are already in the batch, at their `slot`, before the speculator's `begin`
         (a one-call `generate`: `begin` sees them all in `batch.active`). `region_tokens`: give each row that much
         room up front, the rows' regions one after another in slot order (`ModelRunner.give_regions`)."""
-        slots = sorted(request.slot for request in requests)
-        added = region_tokens is not None and hasattr(self.target, "give_regions") and self.target.give_regions(
-            slots, region_tokens)
+        if region_tokens is not None and hasattr(self.target, "give_regions"):
+            self.target.give_regions(sorted(request.slot for request in requests), region_tokens)
         for request in requests:
             self.free_slots.remove(request.slot)
-            self._admit(request, announce=False, added=added)
+            self._admit(request, announce=False)
         self.batch.active = sorted(self.running)
 
     def has_work(self) -> bool:
@@ -299,7 +298,10 @@ class Scheduler:
             if self.max_num_blocks is not None and sum(self._reserved.values()) + need > self.max_num_blocks - 1:
                 return  # first come, first served: it waits for blocks to come back
             self.waiting.popleft()
-            request.slot = self.free_slots.pop()
+            # The lowest free slot: running rows stay packed at the front, where their KV regions (if the runner gave
+            # the slots any) lie one after another and attention reads them in place.
+            request.slot = min(self.free_slots)
+            self.free_slots.remove(request.slot)
             try:
                 self._write_prompt(request)
                 self._admit(request, need)
@@ -321,13 +323,12 @@ class Scheduler:
         batch.first_col[row] = 0
         batch.lengths[row] = len(ids)
 
-    def _admit(self, request: Request, need: int | None = None, announce: bool = True, added: bool = False) -> None:
+    def _admit(self, request: Request, need: int | None = None, announce: bool = True) -> None:
         row = request.slot
         self.running[row] = request
         self._fresh.add(row)
         self._reserved[row] = need if need is not None else 0
-        if not added:
-            self.target.add_sequence(row)
+        self.target.add_sequence(row)
         if self.batch.sampling is not None:
             self.batch.sampling.set(row, request.sampling)
         if self.step_fn.constraints is not None and request.grammar is not None:

@@ -55,27 +55,33 @@ class Step:
             return self._tree_step(batch, target, stop, budget, metrics, pad_token_id)
         rows, rows_t = list(batch.active), batch.active_tensor()
         t0 = time.perf_counter()
-        draft, classes = self._propose(batch, budget)
-        constrained = None
+        proposed, classes, counts = self._propose(batch, budget)
+        draft, constrained = proposed, None
         if self.constraints:
             limit = self.k if self.drafting else 0
             constrained = self.constraints.constrain(batch, rows, draft, [max(0, min(limit, b - 1)) for b in budget])
             draft = constrained.draft
         draft = target.agree(draft)  # tensor parallelism: rank 0's drafts on every rank (distributed.py)
+        if draft is not proposed:  # the grammar's or rank 0's drafts: their counts
+            counts = draft.num_tokens.tolist()
         t1 = time.perf_counter()
         k = draft.k
         end = batch.end_cols(rows)  # [rows] first column after each row's committed tokens
         batch.token_ids[rows_t[:, None], end[:, None] + torch.arange(k, device=end.device)] = torch.where(
             draft.token_ids == PAD_ID, pad_token_id, draft.token_ids)
 
+        # Each row feeds its pending tokens and its own drafts only: a row that drafts nothing feeds one token beside
+        # a row verifying k (the runner packs such a step into one stream of real tokens).
         cached = [target.length(r) for r in rows]
-        num_fed = [batch.lengths[r] - c + k for r, c in zip(rows, cached)]
+        num_fed = [batch.lengths[r] - c + n for r, c, n in zip(rows, cached, counts)]
         start_cols = batch.first_col[rows_t] + torch.tensor(cached, device=batch.device)
         counts_fed = torch.tensor(num_fed, device=batch.device)
         input_ids = gather_right_aligned(batch.token_ids, rows_t, start_cols, counts_fed, max(num_fed))
         wants_states = self.speculator.needs_hidden_states
         out = target.forward(rows, input_ids, num_fed, num_logits=k + 1, output_hidden_states=self._hidden_layers(wants_states))
-        logits = out.logits  # [rows, k + 1, vocab]
+        # [rows, k + 1, vocab], each row's from column 0: after its last pending token, then after each of its drafts
+        # (columns past a row's own drafts repeat its last; nothing reads them).
+        logits = _left_aligned(out.logits, counts, k)
         masked = constrained.mask(logits) if constrained is not None else logits
         history = end[:, None] + torch.arange(k + 1, device=end.device)  # [rows, k + 1] history length per position
         scores = batch.processing(batch.token_ids, rows_t.repeat_interleave(k + 1), history.reshape(-1),
@@ -227,14 +233,15 @@ class Step:
         return batch.processing(history.flatten(0, 1), torch.arange(rows * (n + 1), device=flat.device),
                                 lens.flatten(), flat, batch_rows=entry_rows).view(logits.shape)
 
-    def _propose(self, batch, budget) -> tuple[DraftProposal, list[int] | None]:
-        """This step's drafts, and each row's confidence class when adaptive k used one."""
+    def _propose(self, batch, budget) -> tuple[DraftProposal, list[int] | None, list[int]]:
+        """This step's drafts, each row's confidence class when adaptive k used one, and each row's number of
+        drafts (on the host)."""
         # Never draft past a row's length budget: the last token a row may emit is always the target's own.
         limits = torch.tensor([max(0, b - 1) for b in budget], device=batch.device)
         classes = None
         context = sum(batch.lengths[r] for r in batch.active)  # cached tokens, for the step-cost model
         if not self.drafting:  # rows joining a running batch feed their prompts; speculators still track them
-            return self._no_drafts(batch, limits), None
+            return self._no_drafts(batch, limits), None, [0] * len(budget)
         if self.policy is not None and self.speculator.drafts_are_free:
             # Proposals first, then k from what each row offers and how confident its proposal is.
             draft = self.speculator.propose(batch, max(0, min(self.k, max(budget) - 1)))
@@ -242,21 +249,23 @@ class Step:
             confidence = draft.confidence if draft.confidence is not None else torch.zeros_like(offered)
             offered, classes = torch.stack([offered, confidence.to(offered.dtype)]).tolist()  # one small transfer
             k = self.policy.choose(batch.active, offered, classes, context)
-            width = max(min(o, k) for o in offered)
+            counts = [min(o, k) for o in offered]
+            width = max(counts)
             num_tokens = torch.minimum(draft.num_tokens, limits.clamp(max=k))
         else:
             k = self.policy.choose(batch.active, context=context) if self.policy is not None else self.k
             # Called even for k = 0: speculators track their rows.
             draft = self.speculator.propose(batch, max(0, min(k, max(budget) - 1)))
             num_tokens = torch.minimum(draft.num_tokens, limits.clamp(max=k))
-            # Drop draft columns no row uses, so the verify forward is no wider than needed (this width must be known
-            # on the host to build the forward, hence one small transfer).
-            width = int(num_tokens.max())
+            # Each row's count must be known on the host to build the forward, hence one small transfer; draft
+            # columns no row uses are dropped.
+            counts = num_tokens.tolist()
+            width = max(counts)
         k = width
         token_ids = torch.where(torch.arange(k, device=batch.device) < num_tokens[:, None],
                                 draft.token_ids[:, :k], PAD_ID)
         probs = draft.probs[:, :k] if draft.probs is not None else None
-        return DraftProposal(token_ids, num_tokens, probs), classes
+        return DraftProposal(token_ids, num_tokens, probs), classes, counts
     def _hidden_layers(self, wants_states: bool):
         # Only the entries the speculator reads come back (a packed step's states are unpacked per entry).
         return tuple(self.speculator.hidden_state_layers) if wants_states else False
@@ -264,6 +273,18 @@ class Step:
     def _no_drafts(self, batch, limits) -> DraftProposal:
         draft = self.speculator.propose(batch, 0)
         return DraftProposal(draft.token_ids[:, :0], torch.zeros_like(limits), None)
+
+
+def _left_aligned(logits: torch.Tensor, counts: list[int], k: int) -> torch.Tensor:
+    """The runner returns each row's trailing positions, right-aligned (up to `k + 1`): a row that fed `n` drafts
+    has its `n + 1` at the end. Returns `[rows, k + 1, vocab]` with every row's from column 0 (a copy only where rows
+    fed different numbers of drafts)."""
+    width = logits.shape[1]
+    if width == k + 1 and all(n == k for n in counts):
+        return logits
+    own = torch.tensor(counts, device=logits.device)
+    cols = torch.minimum(torch.arange(k + 1, device=logits.device)[None, :], own[:, None]) + (width - 1 - own)[:, None]
+    return logits.gather(1, cols[:, :, None].expand(-1, -1, logits.shape[-1]))
 
 
 def non_finite_rows(values: torch.Tensor) -> torch.Tensor:

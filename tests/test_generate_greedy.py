@@ -180,7 +180,8 @@ def test_every_kv_block_returns_to_the_pool(monkeypatch):
     for runner in runners:
         manager = runner.cache.manager
         assert manager.sequences() == []
-        assert manager.num_free_blocks == manager.num_blocks - manager.num_reserved
+        # every block is free again, but for the rows' regions (a one-call generate's layout), which stay with them
+        assert manager.num_free_blocks == manager.num_blocks - manager.num_reserved - manager.num_region_blocks
 
 
 def test_generation_config_argument_is_honoured():

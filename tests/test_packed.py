@@ -167,14 +167,15 @@ def test_rows_joining_a_running_batch_are_prefilled_inside_the_others_verify(spe
         return original(self, batch, *args, **kwargs)
 
     def propose_spy(self, batch, budget):
-        draft, classes = original_propose(self, batch, budget)
+        draft, classes, fed = original_propose(self, batch, budget)
+        assert fed == draft.num_tokens.tolist()
         newcomers = [i for i, r in enumerate(batch.active) if cache[0].length(r) == 0]  # nothing fed yet
         if newcomers and len(newcomers) < len(batch.active):
             counts = draft.num_tokens.tolist()
             if speculator in ("eagle", "medusa"):  # no target states for them yet
                 assert all(counts[i] == 0 for i in newcomers), counts
             drafts_beside_newcomers.append(sum(counts))
-        return draft, classes
+        return draft, classes, fed
 
     cache = []  # the serving engine's target runner
     monkeypatch.setattr(Step, "__call__", spy)
@@ -253,9 +254,8 @@ def test_rows_in_regions_read_their_context_in_place_and_give_the_gathered_outpu
             runner = ModelRunner(model, block_size=4, num_blocks=3)
             if regions:
                 assert runner.give_regions([0, 1, 2], 40)
-            else:
-                for row in range(3):
-                    runner.add_sequence(row)
+            for row in range(3):
+                runner.add_sequence(row)
             plans.clear()
             outputs[regions] = []
             steps = _steps(seed=3, rows=3, vocab=model.config.vocab_size, joins=True)
@@ -316,3 +316,29 @@ def test_a_one_call_generate_reads_its_rows_in_place_until_one_finishes(monkeypa
     monkeypatch.setattr(SpeculativeEngine, "REGION_MAX_NEW_TOKENS", 0)  # long answers: blocks as rows grow
     assert torch.equal(target.generate(input_ids, **kwargs), expected)
     assert not any(p.context_view is not None for p in plans)
+
+
+def test_a_verify_feeds_each_row_only_its_own_drafts(monkeypatch):
+    """Rows with a lookup match verify their drafts while rows without one feed a single token in the same step (not
+    padded to the widest row's k + 1), and the output is still the target's own."""
+    from conftest import repetitive_prompt
+
+    fed = []
+    forward = ModelRunner.forward
+
+    def spy(self, seq_ids, input_ids, num_tokens, *args, **kwargs):
+        if len(seq_ids) == 4 and self.model is target:
+            fed.append(list(num_tokens))
+        return forward(self, seq_ids, input_ids, num_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "forward", spy)
+    target = make_model("llama")
+    repeating = repetitive_prompt(rows=2, width=16, seed=4)
+    random = torch.randint(2, VOCAB, (2, 16), generator=torch.Generator().manual_seed(9))
+    input_ids = torch.cat([repeating[:1], random[:1], repeating[1:], random[1:]])
+    expected = target.generate(input_ids, max_new_tokens=20, do_sample=False)
+    out = target.generate(input_ids, max_new_tokens=20, do_sample=False, speculator="ngram", num_speculative_tokens=4,
+                          speculative_schedule="constant")
+    assert torch.equal(out, expected)
+    later = fed[1:]  # after the prompts
+    assert any(max(n) > 1 and min(n) == 1 for n in later), later  # drafting rows beside rows feeding one token

@@ -74,8 +74,9 @@ def solo(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 
 def no_blocks_held(engine) -> bool:
-    manager = engine.target.cache.manager
-    return manager.sequences() == [] and manager.num_free_blocks == manager.num_blocks - manager.num_reserved
+    manager = engine.target.cache.manager  # the slots' regions stay with the slots
+    return manager.sequences() == [] and manager.num_free_blocks == (manager.num_blocks - manager.num_reserved
+                                                                     - manager.num_region_blocks)
 
 
 @pytest.fixture(scope="module")
@@ -85,12 +86,21 @@ def tokenizer():
 
 # --- continuous batching ------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("regions", [32, 0])
 @pytest.mark.parametrize("speculator", ["ngram", "draft", "none"])
-def test_requests_joining_a_running_batch_equal_their_solo_runs(tokenizer, speculator):
+def test_requests_joining_a_running_batch_equal_their_solo_runs(tokenizer, speculator, regions, monkeypatch):
+    """Requests arrive while others run; each equals its solo run. With KV regions per slot (small ones here, so
+    the longer requests also outgrow theirs), steps whose rows sit in consecutive slots read them in place."""
+    from hf_specdec import paged_cache
+
+    views = []
+    plan_step = paged_cache.PagedKVCache.plan_step
+    monkeypatch.setattr(paged_cache.PagedKVCache, "plan_step",
+                        lambda self, *a, **k: views.append(plan_step(self, *a, **k)) or views[-1])
     model = served_model()
     spec = {"ngram": "ngram", "draft": served_model(seed=3), "none": "ngram"}[speculator]
     engine = ServingEngine(model, tokenizer, spec, num_speculative_tokens=0 if speculator == "none" else 4,
-                           max_batch_size=3, schedule="constant").start()
+                           max_batch_size=3, schedule="constant", kv_region_tokens=regions).start()
     try:
         plan = [(repeating(6 + 3 * i, seed=i), 12 + 7 * (i % 3)) for i in range(7)]
         streams = [engine.submit(*plan[0]), engine.submit(*plan[1])]
@@ -106,8 +116,12 @@ def test_requests_joining_a_running_batch_equal_their_solo_runs(tokenizer, specu
             assert stream.request.output_ids == solo(model, prompt, n), (prompt, n)
             assert stream.request.finish_reason in ("stop", "length")
         assert engine.metrics.num_draft_tokens > 0 or speculator == "none"
+        in_place = [p.context_view is not None for p in views if p.block_tables.shape[0] > 1]
+        assert any(in_place) == bool(regions) and not all(in_place)
         time.sleep(0.05)
         assert no_blocks_held(engine)
+        if regions:
+            assert engine.target.cache.manager.num_region_blocks == 3 * 2
     finally:
         engine.shutdown()
 

@@ -125,12 +125,18 @@ class ServingEngine:
         max_num_blocks (`int`, *optional*): cap on the target's KV pool (default: enough for every running request's
             worst case); requests wait until their worst case fits.
         calibration (`bool`): use this host's cached cost profile (`hf-specdec calibrate`).
+        kv_region_tokens (`int`, *optional*): KV room each slot holds from the start, in one region of the pool, the
+            slots' regions one after another: where attention gathers each row's context (the PyTorch path), rows
+            in consecutive slots are read in place instead (requests take the lowest free slot, so at full load the
+            running rows are consecutive). A request needing more takes blocks as it grows. Memory: slots x this
+            many tokens' keys and values, held while the server runs. `None` or 0: none (every request takes blocks
+            as it grows); not with `max_num_blocks`.
     """
 
     def __init__(self, model, tokenizer, speculator="ngram", num_speculative_tokens: int | None = None,
                  max_batch_size: int = 8, max_queue: int = 64, max_model_len: int | None = None,
                  schedule: str = "adaptive", block_size: int = 16, max_num_blocks: int | None = None,
-                 calibration: bool = True):
+                 calibration: bool = True, kv_region_tokens: int | None = 1024):
         if max_batch_size < 1 or max_queue < 0:
             raise ValueError(f"max_batch_size must be >= 1 and max_queue >= 0, got {max_batch_size}, {max_queue}")
         if schedule not in ("adaptive", "constant"):
@@ -164,11 +170,14 @@ class ServingEngine:
         self._draining: threading.Thread | None = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._build(block_size, max_num_blocks, schedule, calibration)
+        if kv_region_tokens and max_num_blocks is not None:
+            raise ValueError("kv_region_tokens and max_num_blocks cannot be combined (regions are held outside the "
+                             "cap's accounting); pass kv_region_tokens=0 to cap the pool")
+        self._build(block_size, max_num_blocks, schedule, calibration, kv_region_tokens)
 
     # --- setup ---------------------------------------------------------------------------------------------------
 
-    def _build(self, block_size, max_num_blocks, schedule, calibration) -> None:
+    def _build(self, block_size, max_num_blocks, schedule, calibration, kv_region_tokens) -> None:
         slots, device = self.max_batch_size, self.model.get_input_embeddings().weight.device
         width = self.max_model_len + self.k + 2
         token_ids = torch.full((slots, width), self.pad_token_id, dtype=torch.long, device=device)
@@ -176,6 +185,8 @@ class ServingEngine:
         self.batch = SequenceBatch(token_ids, torch.zeros(slots, dtype=torch.long, device=device), [0] * slots, [],
                                    0, False, sampling, self.vocab_size, sampling)
         self.target = make_runner(self.model, block_size=block_size, max_num_blocks=max_num_blocks)
+        if kv_region_tokens and hasattr(self.target, "give_regions"):
+            self.target.give_regions(list(range(slots)), min(kv_region_tokens, width))
         policy = None
         if schedule == "adaptive":
             cost, draft_cost, _ = adaptive_costs(self.model, self.speculator, None, calibration)
