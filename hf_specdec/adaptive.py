@@ -191,7 +191,9 @@ class AdaptiveK:
             classes: each row's confidence class for this step's proposal; `None` means class 0.
             context: tokens already in the rows' KV caches, summed (the step cost depends on it).
         """
-        k = self._choose(rows, available, classes, context) if self.max_k and rows else 0
+        # Nothing on offer (no lookup matched): k = 0 without the arithmetic, which costs a few small tensor ops.
+        offers = available is None or any(a > 0 for a in available)
+        k = self._choose(rows, available, classes, context) if self.max_k and rows and offers else 0
         self.chosen.append(k)
         # A step is declined when drafts were possible (a row offered some) and the policy chose none.
         self.num_declined += k == 0 and bool(rows) and (available is None or any(a > 0 for a in available))
