@@ -142,6 +142,11 @@ class SequenceBatch:
     def lengths_tensor(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor([self.lengths[r] for r in rows], dtype=torch.long, device=self.device)
 
+    def used_width(self, rows: list[int]) -> int:
+        """Columns that hold every real token of these rows (host-side bound: a row's first column is at most
+        `prompt_width`); a server's buffer is as wide as the model's context, its rows far shorter."""
+        return min(self.token_ids.shape[1], self.prompt_width + max((self.lengths[r] for r in rows), default=0))
+
     def end_cols(self, rows: list[int]) -> torch.Tensor:
         """`[rows]` column just past each row's last real token."""
         idx = torch.tensor(rows, dtype=torch.long, device=self.device)

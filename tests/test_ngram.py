@@ -94,3 +94,19 @@ def test_matches_the_per_row_spec(rows, k, min_ngram, extra):
         assert tokens == want
         if want:
             assert confidence == min(length, len(spec.confidence_priors) - 1)
+
+
+def test_lookup_reads_only_the_columns_rows_use():
+    """A server's buffer is as wide as the model's context; the lookup reads up to the rows' longest end only, and
+    proposes the same as over a buffer cut there. Stale tokens past a row's end (an earlier, longer request's) are
+    never matched."""
+    rows = [[5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8, 9], [4, 4]]
+    narrow = make_batch(rows, extra=0)
+    wide = make_batch(rows, extra=500)
+    wide.token_ids[:, narrow.token_ids.shape[1]:] = 5  # stale tokens past every row's end
+    assert narrow.token_ids.shape[1] <= wide.used_width(wide.active) <= 2 * narrow.token_ids.shape[1] < 500
+    ngram = NgramSpeculator()
+    a, b = ngram.propose(narrow, 3), ngram.propose(wide, 3)
+    assert torch.equal(a.num_tokens, b.num_tokens) and torch.equal(a.confidence, b.confidence)
+    assert torch.equal(torch.where(a.token_ids == PAD_ID, -1, a.token_ids), torch.where(b.token_ids == PAD_ID, -1, b.token_ids))
+    assert b.num_tokens.tolist()[:2] == [3, 2]

@@ -45,7 +45,8 @@ class NgramSpeculator(Speculator):
         rows = batch.active_tensor()
         if k == 0:
             return DraftProposal.empty(len(batch.active), batch.device)
-        tokens = batch.token_ids[rows]  # [rows, width]
+        # [rows, width]: only the columns the rows use (the lookup compares every column's window with the suffix)
+        tokens = batch.token_ids[rows, :batch.used_width(batch.active)]
         first = batch.first_col[rows]
         end = batch.end_cols(batch.active)  # [rows] one past the last real token
         position, length = self._longest_match(tokens, first, end)
