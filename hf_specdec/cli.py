@@ -474,10 +474,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-model-len", type=int, default=None, help="prompt + max_tokens limit (default: the "
                      "model's context)")
     srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
-    srv.add_argument("--kv-region-tokens", type=int, default=1024,
+    srv.add_argument("--kv-region-tokens", type=int, default=None,
                      help="KV room each slot holds from the start, in one region of the pool: on the PyTorch path "
                      "rows in consecutive slots are then read in place instead of gathered each step (memory: "
-                     "--max-batch-size x this many tokens; 0 for none)")
+                     "--max-batch-size x this many tokens; 0 for none; default 1024)")
     srv.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     srv.add_argument("--no-calibrate", action="store_true", help="skip measuring this host's costs at start")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -230,6 +230,16 @@ def test_bad_requests_are_refused_and_the_rest_run_on(tokenizer):
         engine.shutdown()
 
 
+def test_kv_regions_are_refused_when_they_cannot_apply(tokenizer):
+    with pytest.raises(ValueError, match="kv_region_tokens must be >= 0"):
+        ServingEngine(served_model(), tokenizer, "ngram", kv_region_tokens=-1)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        ServingEngine(served_model(), tokenizer, "ngram", kv_region_tokens=64, max_num_blocks=100)
+    capped = ServingEngine(served_model(), tokenizer, "ngram", max_num_blocks=100)  # no regions by default, then
+    assert capped.target.cache.manager.num_region_blocks == 0
+    assert ServingEngine(served_model(), tokenizer, "ngram", max_batch_size=2).target.cache.manager.num_region_blocks
+
+
 def test_full_queue_is_refused(tokenizer):
     model = served_model(eos=None)
     engine = ServingEngine(model, tokenizer, "ngram", max_batch_size=1, max_queue=2)  # not started: nothing drains

@@ -129,14 +129,14 @@ class ServingEngine:
             slots' regions one after another: where attention gathers each row's context (the PyTorch path), rows
             in consecutive slots are read in place instead (requests take the lowest free slot, so at full load the
             running rows are consecutive). A request needing more takes blocks as it grows. Memory: slots x this
-            many tokens' keys and values, held while the server runs. `None` or 0: none (every request takes blocks
-            as it grows); not with `max_num_blocks`.
+            many tokens' keys and values, held while the server runs. 0: none (every request takes blocks as it
+            grows). Default: 1024, or none with `max_num_blocks` (the two cannot be combined).
     """
 
     def __init__(self, model, tokenizer, speculator="ngram", num_speculative_tokens: int | None = None,
                  max_batch_size: int = 8, max_queue: int = 64, max_model_len: int | None = None,
                  schedule: str = "adaptive", block_size: int = 16, max_num_blocks: int | None = None,
-                 calibration: bool = True, kv_region_tokens: int | None = 1024):
+                 calibration: bool = True, kv_region_tokens: int | None = None):
         if max_batch_size < 1 or max_queue < 0:
             raise ValueError(f"max_batch_size must be >= 1 and max_queue >= 0, got {max_batch_size}, {max_queue}")
         if schedule not in ("adaptive", "constant"):
@@ -170,6 +170,10 @@ class ServingEngine:
         self._draining: threading.Thread | None = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        if kv_region_tokens is None:
+            kv_region_tokens = 0 if max_num_blocks is not None else 1024
+        if kv_region_tokens < 0:
+            raise ValueError(f"kv_region_tokens must be >= 0 (0 for no regions), got {kv_region_tokens}")
         if kv_region_tokens and max_num_blocks is not None:
             raise ValueError("kv_region_tokens and max_num_blocks cannot be combined (regions are held outside the "
                              "cap's accounting); pass kv_region_tokens=0 to cap the pool")
