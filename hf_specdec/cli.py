@@ -301,7 +301,8 @@ def cmd_serve(args) -> int:
     engine = ServingEngine(model, tokenizer, speculator, num_speculative_tokens=args.k,
                            max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                            max_model_len=args.max_model_len, schedule=args.schedule,
-                           calibration=not args.no_calibrate, kv_region_tokens=args.kv_region_tokens)
+                           calibration=not args.no_calibrate, kv_region_tokens=args.kv_region_tokens,
+                           prefix_cache_tokens=args.prefix_cache_tokens)
     name = args.served_model_name or args.model
     print(f"hf-specdec serve: {name} with speculator {args.speculator!r} on http://{args.host}:{args.port}/v1",
           file=sys.stderr)
@@ -478,6 +479,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="KV room each slot holds from the start, in one region of the pool: on the PyTorch path "
                      "rows in consecutive slots are then read in place instead of gathered each step (memory: "
                      "--max-batch-size x this many tokens; 0 for none; default 1024)")
+    srv.add_argument("--prefix-cache-tokens", type=int, default=None,
+                     help="prompt tokens whose keys and values are kept after their requests end, so that a request "
+                     "starting with a stored prefix (whole KV blocks) feeds only the rest; least recently used go "
+                     "first (default 8192; 0 for none)")
     srv.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     srv.add_argument("--no-calibrate", action="store_true", help="skip measuring this host's costs at start")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -24,6 +24,7 @@ import torch
 
 from .kernels.sampling import apply_sampling_params
 from .metrics import SpeculativeMetrics
+from .model_runner import TargetHiddenStates
 from .types import SequenceBatch
 
 
@@ -164,11 +165,13 @@ class Scheduler:
             (prompt, max_new_tokens and a step's drafts) fits next to the worst cases of those running.
         collect_tokens (`bool`): keep each request's `output_ids` (and report new tokens per step). Off, only counts
             are kept and a step makes no host transfer beyond its own.
+        prefix_cache (`PrefixCache`, *optional*): requests joining from the queue start from the stored keys and
+            values of the longest prompt prefix seen before, and store their prompt's blocks after their first step.
     """
 
     def __init__(self, batch: SequenceBatch, target, step, stop, pad_token_id: int,
                  metrics: SpeculativeMetrics | None = None, max_num_blocks: int | None = None,
-                 collect_tokens: bool = True):
+                 collect_tokens: bool = True, prefix_cache=None):
         self.batch = batch
         self.target = target
         self.step_fn = step
@@ -178,6 +181,7 @@ class Scheduler:
         self.metrics = metrics if metrics is not None else SpeculativeMetrics()
         self.max_num_blocks = max_num_blocks
         self.collect_tokens = collect_tokens
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
         self.free_slots = list(range(len(batch.lengths)))[::-1]
@@ -235,8 +239,11 @@ class Scheduler:
         if sampling is not None:
             batch.do_sample = sampling.prepare(rows)
         budget = [self.running[r].max_new_tokens - self.running[r].num_generated for r in rows]
+        fed_prompts = [r for r in rows if r in self._fresh]
         emitted, finished = step(batch, self.target, self.stop, budget, self.metrics, self.pad_token_id)
         self._fresh.difference_update(rows)
+        if self.prefix_cache is not None and fed_prompts:
+            self._store_prefixes(fed_prompts)
         tokens = self._new_tokens(rows, emitted) if self.collect_tokens else [[] for _ in rows]
         done = set(finished)
         for row, n, new in zip(rows, emitted, tokens):
@@ -305,6 +312,8 @@ class Scheduler:
             try:
                 self._write_prompt(request)
                 self._admit(request, need)
+                if self.prefix_cache is not None:
+                    self._load_prefix(request)
             except Exception as error:  # noqa: BLE001 - this request cannot run (a draft that cannot read its
                 # prompt, say); it is refused alone and the batch runs on
                 request.error = f"{type(error).__name__}: {error}"
@@ -314,6 +323,30 @@ class Scheduler:
                     self._retire([request.slot])
                 else:
                     self.free_slots.append(request.slot)
+
+    def _load_prefix(self, request: Request) -> None:
+        """Starts a joining row from the stored prefix of its prompt: the target's cache then holds it, so the row's
+        first step feeds only the rest (and the speculator gets the stored states first)."""
+        length, states = self.prefix_cache.load(self.target.cache, request.slot, request.prompt_ids)
+        if length and states is not None:
+            self.step_fn.prefix_states[request.slot] = TargetHiddenStates(states[None], [length], [0], [request.slot])
+
+    def _store_prefixes(self, rows: list[int]) -> None:
+        """Stores the prompt blocks of rows whose prompts the last step fed, with the target's states there when the
+        speculator reads them."""
+        states = self.step_fn.last_states if self.prefix_cache.with_features else None
+        index = {r: i for i, r in enumerate(states.rows)} if states is not None else {}
+        for row in rows:
+            prompt = self.running[row].prompt_ids
+            if prompt is None:
+                continue
+            if states is None:
+                self.prefix_cache.store(self.target.cache, row, prompt)
+            elif row in index:
+                i = index[row]
+                n = states.num_states[i]
+                self.prefix_cache.store(self.target.cache, row, prompt, states.states[i, states.states.shape[1] - n:],
+                                        states.start_positions[i])
 
     def _write_prompt(self, request: Request) -> None:
         batch, row = self.batch, request.slot

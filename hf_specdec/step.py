@@ -48,6 +48,11 @@ class Step:
         self.constraints = constraints
         self.policy = policy
         self.drafting = True  # False: a step that only feeds prompts (rows joining a running batch)
+        # Rows whose prompt began with a stored prefix (`prefix_cache.PrefixCache`): the target's states there, given
+        # to the speculator ahead of the states of the row's first step. `last_states`: the states the last step
+        # gave it.
+        self.prefix_states: dict[int, TargetHiddenStates] = {}
+        self.last_states: TargetHiddenStates | None = None
 
     def __call__(self, batch, target, stop, budget, metrics, pad_token_id) -> tuple[list[int], list[int]]:
         """One propose -> verify -> commit; returns tokens emitted per active row and the rows that finished."""
@@ -112,8 +117,11 @@ class Step:
         if wants_states:
             # Only tokens now committed have valid states: every one but the newest (its state comes next step).
             num_committed = [max(0, batch.lengths[r] - 1 - c) for r, c in zip(rows, cached)]
-            self.speculator.observe_hidden_states(committed_hidden_states(
-                out.hidden_states, self.speculator.hidden_state_layers, rows, num_fed, cached, num_committed))
+            for row in [r for r in rows if r in self.prefix_states]:
+                self.speculator.observe_hidden_states(self.prefix_states.pop(row))
+            self.last_states = committed_hidden_states(
+                out.hidden_states, self.speculator.hidden_state_layers, rows, num_fed, cached, num_committed)
+            self.speculator.observe_hidden_states(self.last_states)
         self.speculator.commit(batch, num_accepted)
         metrics.record_step(num_drafted, num_accepted)
         metrics.draft_time_s += t1 - t0

@@ -24,11 +24,18 @@ from ..constraints import RowConstraints, first_position_spellable
 from ..generation import DEFAULT_GRAMMAR_TOKENS, resolve_speculator
 from ..metrics import SpeculativeMetrics, logger
 from ..dense_runner import make_runner, runner_attention
+from ..distributed import tp_group
+from ..model_runner import ModelRunner
+from ..paged_cache import PagedKVCache
+from ..prefix_cache import PrefixCache
 from ..scheduler import Request, RowSampling, SamplingParams, Scheduler
 from ..speculators.grammar import GrammarSpeculator
 from ..step import Step
 from ..stopping import StopRules
 from ..types import SequenceBatch
+
+
+DEFAULT_PREFIX_CACHE_TOKENS = 8192
 
 
 class QueueFullError(RuntimeError):
@@ -131,12 +138,20 @@ class ServingEngine:
             running rows are consecutive). A request needing more takes blocks as it grows. Memory: slots x this
             many tokens' keys and values, held while the server runs. 0: none (every request takes blocks as it
             grows). Default: 1024, or none with `max_num_blocks` (the two cannot be combined).
+        prefix_cache_tokens (`int`, *optional*): room for this many prompt tokens' keys and values (and the target's
+            hidden states there, for a speculator that reads them) kept after their requests end, in a store of their
+            own: a request whose prompt starts with a stored prefix (whole KV blocks: a shared system prompt, a
+            document asked about again) copies it into its blocks and feeds only the rest
+            (`prefix_cache.PrefixCache`). The least recently used blocks go when it is full. Default: 8192 where the
+            target runs on the paged cache, else none; 0: none. Refused for targets outside the paged cache (models
+            with recurrent layers or outside the attention interface).
     """
 
     def __init__(self, model, tokenizer, speculator="ngram", num_speculative_tokens: int | None = None,
                  max_batch_size: int = 8, max_queue: int = 64, max_model_len: int | None = None,
                  schedule: str = "adaptive", block_size: int = 16, max_num_blocks: int | None = None,
-                 calibration: bool = True, kv_region_tokens: int | None = None):
+                 calibration: bool = True, kv_region_tokens: int | None = None,
+                 prefix_cache_tokens: int | None = None):
         if max_batch_size < 1 or max_queue < 0:
             raise ValueError(f"max_batch_size must be >= 1 and max_queue >= 0, got {max_batch_size}, {max_queue}")
         if schedule not in ("adaptive", "constant"):
@@ -177,11 +192,13 @@ class ServingEngine:
         if kv_region_tokens and max_num_blocks is not None:
             raise ValueError("kv_region_tokens and max_num_blocks cannot be combined (regions are held outside the "
                              "cap's accounting); pass kv_region_tokens=0 to cap the pool")
-        self._build(block_size, max_num_blocks, schedule, calibration, kv_region_tokens)
+        if prefix_cache_tokens is not None and prefix_cache_tokens < 0:
+            raise ValueError(f"prefix_cache_tokens must be >= 0 (0 for none), got {prefix_cache_tokens}")
+        self._build(block_size, max_num_blocks, schedule, calibration, kv_region_tokens, prefix_cache_tokens)
 
     # --- setup ---------------------------------------------------------------------------------------------------
 
-    def _build(self, block_size, max_num_blocks, schedule, calibration, kv_region_tokens) -> None:
+    def _build(self, block_size, max_num_blocks, schedule, calibration, kv_region_tokens, prefix_cache_tokens) -> None:
         slots, device = self.max_batch_size, self.model.get_input_embeddings().weight.device
         width = self.max_model_len + self.k + 2
         token_ids = torch.full((slots, width), self.pad_token_id, dtype=torch.long, device=device)
@@ -207,9 +224,26 @@ class ServingEngine:
             pass
         self.step = Step(self.speculator, self.k, constraints=constraints, policy=policy)
         eos = torch.tensor(self.eos_token_ids, device=device) if self.eos_token_ids else None
+        self.prefix_cache = self._prefix_cache(prefix_cache_tokens, block_size)
         self.scheduler = Scheduler(self.batch, self.target, self.step, StopRules(None, eos), self.pad_token_id,
-                                   self.metrics, max_num_blocks=max_num_blocks)
+                                   self.metrics, max_num_blocks=max_num_blocks, prefix_cache=self.prefix_cache)
         self.calibration = calibration
+
+    def _prefix_cache(self, tokens: int | None, block_size: int) -> PrefixCache | None:
+        # Keys and values alone stand for a prefix only in a pure paged-attention cache (recurrent layers carry
+        # state past them; the dense runner's rows are the model's own cache), on one process (tensor parallel
+        # ranks would each decide alone).
+        supported = (type(self.target) is ModelRunner and type(self.target.cache) is PagedKVCache
+                     and tp_group(self.model) is None)
+        if tokens is None:
+            tokens = DEFAULT_PREFIX_CACHE_TOKENS if supported else 0
+        if not tokens:
+            return None
+        if not supported:
+            raise ValueError(f"prefix caching needs a target on hf_specdec's paged KV cache; "
+                             f"{type(self.model).__name__} runs outside it (recurrent layers, its own attention or "
+                             "tensor parallelism): pass prefix_cache_tokens=0")
+        return PrefixCache(tokens, block_size, features=self.speculator.needs_hidden_states)
 
     # --- lifecycle -----------------------------------------------------------------------------------------------
 

@@ -383,6 +383,11 @@ def prometheus_text(engine: ServingEngine) -> str:
         "Drafts with at least position + 1 tokens accepted.",
         [(f'{{position="{i}"}}', n) for i, n in enumerate(list(m.accepted_per_position))])
     add("num_steps_total", "counter", "Verify steps (target forwards).", [("", m.num_steps)])
+    cache = engine.prefix_cache
+    add("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+        [("", cache.num_queried_tokens if cache is not None else 0)])
+    add("prefix_cache_hits_total", "counter", "Prompt tokens found there (not fed again).",
+        [("", cache.num_hit_tokens if cache is not None else 0)])
     return "\n".join(lines) + "\n"
 
 
