@@ -200,6 +200,43 @@ class AdaptiveK:
         self._last = (max(len(rows), 1), context)
         return k
 
+    def choose_rows(self, rows: list[int], available: list[int], classes: list[int] | None = None,
+                    context: float = 0.0) -> list[int]:
+        """Drafts to verify per row, for a packed verify (each row feeds only its own) of drafts already made (what
+        each row offers, `available`, is known): a row with a likely proposal verifies it while a row beside it with
+        an unlikely one feeds one token, instead of one k for all.
+
+        A row's j-th draft adds `p^j` expected tokens (p: its acceptance estimate), so the best set of drafts of a
+        given size takes the largest of these over all rows; a step's cost depends only on the tokens fed in all.
+        The step takes the size that maximises expected tokens per unit of cost, if that beats plain decoding by
+        `min_gain`. The drafts were made already: their cost does not enter."""
+        ks = self._choose_rows(rows, available, classes, context) if self.max_k and rows and any(
+            a > 0 for a in available) else [0] * len(rows)
+        self.chosen.append(max(ks, default=0))
+        self.num_declined += not any(ks) and any(a > 0 for a in available)
+        self._last = (max(len(rows), 1), context)
+        return ks
+
+    def _choose_rows(self, rows, available, classes, context) -> list[int]:
+        rates = self.acceptance(rows, classes)
+        j = torch.arange(1, self.max_k + 1, dtype=torch.float64)
+        gains = rates[:, None] ** j[None, :]  # [rows, max_k]: the j-th draft's expected tokens
+        offered = torch.tensor(available, dtype=torch.float64)[:, None]
+        gains = gains.masked_fill(j[None, :] > offered, -1.0)
+        order = torch.sort(gains.flatten(), descending=True, stable=True)
+        usable = int((order.values >= 0).sum())
+        b = len(rows)
+        expected = b + torch.cat([torch.zeros(1, dtype=torch.float64), order.values[:usable].cumsum(0)])
+        tokens = 1 + torch.arange(usable + 1, dtype=torch.float64) / b  # tokens fed per row, on average
+        value = expected / self.step_cost.relative(b, tokens, context)
+        best = int(torch.argmax(value))
+        if best == 0 or value[best] < self.min_gain * value[0]:
+            return [0] * b
+        # Per row, its drafts among the best `best` (a row's gains fall with j, so they are its first ones).
+        picked = torch.zeros(b * self.max_k, dtype=torch.long)
+        picked[order.indices[:best]] = 1
+        return picked.view(b, self.max_k).sum(1).tolist()
+
     def _choose(self, rows, available, classes, context) -> int:
         rates = self.acceptance(rows, classes)
         ks = torch.arange(self.max_k + 1, dtype=torch.float64)

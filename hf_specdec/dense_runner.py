@@ -111,12 +111,14 @@ class DenseRunner(CacheRows):
         self._takes_logits_to_keep = "logits_to_keep" in parameters
 
     def forward(self, seq_ids: list[int], input_ids: torch.Tensor, num_tokens: list[int], num_logits: int,
-                output_hidden_states: bool | tuple[int, ...] = False, tree=None, **model_kwargs):
+                output_hidden_states: bool | tuple[int, ...] = False, tree=None, logit_counts: list[int] | None = None,
+                **model_kwargs):
         """Appends `num_tokens[i]` tokens to row `seq_ids[i]` and returns the model output.
 
         Args:
             input_ids: `[rows, q]` right-aligned tokens (row i's are its last `num_tokens[i]` columns).
             num_logits: how many trailing positions need logits (at most each row's `num_tokens`).
+            logit_counts: as `ModelRunner.forward`: row i's last `logit_counts[i]` positions, left-aligned.
         Returns:
             The model output; `logits` is `[rows, num_logits, vocab]` and `hidden_states` right-aligned like the input.
         """
@@ -144,8 +146,12 @@ class DenseRunner(CacheRows):
         finally:
             self.cache.end_step()
         logits = out.logits[:, -keep:]
-        # Row i's last num_logits tokens: left columns n_i - num_logits .., i.e. kept columns minus (q - keep).
-        picks = (counts[:, None] - num_logits + torch.arange(num_logits, device=self.device) - (q - keep)).clamp(min=0)
+        # Row i's last `want` tokens: left columns n_i - want .., i.e. kept columns minus (q - keep); past its own,
+        # its last again (left-aligned), or all `num_logits` of them (right-aligned).
+        want = torch.tensor(logit_counts if logit_counts is not None else [num_logits] * len(num_tokens),
+                            device=self.device)
+        within = torch.minimum(torch.arange(num_logits, device=self.device)[None, :], want[:, None] - 1)
+        picks = (counts[:, None] - want[:, None] + within - (q - keep)).clamp(min=0)
         out.logits = _to(logits.gather(1, picks.to(logits.device)[..., None].expand(-1, -1, logits.shape[-1])), caller)
         if getattr(out, "hidden_states", None) is not None:
             right = (columns - (q - counts)[:, None]).clamp(min=0)  # right-aligned column j <- left column

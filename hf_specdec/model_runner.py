@@ -11,7 +11,7 @@ import torch
 
 from .distributed import RankZeroDecides, tp_group
 from .kernels._backend import resolve_backend
-from .paged_cache import ATTENTION_NAME, PLAN_KWARG, PagedKVCache
+from .paged_cache import ATTENTION_NAME, PLAN_KWARG, PagedKVCache, _ragged
 from .recurrent_state import make_cache, recurrent_layers_split
 
 
@@ -118,7 +118,8 @@ class ModelRunner(CacheRows):
         return True
 
     def forward(self, seq_ids: list[int], input_ids: torch.Tensor, num_tokens: list[int], num_logits: int,
-                output_hidden_states: bool | tuple[int, ...] = False, tree=None, **model_kwargs):
+                output_hidden_states: bool | tuple[int, ...] = False, tree=None, logit_counts: list[int] | None = None,
+                **model_kwargs):
         """Appends `num_tokens[i]` tokens to row `seq_ids[i]` and returns the model output.
 
         Args:
@@ -126,9 +127,14 @@ class ModelRunner(CacheRows):
             num_logits: how many trailing positions need logits.
             output_hidden_states: True, or the indices of the entries the caller reads (the others may be None).
             tree (`TreeAttention`, *optional*): the step feeds draft-tree nodes (see `paged_cache.TreeAttention`).
+            logit_counts: row i needs only its last `logit_counts[i]` positions (at most `num_logits`): they come
+                left-aligned, columns past them repeating its last. A packed step then runs the LM head over those
+                positions alone, not over `num_logits` per row (a row verifying 10 drafts beside rows feeding one
+                token would otherwise pay for 11 positions in every row).
             model_kwargs: passed on to the model (a draft head's input features, say).
         Returns:
-            The model output; `logits` is `[rows, num_logits, vocab]`.
+            The model output; `logits` is `[rows, num_logits, vocab]`, right-aligned (each row's trailing positions)
+            or, with `logit_counts`, left-aligned.
         """
         caller = input_ids.device  # outputs go back there: the model may sit on other devices than the batch
         input_ids = _to(input_ids, self.device)
@@ -143,7 +149,7 @@ class ModelRunner(CacheRows):
         self.cache.num_logits = num_logits  # recurrent layers keep their state after each of these positions
         plan = self.cache.plan_step(seq_ids, starts, num_tokens, self.device, _tree_to(tree, self.device), pack)
         self.num_forwards += 1
-        layout, keep = plan.packed, num_logits
+        layout, keep, expand = plan.packed, num_logits, None
         position_ids = plan.query_positions
         if layout is not None:
             self.num_packed_forwards += 1
@@ -152,8 +158,11 @@ class ModelRunner(CacheRows):
                             if isinstance(v, torch.Tensor) else v for name, v in model_kwargs.items()}
             position_ids = layout.positions
             num_logits = min(num_logits, width)
-            # Each row's trailing `num_logits` positions, by their place in the stream.
-            keep = layout.unpack_index.view(rows, width)[:, width - num_logits:].reshape(-1)
+            if logit_counts is not None:  # only the positions asked for, each once; spread to columns after
+                keep, expand = _packed_logit_index(num_tokens, logit_counts, num_logits)
+                keep, expand = keep.to(self.device), expand.to(self.device)
+            else:  # each row's trailing `num_logits` positions, by their place in the stream
+                keep = layout.unpack_index.view(rows, width)[:, width - num_logits:].reshape(-1)
         with self.cache.active(plan):
             out = self.model(
                 input_ids=input_ids,
@@ -179,10 +188,12 @@ class ModelRunner(CacheRows):
             return _to(out, caller)
         if layout is not None:
             layers = output_hidden_states if isinstance(output_hidden_states, tuple) else None
-            _unpack_output(out, layout, keep, rows, num_logits, layers)
+            _unpack_output(out, layout, keep, rows, num_logits, layers, expand)
         logits = getattr(out, "logits", None)
         if logits is not None and logits.shape[1] > num_logits:  # the model ignored logits_to_keep (Whisper)
             out.logits = logits = logits[:, -num_logits:]
+        if logits is not None and logit_counts is not None and expand is None:
+            out.logits = logits = left_aligned(logits, logit_counts)
         if logits is not None:
             out.logits = _to(logits, caller)
         if getattr(out, "hidden_states", None) is not None:
@@ -196,20 +207,52 @@ def packs(model) -> bool:
     return bool(getattr(model, "_hf_specdec_packable", False)) and os.environ.get("HF_SPECDEC_PACKED", "1") != "0"
 
 
-def _unpack_output(out, layout, keep: torch.Tensor, rows: int, num_logits: int, layers=None) -> None:
-    """A packed forward's logits `[1, rows * num_logits, vocab]` (or the whole stream's, where the model ignored
-    `logits_to_keep`) to `[rows, num_logits, vocab]`, and its hidden states `[1, T, hidden]` to the padded
-    `[rows, q, hidden]` (padding repeats the row's first token), as the padded layout returns them: those at
-    `layers` only, when given (the others become None; a newcomer's prompt makes every row as wide as it)."""
+def _unpack_output(out, layout, keep: torch.Tensor, rows: int, num_logits: int, layers=None,
+                   expand: torch.Tensor | None = None) -> None:
+    """A packed forward's logits at the `keep` positions of the stream (or the whole stream's, where the model
+    ignored `logits_to_keep`) to `[rows, num_logits, vocab]` (through `expand`, the kept position of each output
+    entry, when given), and its hidden states `[1, T, hidden]` to the padded `[rows, q, hidden]` (padding repeats the
+    row's first token), as the padded layout returns them: those at `layers` only, when given (the others become
+    None; a newcomer's prompt makes every row as wide as it)."""
     logits = getattr(out, "logits", None)
     if logits is not None:
         if logits.shape[1] != keep.numel():
             logits = logits[:, keep.to(logits.device)]
+        if expand is not None:
+            logits = logits[0].index_select(0, expand.to(logits.device))
         out.logits = logits.view(rows, num_logits, logits.shape[-1])
     if getattr(out, "hidden_states", None) is not None:
         out.hidden_states = tuple(
             h[0].index_select(0, layout.unpack_index.to(h.device)).view(rows, -1, h.shape[-1])
             if layers is None or i in layers else None for i, h in enumerate(out.hidden_states))
+
+
+def _packed_logit_index(num_tokens: list[int], logit_counts: list[int], num_logits: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a packed stream of rows holding `num_tokens` each: the stream positions of each row's last
+    `logit_counts[i]` tokens (row by row), and for each entry of a left-aligned `[rows, num_logits]` the index of
+    the kept position it shows (past a row's own, its last). Host tensors, from host lists: nothing waits."""
+    fed = torch.tensor(num_tokens, dtype=torch.long)
+    want = torch.tensor(logit_counts, dtype=torch.long)
+    if bool((want < 1).any()) or bool((want > torch.clamp(fed, max=num_logits)).any()):
+        raise ValueError(f"logit_counts must be between 1 and each row's tokens (at most num_logits={num_logits}), "
+                         f"got {logit_counts} for {num_tokens}")
+    row_of, within = _ragged(want, int(sum(logit_counts)))
+    keep = fed.cumsum(0)[row_of] - want[row_of] + within
+    first = want.cumsum(0) - want
+    expand = first[:, None] + torch.minimum(torch.arange(num_logits)[None, :], want[:, None] - 1)
+    return keep, expand.reshape(-1)
+
+
+def left_aligned(logits: torch.Tensor, logit_counts: list[int]) -> torch.Tensor:
+    """Right-aligned `[rows, n, vocab]` (each row's trailing positions) to left-aligned: row i's last
+    `logit_counts[i]` from column 0, later columns repeating its last (a copy only where the counts differ)."""
+    width = logits.shape[1]
+    if all(c == width for c in logit_counts):
+        return logits
+    own = torch.tensor(logit_counts, device=logits.device)
+    cols = torch.minimum(torch.arange(width, device=logits.device)[None, :], own[:, None] - 1) + (width - own)[:, None]
+    return logits.gather(1, cols[:, :, None].expand(-1, -1, logits.shape[-1]))
 
 
 def _tree_to(tree, device):

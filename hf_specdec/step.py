@@ -83,10 +83,12 @@ class Step:
         counts_fed = torch.tensor(num_fed, device=batch.device)
         input_ids = gather_right_aligned(batch.token_ids, rows_t, start_cols, counts_fed, max(num_fed))
         wants_states = self.speculator.needs_hidden_states
-        out = target.forward(rows, input_ids, num_fed, num_logits=k + 1, output_hidden_states=self._hidden_layers(wants_states))
-        # [rows, k + 1, vocab], each row's from column 0: after its last pending token, then after each of its drafts
-        # (columns past a row's own drafts repeat its last; nothing reads them).
-        logits = _left_aligned(out.logits, counts, k)
+        # Logits `[rows, k + 1, vocab]`, each row's from column 0: after its last pending token, then after each of
+        # its drafts (columns past a row's own drafts repeat its last; nothing reads them). A packed step computes
+        # them only where a row needs them.
+        out = target.forward(rows, input_ids, num_fed, num_logits=k + 1, logit_counts=[n + 1 for n in counts],
+                             output_hidden_states=self._hidden_layers(wants_states))
+        logits = out.logits
         masked = constrained.mask(logits) if constrained is not None else logits
         history = end[:, None] + torch.arange(k + 1, device=end.device)  # [rows, k + 1] history length per position
         scores = batch.processing(batch.token_ids, rows_t.repeat_interleave(k + 1), history.reshape(-1),
@@ -256,10 +258,13 @@ class Step:
             offered = torch.minimum(draft.num_tokens, limits)
             confidence = draft.confidence if draft.confidence is not None else torch.zeros_like(offered)
             offered, classes = torch.stack([offered, confidence.to(offered.dtype)]).tolist()  # one small transfer
-            k = self.policy.choose(batch.active, offered, classes, context)
-            counts = [min(o, k) for o in offered]
+            if self.policy.packed:  # each row feeds only its own drafts: each verifies as many as pay
+                counts = self.policy.choose_rows(batch.active, offered, classes, context)
+            else:  # rows are padded to the widest: one k for all
+                k = self.policy.choose(batch.active, offered, classes, context)
+                counts = [min(o, k) for o in offered]
             width = max(counts)
-            num_tokens = torch.minimum(draft.num_tokens, limits.clamp(max=k))
+            num_tokens = torch.tensor(counts, device=batch.device)
         else:
             k = self.policy.choose(batch.active, context=context) if self.policy is not None else self.k
             # Called even for k = 0: speculators track their rows.
@@ -281,18 +286,6 @@ class Step:
     def _no_drafts(self, batch, limits) -> DraftProposal:
         draft = self.speculator.propose(batch, 0)
         return DraftProposal(draft.token_ids[:, :0], torch.zeros_like(limits), None)
-
-
-def _left_aligned(logits: torch.Tensor, counts: list[int], k: int) -> torch.Tensor:
-    """The runner returns each row's trailing positions, right-aligned (up to `k + 1`): a row that fed `n` drafts
-    has its `n + 1` at the end. Returns `[rows, k + 1, vocab]` with every row's from column 0 (a copy only where rows
-    fed different numbers of drafts)."""
-    width = logits.shape[1]
-    if width == k + 1 and all(n == k for n in counts):
-        return logits
-    own = torch.tensor(counts, device=logits.device)
-    cols = torch.minimum(torch.arange(k + 1, device=logits.device)[None, :], own[:, None]) + (width - 1 - own)[:, None]
-    return logits.gather(1, cols[:, :, None].expand(-1, -1, logits.shape[-1]))
 
 
 def non_finite_rows(values: torch.Tensor) -> torch.Tensor:

@@ -342,3 +342,36 @@ def test_a_verify_feeds_each_row_only_its_own_drafts(monkeypatch):
     assert torch.equal(out, expected)
     later = fed[1:]  # after the prompts
     assert any(max(n) > 1 and min(n) == 1 for n in later), later  # drafting rows beside rows feeding one token
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_logits_only_where_rows_need_them(arch, monkeypatch):
+    """`logit_counts`: row i gets its last `logit_counts[i]` positions, left-aligned; a packed step runs the LM head
+    over those alone (a verify of 4 drafts beside rows feeding one token: 1 + 5 + 2 positions, not 3 x 5), with the
+    padded step's values."""
+    model = make_model(arch)
+    check_model_supported(model, "target model")
+    head = model.get_output_embeddings()
+    positions = []
+    monkeypatch.setattr(head, "forward", lambda x, f=head.forward: positions.append(x.shape[0] * x.shape[1]) or f(x))
+    g = torch.Generator().manual_seed(5)
+    steps = [([7, 9, 6], 1, [1, 1, 1]), ([1, 5, 2], 5, [1, 5, 2]), ([2, 1, 3], 3, [1, 1, 3])]
+    steps = [(counts, torch.randint(2, VOCAB, (3, max(counts)), generator=g), n, want) for counts, n, want in steps]
+    outputs = {}
+    with torch.no_grad(), paged_attention(model):
+        for packed in (False, True):
+            runner = ModelRunner(model, packed=packed)
+            for row in range(3):
+                runner.add_sequence(row)
+            positions.clear()
+            outputs[packed] = [runner.forward([0, 1, 2], ids, counts, num_logits=n, logit_counts=want).logits
+                               for counts, ids, n, want in steps]
+            if packed:
+                assert positions == [3, 8, 5]
+            else:
+                assert positions == [3, 15, 9]
+    for got, expected in zip(outputs[True], outputs[False]):
+        torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
+    # Left-aligned: row 1 of the second step holds its 5 positions in order; row 0's one repeats.
+    second = outputs[True][1]
+    assert torch.equal(second[0, 0], second[0, 4]) and not torch.equal(second[1, 0], second[1, 4])
