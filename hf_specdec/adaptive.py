@@ -210,14 +210,31 @@ class AdaptiveK:
         given size takes the largest of these over all rows; a step's cost depends only on the tokens fed in all.
         The step takes the size that maximises expected tokens per unit of cost, if that beats plain decoding by
         `min_gain`. The drafts were made already: their cost does not enter."""
-        ks = self._choose_rows(rows, available, classes, context) if self.max_k and rows and any(
+        ks = self._choose_rows(rows, available, classes, context)[0] if self.max_k and rows and any(
             a > 0 for a in available) else [0] * len(rows)
         self.chosen.append(max(ks, default=0))
         self.num_declined += not any(ks) and any(a > 0 for a in available)
         self._last = (max(len(rows), 1), context)
         return ks
 
-    def _choose_rows(self, rows, available, classes, context) -> list[int]:
+    def drafting_pays(self, rows: list[int], available: list[int], classes: list[int], alternative: list[int],
+                      alternative_classes: list[int], drafted: int, context: float = 0.0) -> bool:
+        """Whether the drafts `alternative` (per row, of `alternative_classes`), which take `drafted` draft
+        positions to make (a head's forwards), would give a packed step more expected tokens per unit of cost, their
+        drafting included (`draft_cost_per_token` each), than the drafts already on offer (`available`, of
+        `classes`). Records nothing."""
+        if not self.max_k or not rows or not drafted:
+            return False
+        base = self._choose_rows(rows, available, classes, context)[1]
+        ks, _, expected, tokens = self._choose_rows(rows, alternative, alternative_classes, context)
+        if not any(ks):
+            return False
+        cost = float(self.step_cost.relative(len(rows), torch.tensor(tokens, dtype=torch.float64), context))
+        return expected / (cost + self.draft_cost_per_token * drafted) > base
+
+    def _choose_rows(self, rows, available, classes, context) -> tuple[list[int], float, float, float]:
+        """Drafts per row, the step's expected tokens per unit of cost with them, its expected tokens and the tokens
+        fed per row on average."""
         rates = self.acceptance(rows, classes)
         j = torch.arange(1, self.max_k + 1, dtype=torch.float64)
         gains = rates[:, None] ** j[None, :]  # [rows, max_k]: the j-th draft's expected tokens
@@ -231,11 +248,11 @@ class AdaptiveK:
         value = expected / self.step_cost.relative(b, tokens, context)
         best = int(torch.argmax(value))
         if best == 0 or value[best] < self.min_gain * value[0]:
-            return [0] * b
+            return [0] * b, float(value[0]), float(expected[0]), 1.0
         # Per row, its drafts among the best `best` (a row's gains fall with j, so they are its first ones).
         picked = torch.zeros(b * self.max_k, dtype=torch.long)
         picked[order.indices[:best]] = 1
-        return picked.view(b, self.max_k).sum(1).tolist()
+        return picked.view(b, self.max_k).sum(1).tolist(), float(value[best]), float(expected[best]), float(tokens[best])
 
     def _choose(self, rows, available, classes, context) -> int:
         rates = self.acceptance(rows, classes)

@@ -47,6 +47,7 @@ class Step:
         self.tree_branching = tree_branching
         self.constraints = constraints
         self.policy = policy
+        speculator.bind_policy(policy)  # None too: a speculator reused across calls forgets the last call's
         self.drafting = True  # False: a step that only feeds prompts (rows joining a running batch)
         # Rows whose prompt began with a stored prefix (`prefix_cache.PrefixCache`): the target's states there, given
         # to the speculator ahead of the states of the row's first step. `last_states`: the states the last step

@@ -209,3 +209,18 @@ def test_a_likely_row_verifies_beside_unlikely_ones():
     assert policy.choose(rows, available, classes) == 0
     ks = policy.choose_rows(rows, available, classes)
     assert ks[0] > 0 and ks[1:] == [0] * 15
+
+
+def test_a_heads_drafts_are_made_only_where_they_would_pay_for_themselves():
+    """The hybrid asks before its head runs: at batch 16 drafts of a 0.4 acceptance are not worth a forward per
+    draft, drafts of 0.9 are, and a dear head is not run for a few rows' gain."""
+    cpu = DEFAULT_STEP_COST["cpu"]
+    rows = list(range(16))
+    lookup, lookup_classes = [4] + [0] * 15, [1] + [0] * 15  # one row copies (class 1), the rest have nothing
+    head = [4] + [2] * 15  # with the head: the copying row keeps its lookup, the others get 2 head drafts
+    head_classes = [1] + [2] * 15
+    for rate, cost, pays in ((0.4, 0.1, False), (0.9, 0.1, True), (0.9, 5.0, False)):
+        policy = AdaptiveK(num_rows=16, max_k=4, step_cost=cpu, draft_cost_per_token=cost,
+                           priors=(0.1, 0.9, rate), packed=True)
+        assert policy.drafting_pays(rows, lookup, lookup_classes, head, head_classes, 2, 2000.0) is pays, rate
+        assert policy.chosen == []  # asking records nothing

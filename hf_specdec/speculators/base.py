@@ -71,6 +71,11 @@ class Speculator:
     def validate(self, target) -> None:
         """Raises a clear error if this speculator cannot serve `target`."""
 
+    def bind_policy(self, policy) -> None:
+        """Called with the call's adaptive k (`AdaptiveK`, or None without one) before `begin`: a speculator whose
+        drafts are free for the policy but cost something to make (the hybrid's head) can ask it whether they
+        would be verified."""
+
     def relative_cost(self, target) -> float:
         """Cost of drafting one token relative to one target decode step (adaptive k weighs drafts with it)."""
         return 0.0

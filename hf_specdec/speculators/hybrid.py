@@ -21,7 +21,9 @@ class HybridSpeculator(Speculator):
 
     Adaptive k keeps acceptance per confidence class: the lookup's classes (the match length), then one class for the
     head's drafts. Drafts are made before k is chosen (`drafts_are_free`): the head's drafts are already paid for
-    when k is chosen, so they are weighed as free there, and `head_tokens` bounds what they cost.
+    when k is chosen, so they are weighed as free there, and `head_tokens` bounds what they cost. With a packed
+    verify the head runs only in steps where adaptive k would verify some of its drafts and they would pay for its
+    forwards (`AdaptiveK.drafting_pays`).
 
     Args:
         head (`EagleSpeculator`): the head that drafts where the lookup does not.
@@ -51,6 +53,7 @@ class HybridSpeculator(Speculator):
         self.head, self.ngram = head, ngram
         self.min_match, self.head_tokens = min_match, head_tokens
         self.head_class = len(ngram.confidence_priors)
+        self._policy = None
         self.confidence_priors = (*ngram.confidence_priors, head.confidence_priors[0])
 
     def __repr__(self) -> str:
@@ -64,6 +67,9 @@ class HybridSpeculator(Speculator):
     def validate(self, target) -> None:
         self.head.validate(target)
         self.ngram.validate(target)
+
+    def bind_policy(self, policy) -> None:
+        self._policy = policy
 
     def begin(self, target, batch: SequenceBatch) -> None:
         self.ngram.begin(target, batch)
@@ -80,7 +86,18 @@ class HybridSpeculator(Speculator):
             return lookup
         copying = (lookup.num_tokens > 0) & (lookup.confidence >= self.min_match)
         # One host read per step: whether the head has to run at all (it costs a forward per draft).
-        head_k = 0 if bool(copying.all()) else min(k, self.head_tokens)
+        offered, classes = torch.stack([lookup.num_tokens.clamp(max=k), lookup.confidence]).tolist()
+        copies = [n > 0 and c >= self.min_match for n, c in zip(offered, classes)]
+        head_k = 0 if all(copies) else min(k, self.head_tokens)
+        policy = self._policy
+        if head_k and policy is not None and policy.packed:
+            # Only where adaptive k would verify some of the head's drafts, and they beat the lookup's alone by more
+            # than the head's forwards cost (at a large batch, drafts of the head's acceptance often do not).
+            context = sum(batch.lengths[r] for r in batch.active)
+            alternative = [n if c else head_k for n, c in zip(offered, copies)]
+            kinds = [cls if c else self.head_class for cls, c in zip(classes, copies)]
+            if not policy.drafting_pays(batch.active, offered, classes, alternative, kinds, head_k, context):
+                head_k = 0
         drafted = self.head.propose(batch, head_k)
         if drafted.k == 0:  # every row copies, or the head has no states yet (the first step): the lookup alone
             return lookup
