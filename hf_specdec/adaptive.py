@@ -201,17 +201,20 @@ class AdaptiveK:
         return k
 
     def choose_rows(self, rows: list[int], available: list[int], classes: list[int] | None = None,
-                    context: float = 0.0) -> list[int]:
+                    context: float = 0.0, record: bool = True) -> list[int]:
         """Drafts to verify per row, for a packed verify (each row feeds only its own) of drafts already made (what
         each row offers, `available`, is known): a row with a likely proposal verifies it while a row beside it with
         an unlikely one feeds one token, instead of one k for all.
 
         A row's j-th draft adds `p^j` expected tokens (p: its acceptance estimate), so the best set of drafts of a
         given size takes the largest of these over all rows; a step's cost depends only on the tokens fed in all.
-        The step takes the size that maximises expected tokens per unit of cost, if that beats plain decoding by
-        `min_gain`. The drafts were made already: their cost does not enter."""
+        The step takes the size that maximises expected tokens per unit of cost, each draft's gain discounted by
+        `min_gain` (a draft must beat its own cost by the margin), if the set beats plain decoding by `min_gain`. The drafts were made already: their cost does not enter. `record=False`: the step's k was
+        chosen (and recorded) before drafting (`choose`); this only trims each row to the drafts worth verifying."""
         ks = self._choose_rows(rows, available, classes, context)[0] if self.max_k and rows and any(
             a > 0 for a in available) else [0] * len(rows)
+        if not record:
+            return ks
         self.chosen.append(max(ks, default=0))
         self.num_declined += not any(ks) and any(a > 0 for a in available)
         self._last = (max(len(rows), 1), context)
@@ -243,10 +246,16 @@ class AdaptiveK:
         order = torch.sort(gains.flatten(), descending=True, stable=True)
         usable = int((order.values >= 0).sum())
         b = len(rows)
-        expected = b + torch.cat([torch.zeros(1, dtype=torch.float64), order.values[:usable].cumsum(0)])
+        gained = torch.cat([torch.zeros(1, dtype=torch.float64), order.values[:usable].cumsum(0)])
+        expected = b + gained
         tokens = 1 + torch.arange(usable + 1, dtype=torch.float64) / b  # tokens fed per row, on average
-        value = expected / self.step_cost.relative(b, tokens, context)
-        best = int(torch.argmax(value))
+        cost = self.step_cost.relative(b, tokens, context)
+        value = expected / cost
+        # The size is chosen with every draft's gain discounted by the margin, so a draft joins only where it beats
+        # its own cost by the margin too (at a large batch a row's draft adds little against what its width costs,
+        # and one that only breaks even by the model is a loss when the model errs); the set as a whole must beat
+        # plain decoding by the margin as before.
+        best = int(torch.argmax((b + gained / self.min_gain) / cost))
         if best == 0 or value[best] < self.min_gain * value[0]:
             return [0] * b, float(value[0]), float(expected[0]), 1.0
         # Per row, its drafts among the best `best` (a row's gains fall with j, so they are its first ones).

@@ -274,6 +274,11 @@ class Step:
             # Each row's count must be known on the host to build the forward, hence one small transfer; draft
             # columns no row uses are dropped.
             counts = num_tokens.tolist()
+            if self.policy is not None and self.policy.packed and k > 0 and len(counts) > 1:
+                # The drafts are made: each row verifies as many as its own acceptance makes worth their width.
+                trimmed = self.policy.choose_rows(batch.active, counts, context=context, record=False)
+                if trimmed != counts:
+                    counts, num_tokens = trimmed, torch.tensor(trimmed, device=batch.device)
             width = max(counts)
         k = width
         token_ids = torch.where(torch.arange(k, device=batch.device) < num_tokens[:, None],

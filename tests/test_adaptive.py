@@ -170,10 +170,11 @@ def test_a_gain_below_the_margin_does_not_draft():
     assert AdaptiveK(num_rows=1, max_k=4, step_cost=flat, priors=(0.05,), min_gain=1.0).choose([0]) > 0
 
 
-def _value(policy, rows, classes, ks, context=0.0):
-    """Expected tokens per unit of cost of verifying `ks[i]` drafts in row i of a packed step."""
+def _value(policy, rows, classes, ks, context=0.0, discount=1.0):
+    """Expected tokens per unit of cost of verifying `ks[i]` drafts in row i of a packed step (each draft's gain
+    divided by `discount`)."""
     rates = policy.acceptance(rows, classes).tolist()
-    expected = len(rows) + sum(sum(p ** j for j in range(1, k + 1)) for p, k in zip(rates, ks))
+    expected = len(rows) + sum(sum(p ** j for j in range(1, k + 1)) for p, k in zip(rates, ks)) / discount
     tokens = torch.tensor(1 + sum(ks) / len(rows), dtype=torch.float64)
     return expected / float(policy.step_cost.relative(len(rows), tokens, context))
 
@@ -181,8 +182,9 @@ def _value(policy, rows, classes, ks, context=0.0):
 @pytest.mark.parametrize("cost", [LINEAR, DEFAULT_STEP_COST["cpu"], StepCost(per_row=0.0, points=((1, 1.0), (3, 1.0), (4, 2.0)))])
 @pytest.mark.parametrize("seed", range(6))
 def test_per_row_drafts_are_the_best_set_of_their_size(cost, seed):
-    """A packed verify takes, per row, the drafts whose expected tokens per unit of cost beat every other choice
-    (checked against all per-row choices of three rows), or none below the margin."""
+    """A packed verify takes, per row, the drafts whose expected tokens per unit of cost, each draft's gain
+    discounted by the margin, beat every other choice (checked against all per-row choices of three rows), or none
+    where that choice does not beat plain decoding by the margin."""
     import itertools
 
     g = torch.Generator().manual_seed(seed)
@@ -192,10 +194,13 @@ def test_per_row_drafts_are_the_best_set_of_their_size(cost, seed):
     available = torch.randint(0, 4, (3,), generator=g).tolist()
     ks = policy.choose_rows(rows, available, classes, context=50.0)
     assert all(0 <= k <= a for k, a in zip(ks, available))
-    best = max(_value(policy, rows, classes, c, 50.0) for c in itertools.product(*(range(a + 1) for a in available)))
+    margin = policy.min_gain
+    choices = list(itertools.product(*(range(a + 1) for a in available)))
+    best = max(choices, key=lambda c: _value(policy, rows, classes, c, 50.0, margin))
     plain = _value(policy, rows, classes, [0, 0, 0], 50.0)
-    if best >= policy.min_gain * plain:
-        assert _value(policy, rows, classes, ks, 50.0) == pytest.approx(best)
+    if any(best) and _value(policy, rows, classes, best, 50.0) >= margin * plain:
+        assert _value(policy, rows, classes, ks, 50.0, margin) == pytest.approx(
+            _value(policy, rows, classes, best, 50.0, margin))
     else:
         assert ks == [0, 0, 0]
     assert policy.chosen[-1] == max(ks)
@@ -224,3 +229,15 @@ def test_a_heads_drafts_are_made_only_where_they_would_pay_for_themselves():
                            priors=(0.1, 0.9, rate), packed=True)
         assert policy.drafting_pays(rows, lookup, lookup_classes, head, head_classes, 2, 2000.0) is pays, rate
         assert policy.chosen == []  # asking records nothing
+
+
+def test_drafts_already_made_are_trimmed_per_row_without_a_second_record():
+    """A model speculator's k is chosen (and recorded) before it drafts; once the drafts are made, each row keeps
+    the ones worth verifying by its own acceptance, and nothing more is recorded."""
+    policy = AdaptiveK(num_rows=16, max_k=4, step_cost=DEFAULT_STEP_COST["cpu"], priors=(0.5,), packed=True)
+    for _ in range(10):
+        policy.update(list(range(16)), [4] * 16, [4] + [0] * 15)  # row 0 accepts everything, the others nothing
+    k = policy.choose(list(range(16)), context=2000.0)
+    trimmed = policy.choose_rows(list(range(16)), [4] * 16, context=2000.0, record=False)
+    assert policy.chosen == [k]
+    assert trimmed[0] > 0 and trimmed[1:] == [0] * 15
