@@ -3,7 +3,10 @@
 For every workload (grounded, open chat, or json: extraction constrained by a JSON schema per request) and batch
 size, each configuration runs on the same prompts: at batch 1 every prompt of the workload alone, one after the other
 (a sample is their summed time), at larger batches one ragged batch cycling through the prompts. Repeats are interleaved across configurations so machine noise hits them
-alike, and medians are reported. Definitions:
+alike (each repeat starting one configuration later), and medians are reported. Definitions:
+- speedup: the median over repeats of plain generate's latency over the configuration's in the same repeat (paired
+  ratios: the host's slow spells, which move a call's time by 10-20% on a shared 2-core machine, hit both sides of
+  most pairs); `speedup_of_medians` in the JSON is the ratio of the two medians.
 - tokens/s: new tokens of the batch / end-to-end latency.
 - TTFT: latency of the same call with `max_new_tokens=1` (prefill + first token).
 - TPOT: (latency - TTFT) / (new tokens per row - 1).
@@ -66,6 +69,7 @@ class Result:
     fraction_of_ideal: float | None = None
     draft_ms_per_token: float | None = None
     draft_to_target: float | None = None
+    speedup_of_medians: float | None = None  # median plain latency / median latency (the speedup before pairing)
 
 
 def build_configs(model, speculators: dict, k: int, draft_costs: dict, schedule: str = "adaptive",
@@ -178,8 +182,9 @@ def _measure(model, groups, configs, workload, batch_size, max_new_tokens, repea
         for group in groups:
             call(config, group, 4)
         bar.update(1)
-    for _ in range(repeats):
-        for config in configs:
+    for repeat in range(repeats):
+        # Each repeat starts one configuration later, so none always runs right after another.
+        for config in configs[repeat % len(configs):] + configs[:repeat % len(configs)]:
             ttfts[config.name].append(sum(call(config, group, 1)[0] for group in groups))
             timed = [call(config, group, max_new_tokens) for group in groups]
             latencies[config.name].append(sum(t for t, _ in timed))
@@ -187,6 +192,7 @@ def _measure(model, groups, configs, workload, batch_size, max_new_tokens, repea
             bar.update(1)
     references = [out.sequences for out in outputs[configs[0].name]]
     base_latency = statistics.median(latencies[configs[0].name])
+    base = latencies[configs[0].name]
     results = []
     for config in configs:
         outs = outputs[config.name]
@@ -195,10 +201,13 @@ def _measure(model, groups, configs, workload, batch_size, max_new_tokens, repea
         per_row = [out.sequences.shape[1] - w for out, w in zip(outs, widths)]  # longest row of each call
         new_tokens = sum(int((out.sequences[:, w:] != pad).sum()) if batch_size > 1 else n
                          for out, w, n in zip(outs, widths, per_row))
+        # Speedup: the median over repeats of plain generate's latency over this one's in the same repeat (pairs
+        # timed minutes apart at most, so a slow spell of the host hits both sides of most pairs).
+        paired = statistics.median(b / t for b, t in zip(base, latencies[config.name]))
         result = Result(workload, batch_size, config.name, new_tokens / latency, ttft / len(groups),
-                        (latency - ttft) / max(sum(per_row) - len(groups), 1), latency, new_tokens,
-                        base_latency / latency,
-                        all(torch.equal(out.sequences, ref) for out, ref in zip(outs, references)))
+                        (latency - ttft) / max(sum(per_row) - len(groups), 1), latency, new_tokens, paired,
+                        all(torch.equal(out.sequences, ref) for out, ref in zip(outs, references)),
+                        speedup_of_medians=base_latency / latency)
         metrics = [getattr(out, "speculative_metrics", None) for out in outs]
         if metrics[0] is not None:
             steps = sum(m.num_steps for m in metrics)
