@@ -30,6 +30,13 @@ def _steps(seed: int, rows: int, vocab: int, joins: bool = False):
     return [(counts, torch.randint(2, vocab, (rows, max(counts)), generator=g)) for counts in steps]
 
 
+def _three_rows(model, packed: bool) -> ModelRunner:
+    runner = ModelRunner(model, packed=packed)
+    for row in range(3):
+        runner.add_sequence(row)
+    return runner
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_packed_steps_give_the_padded_logits_and_hidden_states(arch, monkeypatch):
     model = make_model(arch)
@@ -42,9 +49,7 @@ def test_packed_steps_give_the_padded_logits_and_hidden_states(arch, monkeypatch
     outputs = {}
     with torch.no_grad(), paged_attention(model):
         for packed in (False, True):
-            runner = ModelRunner(model, packed=packed)
-            for row in range(3):
-                runner.add_sequence(row)
+            runner = _three_rows(model, packed)
             outputs[packed] = []
             for counts, ids in _steps(seed=7, rows=3, vocab=model.config.vocab_size, joins=True):
                 out = runner.forward([0, 1, 2], ids, counts, num_logits=3, output_hidden_states=True)
@@ -360,9 +365,7 @@ def test_logits_only_where_rows_need_them(arch, monkeypatch):
     outputs = {}
     with torch.no_grad(), paged_attention(model):
         for packed in (False, True):
-            runner = ModelRunner(model, packed=packed)
-            for row in range(3):
-                runner.add_sequence(row)
+            runner = _three_rows(model, packed)
             positions.clear()
             outputs[packed] = [runner.forward([0, 1, 2], ids, counts, num_logits=n, logit_counts=want).logits
                                for counts, ids, n, want in steps]
