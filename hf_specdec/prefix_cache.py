@@ -90,12 +90,11 @@ class PrefixCache:
         cache.reserve([row], [length])
         source = self._slots(nodes)
         target = _row_slots(cache, row, length)
-        for layer, stored in self.keys.items():
-            pool = cache.key_pools[layer]
-            pool.index_copy_(0, target.to(pool.device), stored.index_select(0, source.to(stored.device)).to(pool.device))
-        for layer, stored in self.values.items():
-            pool = cache.value_pools[layer]
-            pool.index_copy_(0, target.to(pool.device), stored.index_select(0, source.to(stored.device)).to(pool.device))
+        for pools, stores in ((cache.key_pools, self.keys), (cache.value_pools, self.values)):
+            for layer, stored in stores.items():
+                pool = pools[layer]
+                pool.index_copy_(0, target.to(pool.device),
+                                 stored.index_select(0, source.to(stored.device)).to(pool.device))
         self.num_hit_tokens += length
         features = None if self.features is None else self.features.index_select(0, source.to(self.features.device))
         return length, features
