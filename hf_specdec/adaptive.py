@@ -160,6 +160,9 @@ class AdaptiveK:
         self.accepted = torch.zeros(num_rows, classes, dtype=torch.float64)
         self.tried = torch.zeros(num_rows, classes, dtype=torch.float64)
         self.chosen: list[int] = []  # the k chosen at each step
+        # Tokens in the rows' KV caches, summed, at the step being planned (set by the step before it proposes, for
+        # speculators that ask `drafting_pays` while drafting).
+        self.context = 0.0
         self.num_declined = 0  # steps where drafts were on offer and k was 0
         self._last = (num_rows, 0.0)  # the rows and context of the latest choice, to explain it
 
@@ -209,25 +212,28 @@ class AdaptiveK:
         A row's j-th draft adds `p^j` expected tokens (p: its acceptance estimate), so the best set of drafts of a
         given size takes the largest of these over all rows; a step's cost depends only on the tokens fed in all.
         The step takes the size that maximises expected tokens per unit of cost, each draft's gain discounted by
-        `min_gain` (a draft must beat its own cost by the margin), if the set beats plain decoding by `min_gain`. The drafts were made already: their cost does not enter. `record=False`: the step's k was
-        chosen (and recorded) before drafting (`choose`); this only trims each row to the drafts worth verifying."""
-        ks = self._choose_rows(rows, available, classes, context)[0] if self.max_k and rows and any(
-            a > 0 for a in available) else [0] * len(rows)
+        `min_gain` (a draft must beat its own cost by the margin), if the set beats plain decoding by `min_gain`.
+        The drafts were made already: their cost does not enter. `record=False`: the step's k was chosen (and
+        recorded) before drafting (`choose`); this only trims each row to the drafts worth verifying."""
+        offers = any(a > 0 for a in available)
+        ks = self._choose_rows(rows, available, classes, context)[0] if self.max_k and rows and offers else [0] * len(
+            rows)
         if not record:
             return ks
         self.chosen.append(max(ks, default=0))
-        self.num_declined += not any(ks) and any(a > 0 for a in available)
+        self.num_declined += not any(ks) and offers
         self._last = (max(len(rows), 1), context)
         return ks
 
     def drafting_pays(self, rows: list[int], available: list[int], classes: list[int], alternative: list[int],
-                      alternative_classes: list[int], drafted: int, context: float = 0.0) -> bool:
+                      alternative_classes: list[int], drafted: int, context: float | None = None) -> bool:
         """Whether the drafts `alternative` (per row, of `alternative_classes`), which take `drafted` draft
         positions to make (a head's forwards), would give a packed step more expected tokens per unit of cost, their
         drafting included (`draft_cost_per_token` each), than the drafts already on offer (`available`, of
-        `classes`). Records nothing."""
+        `classes`). `context`: the step's cached tokens (default: `self.context`, the step's). Records nothing."""
         if not self.max_k or not rows or not drafted:
             return False
+        context = self.context if context is None else context
         base = self._choose_rows(rows, available, classes, context)[1]
         ks, _, expected, tokens = self._choose_rows(rows, alternative, alternative_classes, context)
         if not any(ks):

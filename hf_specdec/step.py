@@ -120,8 +120,9 @@ class Step:
         if wants_states:
             # Only tokens now committed have valid states: every one but the newest (its state comes next step).
             num_committed = [max(0, batch.lengths[r] - 1 - c) for r, c in zip(rows, cached)]
-            for row in [r for r in rows if r in self.prefix_states]:
-                self.speculator.observe_hidden_states(self.prefix_states.pop(row))
+            if self.prefix_states:  # rows that joined from a stored prefix: its states come first
+                for row in [r for r in rows if r in self.prefix_states]:
+                    self.speculator.observe_hidden_states(self.prefix_states.pop(row))
             self.last_states = committed_hidden_states(
                 out.hidden_states, self.speculator.hidden_state_layers, rows, num_fed, cached, num_committed)
             self.speculator.observe_hidden_states(self.last_states)
@@ -251,6 +252,8 @@ class Step:
         limits = torch.tensor([max(0, b - 1) for b in budget], device=batch.device)
         classes = None
         context = sum(batch.lengths[r] for r in batch.active)  # cached tokens, for the step-cost model
+        if self.policy is not None:
+            self.policy.context = context  # speculators that ask the policy while drafting read it there
         if not self.drafting:  # rows joining a running batch feed their prompts; speculators still track them
             return self._no_drafts(batch, limits), None, [0] * len(budget)
         if self.policy is not None and self.speculator.drafts_are_free:

@@ -93,10 +93,9 @@ class HybridSpeculator(Speculator):
         if head_k and policy is not None and policy.packed:
             # Only where adaptive k would verify some of the head's drafts, and they beat the lookup's alone by more
             # than the head's forwards cost (at a large batch, drafts of the head's acceptance often do not).
-            context = sum(batch.lengths[r] for r in batch.active)
             alternative = [n if c else head_k for n, c in zip(offered, copies)]
             kinds = [cls if c else self.head_class for cls, c in zip(classes, copies)]
-            if not policy.drafting_pays(batch.active, offered, classes, alternative, kinds, head_k, context):
+            if not policy.drafting_pays(batch.active, offered, classes, alternative, kinds, head_k):
                 head_k = 0
         drafted = self.head.propose(batch, head_k)
         if drafted.k == 0:  # every row copies, or the head has no states yet (the first step): the lookup alone
