@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from hf_specdec.kernels._backend import ENV_VAR, resolve_backend  # noqa: E402
+from hf_specdec.kernels._backend import ENV_VAR, interpreting, resolve_backend  # noqa: E402
 from hf_specdec.kernels.paged_attention import TreeMask, paged_attention, paged_attention_reference  # noqa: E402
 from hf_specdec.kernels.paged_attention import reference  # noqa: E402
 from hf_specdec.kernels.paged_attention.triton_kernel import paged_attention_triton  # noqa: E402
@@ -33,7 +33,12 @@ def test_auto_backend_is_torch_on_cpu_and_env_var_forces_triton(monkeypatch):
     assert resolve_backend("auto", "cpu") == "torch"
     assert resolve_backend("torch", "cpu") == "torch"
     monkeypatch.setenv(ENV_VAR, "triton")
-    assert resolve_backend("auto", "cpu") == "triton"  # TRITON_INTERPRET=1 is set by conftest on a CPU
+    if interpreting():  # conftest sets TRITON_INTERPRET=1 where there is no GPU
+        assert resolve_backend("auto", "cpu") == "triton"
+    else:  # on a GPU machine the kernels compile, so CPU tensors cannot take them
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            resolve_backend("auto", "cpu")
+        assert resolve_backend("auto", "cuda") == "triton"
     monkeypatch.setenv(ENV_VAR, "cuda-graphs")
     with pytest.raises(ValueError, match=ENV_VAR):
         resolve_backend("auto", "cpu")
