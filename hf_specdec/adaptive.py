@@ -15,10 +15,12 @@ curve(B q)` (`StepCost`), so verifying k drafts costs `cost(B, k + 1, C) / cost(
 drafting costs. On a CPU the curve climbs in steps as the matrix kernels change shape; on a GPU it is nearly flat.
 The step takes the k in `[0, max_k]` that maximises the batch's expected tokens per unit of cost, if that beats plain
 decoding (k = 0) by a margin (`min_gain`, 10%: the cost model leaves out verification work, and a draft that only
-breaks even is not worth the risk). Costs are never timed during a call, so seeded runs choose the same k and stay
-reproducible, and no step waits on the device: they come from this host's cached profile (`calibration.py`,
+breaks even is not worth the risk). Within a `generate` call costs are never timed, so seeded runs choose the same k
+and stay reproducible, and no step waits on the device: they come from this host's cached profile (`calibration.py`,
 `hf-specdec calibrate`) when there is one, else from the static curves below; `StepCost.measure(model)` fits one by
-hand. `chosen` keeps each step's k, and `idle_explanation` says why drafting stayed off when it mostly did.
+hand. The serving engine, whose batches change with every arrival anyway, also corrects them from its own steps'
+wall times (`MeasuredStepCost`): a profile measured on an idle host, at other batch sizes, misprices a loaded
+server's drafts. `chosen` keeps each step's k, and `idle_explanation` says why drafting stayed off when it mostly did.
 """
 
 from __future__ import annotations
@@ -110,6 +112,87 @@ class StepCost:
         return cls(per_row=per_row, points=tuple(zip(map(float, totals), curve)), per_context_token=per_context_token)
 
 
+class MeasuredStepCost:
+    """A `StepCost` corrected by the wall times of the steps it prices.
+
+    Each observed step (its rows `B`, tokens fed `N`, cached tokens `C`, whether it verified drafts, its verify time)
+    is fitted as `t = s * base(B, 1, C) + m * (base(B, N / B, C) - base(B, 1, C)) + o * drafted`: `s` puts the base
+    curve in this host's units, `m` scales what the tokens beyond one per row cost (a profile taken on an idle host at
+    other batch sizes can be off by half), `o` is what a step with drafts costs beyond its tokens (verification and
+    commit work). Weighted least squares with counts that decay each step, so the fit follows the load; a light
+    prior holds `m = s` and `o = 0` (the base curve as it is) until drafting steps say otherwise. Used only once
+    `min_steps` steps were seen. `relative` then answers as `StepCost.relative` does.
+
+    Args:
+        base (`StepCost`): the curve whose shape is kept.
+        decay (`float`): factor on the counts per observed step (0.98: about the last 50 steps weigh).
+        min_steps (`int`): steps to see before the fit is used.
+        prior_steps (`float`): how many observed steps the prior weighs, each at a quarter of a plain step's extra
+            cost (for `m`) or of 1 unit of time (for `o`).
+    """
+
+    def __init__(self, base: StepCost, decay: float = 0.98, min_steps: int = 16, prior_steps: float = 2.0):
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        self.base = base
+        self.decay = decay
+        self.min_steps = min_steps
+        self.prior_steps = prior_steps
+        self.gram = torch.zeros(3, 3, dtype=torch.float64)
+        self.moment = torch.zeros(3, dtype=torch.float64)
+        self.weight = 0.0  # observations, decayed
+        self.steps = 0  # observations, all
+        self._params: tuple[float, float, float] | None = None
+        self._stale = False
+
+    def observe(self, rows: int, tokens_fed: int, context: float, drafted: bool, seconds: float) -> None:
+        one = torch.ones((), dtype=torch.float64)
+        plain = float(self.base(rows, one, context))
+        extra = float(self.base(rows, one * (tokens_fed / rows), context)) - plain
+        x = torch.tensor([plain, extra, float(drafted)], dtype=torch.float64)
+        self.gram.mul_(self.decay).add_(torch.outer(x, x))
+        self.moment.mul_(self.decay).add_(x * (seconds * 1e3))
+        self.weight = self.weight * self.decay + 1.0
+        self.steps += 1
+        self._stale = True
+
+    @property
+    def ready(self) -> bool:
+        return self.steps >= self.min_steps and self.params is not None
+
+    @property
+    def params(self) -> tuple[float, float, float] | None:
+        """`(s, m, o)`, or None before any step or when the fit is degenerate (`s <= 0`)."""
+        if self._stale:
+            self._stale = False
+            self._params = self._fit()
+        return self._params
+
+    def _fit(self) -> tuple[float, float, float] | None:
+        if self.weight == 0.0:
+            return None
+        # The prior in the data's own units: a quarter of a plain step's base cost for `m`, 1 ms for `o`.
+        ref = 0.0625 * float(self.gram[0, 0]) / self.weight
+        prior = torch.zeros(3, 3, dtype=torch.float64)
+        prior[0, 0] = prior[1, 1] = self.prior_steps * ref
+        prior[0, 1] = prior[1, 0] = -self.prior_steps * ref  # (m - s)^2
+        prior[2, 2] = self.prior_steps
+        try:
+            s, m, o = torch.linalg.solve(self.gram + prior, self.moment).tolist()
+        except RuntimeError:  # singular: nothing informative seen yet
+            return None
+        if not s > 0:
+            return None
+        return s, max(m, 0.0), max(o, 0.0)
+
+    def relative(self, rows: int, tokens: torch.Tensor, context: float = 0.0) -> torch.Tensor:
+        s, m, o = self.params
+        tokens = torch.as_tensor(tokens, dtype=torch.float64)
+        plain = self.base(rows, torch.ones((), dtype=torch.float64), context)
+        extra = self.base(rows, tokens, context) - plain
+        return (s * plain + m * extra + o * (tokens > 1).double()) / (s * plain)
+
+
 # Measured with `StepCost.measure` on the development machine (2-core x86-64 CPU, SmolLM2-135M in float32, batch
 # 1/4/16, 1-16 tokens per row, 64 and 256 tokens of context; `benchmarks/step_cost.py`, docs/benchmarks.md). On a
 # CPU the weights stream once per forward, each cached token adds attention work, and the per-token part grows in
@@ -139,16 +222,20 @@ class AdaptiveK:
             a margin for what the cost model leaves out (verification, context length); below it k = 0.
         packed (`bool`): the target's verify feeds each row only its own drafts (`paged_cache.PackedLayout`), so a
             step costs the rows' tokens summed rather than every row padded to the widest.
+        measure_steps (`bool`): correct `step_cost` by the steps' own wall times (`observe`, `MeasuredStepCost`);
+            the serving engine's choice, where k already varies with arrivals. Off, k depends on acceptance alone.
     """
 
     def __init__(self, num_rows: int, max_k: int, step_cost: StepCost, draft_cost_per_token: float = 0.0,
                  priors: tuple[float, ...] = (0.6,), strength: float = 2.0, decay: float = 0.9, min_gain: float = 1.1,
-                 packed: bool = False):
+                 packed: bool = False, measure_steps: bool = False):
         if not priors or not all(0.0 <= p < 1.0 for p in priors):
             raise ValueError(f"acceptance priors must be in [0, 1), one per confidence class, got {priors!r}")
         self.max_k = max_k
         self.packed = packed
         self.step_cost = step_cost
+        # The serving engine's steps correct the step cost as they run (`observe`); `None`: the static cost only.
+        self.measured = MeasuredStepCost(step_cost) if measure_steps else None
         # Drafting one token, relative to a one-token target step. A static estimate, like the step cost.
         self.draft_cost_per_token = draft_cost_per_token
         self.priors = torch.tensor(priors, dtype=torch.float64)
@@ -238,8 +325,18 @@ class AdaptiveK:
         ks, _, expected, tokens = self._choose_rows(rows, alternative, alternative_classes, context)
         if not any(ks):
             return False
-        cost = float(self.step_cost.relative(len(rows), torch.tensor(tokens, dtype=torch.float64), context))
+        cost = float(self._relative(len(rows), torch.tensor(tokens, dtype=torch.float64), context))
         return expected / (cost + self.draft_cost_per_token * drafted) > base
+
+    def observe(self, rows: int, tokens_fed: int, context: float, drafted: bool, seconds: float) -> None:
+        """One step's verify time, for `MeasuredStepCost` (a no-op unless built with `measure_steps=True`)."""
+        if self.measured is not None:
+            self.measured.observe(rows, tokens_fed, context, drafted, seconds)
+
+    def _relative(self, rows: int, tokens: torch.Tensor, context: float) -> torch.Tensor:
+        if self.measured is not None and self.measured.ready:
+            return self.measured.relative(rows, tokens, context)
+        return self.step_cost.relative(rows, tokens, context)
 
     def _choose_rows(self, rows, available, classes, context) -> tuple[list[int], float, float, float]:
         """Drafts per row, the step's expected tokens per unit of cost with them, its expected tokens and the tokens
@@ -255,7 +352,7 @@ class AdaptiveK:
         gained = torch.cat([torch.zeros(1, dtype=torch.float64), order.values[:usable].cumsum(0)])
         expected = b + gained
         tokens = 1 + torch.arange(usable + 1, dtype=torch.float64) / b  # tokens fed per row, on average
-        cost = self.step_cost.relative(b, tokens, context)
+        cost = self._relative(b, tokens, context)
         value = expected / cost
         # The size is chosen with every draft's gain discounted by the margin, so a draft joins only where it beats
         # its own cost by the margin too (at a large batch a row's draft adds little against what its width costs,
@@ -281,7 +378,7 @@ class AdaptiveK:
         if self.packed and available is not None:  # each row feeds min(k, what it offers) drafts
             offered = torch.tensor(available, dtype=torch.float64)[:, None]
             tokens = (1 + torch.minimum(ks[None, :], offered)).mean(0)
-        cost = self.step_cost.relative(len(rows), tokens, context) + self.draft_cost_per_token * ks
+        cost = self._relative(len(rows), tokens, context) + self.draft_cost_per_token * ks
         value = expected / cost
         best = int(torch.argmax(value))
         return best if value[best] >= self.min_gain * value[0] else 0
@@ -294,7 +391,7 @@ class AdaptiveK:
         if self.max_k == 0 or len(self.chosen) < min_steps or 2 * idle <= len(self.chosen):
             return None
         rows, context = self._last
-        verify = self.step_cost.relative(rows, torch.tensor([2.0, self.max_k + 1.0], dtype=torch.float64), context)
+        verify = self._relative(rows, torch.tensor([2.0, self.max_k + 1.0], dtype=torch.float64), context)
         pooled = self.pooled()
         return (f"adaptive k kept drafting off in {idle} of {len(self.chosen)} steps: at batch {rows} a verify of 1 "
                 f"draft costs {float(verify[0]):.2f} plain steps and one of {self.max_k} drafts "

@@ -129,9 +129,11 @@ class Step:
         self.speculator.commit(batch, num_accepted)
         metrics.record_step(num_drafted, num_accepted)
         metrics.draft_time_s += t1 - t0
-        metrics.verify_time_s += time.perf_counter() - t1
+        verify_s = time.perf_counter() - t1  # the commit's host transfer came first: the device is done
+        metrics.verify_time_s += verify_s
         if self.policy is not None and self.drafting:
             self.policy.update(rows, num_drafted, num_accepted, classes)
+            self.policy.observe(len(rows), sum(num_fed), sum(cached), any(counts), verify_s)
         return num_emit, [r for r, done in zip(rows, finished) if done]
 
     def _tree_step(self, batch, target, stop, budget, metrics, pad_token_id) -> tuple[list[int], list[int]]:

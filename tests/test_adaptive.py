@@ -4,7 +4,7 @@ proposal by its confidence class."""
 import pytest
 import torch
 
-from hf_specdec.adaptive import DEFAULT_STEP_COST, AdaptiveK, StepCost
+from hf_specdec.adaptive import DEFAULT_STEP_COST, AdaptiveK, MeasuredStepCost, StepCost
 
 # A forward costs 1 + 0.18 per token: 5 drafts at batch 1 cost 1.6 plain steps.
 LINEAR = StepCost(per_row=0.0, points=((1, 1.18), (2, 1.36)))
@@ -241,3 +241,79 @@ def test_drafts_already_made_are_trimmed_per_row_without_a_second_record():
     trimmed = policy.choose_rows(list(range(16)), [4] * 16, context=2000.0, record=False)
     assert policy.chosen == [k]
     assert trimmed[0] > 0 and trimmed[1:] == [0] * 15
+
+
+def _timed_steps(cost: MeasuredStepCost, truth, steps: int, seed: int = 0, draft_share: float = 0.5) -> None:
+    """Feeds `cost` steps of random shapes timed by `truth(rows, tokens per row, context, drafted)` (ms) with 2%
+    noise: about `draft_share` of them verify drafts."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        rows = int(torch.randint(1, 33, (), generator=g))
+        drafted = bool(torch.rand((), generator=g) < draft_share)
+        tokens = 1 + (int(torch.randint(1, 4 * rows + 1, (), generator=g)) / rows if drafted else 0)
+        context = rows * float(torch.randint(50, 400, (), generator=g))
+        noise = 1 + 0.02 * float(torch.randn((), generator=g))
+        cost.observe(rows, round(rows * tokens), context, drafted, truth(rows, tokens, context, drafted) * noise / 1e3)
+
+
+@pytest.mark.parametrize("scale,marginal,overhead", [(3.0, 1.5, 4.0), (0.5, 0.5, 0.0)])
+def test_measured_step_cost_recovers_how_the_host_prices_tokens(scale, marginal, overhead):
+    """Steps timed on a host whose plain steps cost `scale` times the base curve, whose extra tokens cost `marginal`
+    times the curve's and whose drafting steps carry `overhead` ms more: the fitted relative costs are the host's,
+    not the base curve's."""
+    base = DEFAULT_STEP_COST["cpu"]
+    one = torch.ones((), dtype=torch.float64)
+
+    def truth(rows, tokens, context, drafted):
+        plain = float(base(rows, one, context))
+        extra = float(base(rows, torch.tensor(float(tokens), dtype=torch.float64), context)) - plain
+        return scale * plain + marginal * scale * extra + overhead * drafted
+
+    measured = MeasuredStepCost(base)
+    _timed_steps(measured, truth, 15)
+    assert not measured.ready  # too few steps yet
+    _timed_steps(measured, truth, 200, seed=1)
+    assert measured.ready
+    for rows, tokens, context in [(1, 4.0, 100.0), (16, 1.5, 3000.0), (30, 1.25, 9000.0)]:
+        want = truth(rows, tokens, context, True) / truth(rows, 1.0, context, False)
+        got = float(measured.relative(rows, torch.tensor(tokens, dtype=torch.float64), context))
+        assert got == pytest.approx(want, rel=0.03)
+        static = float(base.relative(rows, torch.tensor(tokens, dtype=torch.float64), context))
+        assert abs(static - want) > 3 * abs(got - want)  # the correction is what made it right
+    assert float(measured.relative(8, torch.ones((), dtype=torch.float64), 800.0)) == pytest.approx(1.0)
+
+
+def test_without_drafting_steps_the_measured_cost_keeps_the_curves_shape():
+    """Only plain steps seen: nothing says what extra tokens cost, so the relative costs are the base curve's."""
+    base = DEFAULT_STEP_COST["cpu"]
+    measured = MeasuredStepCost(base)
+    one = torch.ones((), dtype=torch.float64)
+    _timed_steps(measured, lambda r, t, c, d: 2.0 * float(base(r, one, c)), 40, draft_share=0.0)
+    tokens = torch.tensor([1.0, 2.0, 5.0], dtype=torch.float64)
+    assert torch.allclose(measured.relative(8, tokens, 1000.0), base.relative(8, tokens, 1000.0), rtol=0.01)
+
+
+def test_a_policy_measuring_its_steps_stops_drafting_where_tokens_cost_more_than_the_curve_says():
+    """At batch 16, half the rows accepting half their drafts: a curve pricing an extra token at 1.1% of a plain
+    step says drafting pays; steps timed at three times that price say it does not, and the measuring policy
+    declines. Without `measure_steps` the timings are ignored."""
+    base = StepCost(per_row=0.0, points=((1.0, 10.0), (64.0, 10.0 + 63 * 0.2)))
+    one = torch.ones((), dtype=torch.float64)
+
+    def truth(rows, tokens, context, drafted):
+        plain = float(base(rows, one, context))
+        return plain + 3.0 * (float(base(rows, torch.tensor(float(tokens), dtype=torch.float64), context)) - plain)
+
+    rows, context = list(range(16)), 16 * 200.0
+    chosen = {}
+    for measure in (False, True):
+        policy = AdaptiveK(16, 4, base, priors=(0.45,), packed=True, measure_steps=measure)
+        for _ in range(30):  # evidence: rows 0-7 accept half their drafts, rows 8-15 none
+            policy.update(rows, [4] * 16, [1] * 8 + [0] * 8)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(60):
+            n = int(torch.randint(16, 48, (), generator=g))
+            policy.observe(16, n, context, n > 16, truth(16, n / 16, context, n > 16) / 1e3)
+        chosen[measure] = policy.choose_rows(rows, [4] * 16, context=context)
+    assert sum(chosen[False]) > 0
+    assert sum(chosen[True]) == 0

@@ -211,8 +211,10 @@ class ServingEngine:
         policy = None
         if schedule == "adaptive":
             cost, draft_cost, _ = adaptive_costs(self.model, self.speculator, None, calibration)
+            # Arrivals change the batch every step, so k is not reproducible here anyway: the policy corrects the
+            # step cost by the steps' own timings (a profile from an idle host misprices a loaded server's drafts).
             policy = AdaptiveK(slots, self.k, cost, draft_cost, priors=self.speculator.confidence_priors,
-                               packed=self.target.packed)
+                               packed=self.target.packed, measure_steps=True)
         constraints = None
         try:
             from ..structured import xgrammar
