@@ -145,6 +145,18 @@ class MeasuredStepCost:
         self._params: tuple[float, float, float] | None = None
         self._stale = False
 
+    def weigh(self, rows: list[int], remaining: list[int] | None) -> None:
+        """How much a token of each row is worth this step. `None`: every row alike (the batch's tokens per unit of
+        cost is what counts while requests wait for a place). With `remaining`, each row's tokens still to come at
+        most: weights proportional to them, the longest 1. When nobody waits, the work left ends when its longest
+        row does, and an accepted draft there saves a whole step at the end while one in a row about to finish
+        saves next to nothing; so drafts go where they shorten the run."""
+        if remaining is None or not rows:
+            self.weights[rows] = 1.0
+            return
+        longest = max(max(remaining), 1)
+        self.weights[rows] = torch.tensor(remaining, dtype=torch.float64).clamp(min=0) / longest
+
     def observe(self, rows: int, tokens_fed: int, context: float, drafted: bool, seconds: float) -> None:
         one = torch.ones((), dtype=torch.float64)
         plain = float(self.base(rows, one, context))
@@ -250,6 +262,8 @@ class AdaptiveK:
         # Tokens in the rows' KV caches, summed, at the step being planned (set by the step before it proposes, for
         # speculators that ask `drafting_pays` while drafting).
         self.context = 0.0
+        # What a token of each row is worth, 1 for every row unless `weigh` says otherwise (see there).
+        self.weights = torch.ones(num_rows, dtype=torch.float64)
         self.num_declined = 0  # steps where drafts were on offer and k was 0
         self._last = (num_rows, 0.0)  # the rows and context of the latest choice, to explain it
 
@@ -328,6 +342,18 @@ class AdaptiveK:
         cost = float(self._relative(len(rows), torch.tensor(tokens, dtype=torch.float64), context))
         return expected / (cost + self.draft_cost_per_token * drafted) > base
 
+    def weigh(self, rows: list[int], remaining: list[int] | None) -> None:
+        """How much a token of each row is worth this step. `None`: every row alike (the batch's tokens per unit of
+        cost is what counts while requests wait for a place). With `remaining`, each row's tokens still to come at
+        most: weights proportional to them, the longest 1. When nobody waits, the work left ends when its longest
+        row does, and an accepted draft there saves a whole step at the end while one in a row about to finish
+        saves next to nothing; so drafts go where they shorten the run."""
+        if remaining is None or not rows:
+            self.weights[rows] = 1.0
+            return
+        longest = max(max(remaining), 1)
+        self.weights[rows] = torch.tensor(remaining, dtype=torch.float64).clamp(min=0) / longest
+
     def observe(self, rows: int, tokens_fed: int, context: float, drafted: bool, seconds: float) -> None:
         """One step's verify time, for `MeasuredStepCost` (a no-op unless built with `measure_steps=True`)."""
         if self.measured is not None:
@@ -342,15 +368,16 @@ class AdaptiveK:
         """Drafts per row, the step's expected tokens per unit of cost with them, its expected tokens and the tokens
         fed per row on average."""
         rates = self.acceptance(rows, classes)
+        weights = self.weights[torch.tensor(rows, dtype=torch.long)]
         j = torch.arange(1, self.max_k + 1, dtype=torch.float64)
-        gains = rates[:, None] ** j[None, :]  # [rows, max_k]: the j-th draft's expected tokens
+        gains = weights[:, None] * rates[:, None] ** j[None, :]  # [rows, max_k]: the j-th draft's expected tokens
         offered = torch.tensor(available, dtype=torch.float64)[:, None]
         gains = gains.masked_fill(j[None, :] > offered, -1.0)
         order = torch.sort(gains.flatten(), descending=True, stable=True)
         usable = int((order.values >= 0).sum())
         b = len(rows)
         gained = torch.cat([torch.zeros(1, dtype=torch.float64), order.values[:usable].cumsum(0)])
-        expected = b + gained
+        expected = float(weights.sum()) + gained
         tokens = 1 + torch.arange(usable + 1, dtype=torch.float64) / b  # tokens fed per row, on average
         cost = self._relative(b, tokens, context)
         value = expected / cost
@@ -358,7 +385,7 @@ class AdaptiveK:
         # its own cost by the margin too (at a large batch a row's draft adds little against what its width costs,
         # and one that only breaks even by the model is a loss when the model errs); the set as a whole must beat
         # plain decoding by the margin as before.
-        best = int(torch.argmax((b + gained / self.min_gain) / cost))
+        best = int(torch.argmax((expected[0] + gained / self.min_gain) / cost))
         if best == 0 or value[best] < self.min_gain * value[0]:
             return [0] * b, float(value[0]), float(expected[0]), 1.0
         # Per row, its drafts among the best `best` (a row's gains fall with j, so they are its first ones).
@@ -370,7 +397,7 @@ class AdaptiveK:
         rates = self.acceptance(rows, classes)
         ks = torch.arange(self.max_k + 1, dtype=torch.float64)
         # Expected emitted tokens summed over rows for each k: sum over j = 0..min(k, available) of rate^j.
-        terms = rates[:, None] ** ks[None, :]
+        terms = self.weights[torch.tensor(rows, dtype=torch.long)][:, None] * rates[:, None] ** ks[None, :]
         if available is not None:
             terms = terms.masked_fill(ks[None, :] > torch.tensor(available, dtype=torch.float64)[:, None], 0.0)
         expected = terms.cumsum(dim=1).sum(0)  # [max_k + 1]

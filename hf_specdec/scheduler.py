@@ -167,11 +167,13 @@ class Scheduler:
             are kept and a step makes no host transfer beyond its own.
         prefix_cache (`PrefixCache`, *optional*): requests joining from the queue start from the stored keys and
             values of the longest prompt prefix seen before, and store their prompt's blocks after their first step.
+        weigh_rows (`bool`): while no request waits, adaptive k weighs each row's tokens by the tokens it has left
+            (`AdaptiveK.weigh`), so drafts go to the rows the remaining work waits for.
     """
 
     def __init__(self, batch: SequenceBatch, target, step, stop, pad_token_id: int,
                  metrics: SpeculativeMetrics | None = None, max_num_blocks: int | None = None,
-                 collect_tokens: bool = True, prefix_cache=None):
+                 collect_tokens: bool = True, prefix_cache=None, weigh_rows: bool = False):
         self.batch = batch
         self.target = target
         self.step_fn = step
@@ -182,6 +184,7 @@ class Scheduler:
         self.max_num_blocks = max_num_blocks
         self.collect_tokens = collect_tokens
         self.prefix_cache = prefix_cache
+        self.weigh_rows = weigh_rows
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
         self.free_slots = list(range(len(batch.lengths)))[::-1]
@@ -239,6 +242,8 @@ class Scheduler:
         if sampling is not None:
             batch.do_sample = sampling.prepare(rows)
         budget = [self.running[r].max_new_tokens - self.running[r].num_generated for r in rows]
+        if self.weigh_rows and step.policy is not None and step.drafting:
+            step.policy.weigh(rows, None if self.waiting else budget)
         fed_prompts = [r for r in rows if r in self._fresh]
         emitted, finished = step(batch, self.target, self.stop, budget, self.metrics, self.pad_token_id)
         self._fresh.difference_update(rows)

@@ -8,13 +8,17 @@
 
 Reported per configuration: total tokens/s (every generated token over the span from the first arrival to the last
 completion), p50/p90 time to first token, p50/p90 per-token latency after the first, and how many answers equal
-transformers' (greedy, so they should all). The workload cycles through six prompts, so prefix caching (ours and
+transformers' (greedy, so they should all). With `--repeats N` every configuration runs N times, the order rotating
+by one each round so none always follows another; each figure is the median over the rounds, and the ratios to
+transformers and to speculation off are medians of the per-round ratios (configurations of one round ran side by
+side, so a slow spell of a shared host falls on all of them). The workload cycles through six prompts, so prefix caching (ours and
 transformers' block sharing, both on by default) finds most of each prompt stored: the metrics say how many prompt
 tokens were fed and how many were found.
 """
 
 import asyncio
 import json
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,6 +28,8 @@ import torch
 from .workloads import GROUNDED, OPEN_CHAT, chat_inputs
 
 LENGTHS = (16, 48, 96, 160)  # max_tokens of the requests, cycled: short and long answers mixed
+TRANSFORMERS = "transformers continuous batching"
+SPECULATION_OFF = "hf_specdec serve, speculation off"
 
 
 @dataclass
@@ -221,35 +227,77 @@ def run_transformers(model, tokenizer, requests, rate: float, max_batch_size: in
         stamps = result.timestamps or [done]
         served.append(Served(stamps[0] - sent[f"r{i}"], done - sent[f"r{i}"], len(result.generated_tokens),
                              tokenizer.decode(result.generated_tokens, skip_special_tokens=True)))
-    return summarize("transformers continuous batching", served,
+    return summarize(TRANSFORMERS, served,
                      [sent[f"r{i}"] for i in range(len(requests))], start), served
 
 
 def run(model, tokenizer, model_name: str, speculators: dict, num_requests: int = 32, rate: float = 1.0,
-        max_batch_size: int = 8, threads: int | None = None, extra: tuple = ()) -> list[ServeResult]:
-    """`speculators`: configuration name -> (`--speculator` value, `-k` or `None`)."""
+        max_batch_size: int = 8, threads: int | None = None, extra: tuple = (), repeats: int = 1
+        ) -> list[list[ServeResult]]:
+    """`speculators`: configuration name -> (`--speculator` value, `-k` or `None`). Returns one list of results per
+    round, transformers' first, then the configurations in the order given (each round ran them rotated)."""
     requests = workload(tokenizer, num_requests)
-    results = []
-    reference_result, reference = run_transformers(model, tokenizer, requests, rate, max_batch_size)
-    results.append(reference_result)
-    reference_result.identical = len(reference)
-    for name, (spec, k) in speculators.items():
-        result, served = run_server(model_name, spec, k, requests, rate, max_batch_size, name, threads, extra)
-        result.identical = sum(a.text == b.text for a, b in zip(served, reference))
-        results.append(result)
-    return results
+    names = [TRANSFORMERS, *speculators]
+    reference = None
+    rounds = []
+    for round_index in range(repeats):
+        shift = round_index % len(names)
+        done = {}
+        for name in names[shift:] + names[:shift]:
+            if name == TRANSFORMERS:
+                result, served = run_transformers(model, tokenizer, requests, rate, max_batch_size)
+            else:
+                spec, k = speculators[name]
+                result, served = run_server(model_name, spec, k, requests, rate, max_batch_size, name, threads,
+                                            extra)
+            done[name] = (result, served)
+        if reference is None:  # transformers' answers in the first round are the reference
+            reference = [s.text for s in done[TRANSFORMERS][1]]
+        for name, (result, served) in done.items():
+            result.identical = sum(s.text == t for s, t in zip(served, reference))
+        rounds.append([done[name][0] for name in names])
+    return rounds
 
 
-def table(results: list[ServeResult]) -> str:
-    base = results[0].tokens_per_s
-    rows = ["| configuration | tokens/s | vs transformers | TTFT p50 s | TTFT p90 s | per-token p50 ms | per-token p90 ms "
-            "| acceptance | identical |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in results:
-        acceptance = f"{r.metrics['acceptance']:.2f}" if r.metrics.get("draft_tokens") else "-"
-        rows.append(f"| {r.configuration} | {r.tokens_per_s:.1f} | {r.tokens_per_s / base:.2f}x | {r.ttft_p50:.2f} | "
-                    f"{r.ttft_p90:.2f} | {r.tpot_p50_ms:.0f} | {r.tpot_p90_ms:.0f} | {acceptance} | "
-                    f"{r.identical}/{r.requests} |")
-    return "\n".join(rows)
+def summarize_rounds(rounds: list[list[ServeResult]]) -> list[dict]:
+    """Per configuration: each figure's median over the rounds, and the medians of the per-round ratios of its
+    tokens/s to transformers' and to speculation off's."""
+    import statistics
+
+    def ratios(i: int, j: int | None) -> float | None:
+        if j is None:
+            return None
+        return statistics.median(r[i].tokens_per_s / r[j].tokens_per_s for r in rounds)
+
+    names = [r.configuration for r in rounds[0]]
+    off = names.index(SPECULATION_OFF) if SPECULATION_OFF in names else None
+    rows = []
+    for i, name in enumerate(names):
+        runs = [r[i] for r in rounds]
+        acceptances = [r.metrics["acceptance"] for r in runs if r.metrics.get("draft_tokens")]
+        rows.append({
+            "configuration": name, "rounds": len(runs),
+            **{key: statistics.median(getattr(r, key) for r in runs)
+               for key in ("tokens_per_s", "ttft_p50", "ttft_p90", "tpot_p50_ms", "tpot_p90_ms")},
+            "vs_transformers": ratios(i, 0), "vs_speculation_off": ratios(i, off),
+            "acceptance": statistics.median(acceptances) if acceptances else None,
+            "identical": min(r.identical for r in runs), "requests": runs[0].requests,
+            "tokens_per_s_each": [r.tokens_per_s for r in runs],
+        })
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| configuration | tokens/s | vs transformers | vs speculation off | TTFT p50 s | TTFT p90 s "
+           "| per-token p50 ms | per-token p90 ms | acceptance | identical |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        acceptance = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
+        off = f"{r['vs_speculation_off']:.2f}x" if r["vs_speculation_off"] is not None else "-"
+        out.append(f"| {r['configuration']} | {r['tokens_per_s']:.1f} | {r['vs_transformers']:.2f}x | {off} | "
+                   f"{r['ttft_p50']:.2f} | {r['ttft_p90']:.2f} | {r['tpot_p50_ms']:.0f} | {r['tpot_p90_ms']:.0f} | "
+                   f"{acceptance} | {r['identical']}/{r['requests']} |")
+    return "\n".join(out)
 
 
 def cmd_bench_serve(args) -> int:
@@ -259,19 +307,24 @@ def cmd_bench_serve(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, dtype=_dtype(args), device=args.device)
-    speculators = {"hf_specdec serve, speculation off": ("ngram", 0)}
+    speculators = {SPECULATION_OFF: ("ngram", 0)}
     for name in filter(None, args.speculators.split(",")):
         speculators[f"hf_specdec serve {name}"] = (name, None)
     extra = tuple(["--no-calibrate"] if args.no_calibrate else []) + tuple(
         option for flag, value in (("--device", args.device), ("--dtype", args.dtype)) if value
         for option in (flag, value))
-    results = run(model, tokenizer, args.model, speculators, args.requests, args.rate, args.max_batch_size,
-                  args.threads, extra)
-    print(table(results))
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
+    rounds = run(model, tokenizer, args.model, speculators, args.requests, args.rate, args.max_batch_size,
+                 args.threads, extra, args.repeats)
+    summary = summarize_rounds(rounds)
+    print(table(summary))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"requests": args.requests, "rate": args.rate, "max_batch_size": args.max_batch_size,
-                       "results": [asdict(r) for r in results]}, f, indent=2)
+                       "repeats": args.repeats, "command": " ".join(["hf-specdec", *sys.argv[1:]]),
+                       "summary": summary, "results": [asdict(r) for r in rounds[0]],
+                       "rounds": [[asdict(r) for r in results] for results in rounds]}, f, indent=2)
     return 0
 
 
@@ -282,6 +335,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-calibrate", action="store_true")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of every configuration, order rotating; "
+                        "figures are medians, ratios medians of per-round ratios")
     parser.add_argument("--out", default=None, help="JSON results file")
     parser.set_defaults(func=cmd_bench_serve)
 

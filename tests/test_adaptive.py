@@ -317,3 +317,20 @@ def test_a_policy_measuring_its_steps_stops_drafting_where_tokens_cost_more_than
         chosen[measure] = policy.choose_rows(rows, [4] * 16, context=context)
     assert sum(chosen[False]) > 0
     assert sum(chosen[True]) == 0
+
+
+def test_weighed_rows_draft_where_the_remaining_work_waits():
+    """Four rows, the same acceptance, a step cost under which no row's drafts pay for the batch's throughput: with
+    the rows weighed by the tokens they have left, the row with the most left drafts (its accepted drafts shorten
+    the run) and the rows about to finish do not; `weigh(rows, None)` restores the uniform choice."""
+    cost = StepCost(per_row=0.0, points=((1.0, 10.0), (64.0, 10.0 + 63 * 3.0)))  # a token: 16% of a 4-row step
+    rows = [0, 1, 2, 3]
+    policy = AdaptiveK(4, 3, cost, priors=(0.6,), packed=True)
+    for _ in range(20):
+        policy.update(rows, [3] * 4, [2] * 4)  # acceptance about 0.67 in every row
+    assert policy.choose_rows(rows, [3] * 4) == [0, 0, 0, 0]
+    policy.weigh(rows, [150, 6, 4, 2])
+    ks = policy.choose_rows(rows, [3] * 4)
+    assert ks[0] > 0 and ks[1:] == [0, 0, 0]
+    policy.weigh(rows, None)
+    assert policy.choose_rows(rows, [3] * 4) == [0, 0, 0, 0]

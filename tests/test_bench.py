@@ -3,6 +3,7 @@
 import json
 import os
 
+import pytest
 import torch
 
 from conftest import make_model, make_tokenizer
@@ -69,3 +70,26 @@ def test_bench_compares_the_packed_and_padded_layouts(monkeypatch):
     assert all(r.identical for r in results)
     assert True in seen and False in seen  # both layouts ran
     assert "HF_SPECDEC_PACKED" not in os.environ
+
+
+def test_bench_serve_rounds_report_medians_and_paired_ratios():
+    """Three rounds of three configurations: figures are medians over the rounds, ratios the medians of each round's
+    own ratio (a round where everything ran slow does not distort them), identical the fewest seen."""
+    from hf_specdec.serve_bench import SPECULATION_OFF, TRANSFORMERS, ServeResult, summarize_rounds, table
+
+    def result(name, tps, identical=8):
+        return ServeResult(name, tps, 0.1 * tps, 0.2 * tps, tps, 2 * tps, 8, identical,
+                           {"draft_tokens": 10, "acceptance": tps / 100} if name == "ngram" else {})
+
+    rounds = [[result(TRANSFORMERS, 50), result(SPECULATION_OFF, 80), result("ngram", 88)],
+              [result(TRANSFORMERS, 25), result(SPECULATION_OFF, 40), result("ngram", 48, identical=7)],
+              [result(TRANSFORMERS, 60), result(SPECULATION_OFF, 90), result("ngram", 90)]]
+    rows = {r["configuration"]: r for r in summarize_rounds(rounds)}
+    assert rows["ngram"]["tokens_per_s"] == 88
+    assert rows["ngram"]["vs_speculation_off"] == pytest.approx(1.1)  # 1.1, 1.2, 1.0
+    assert rows["ngram"]["vs_transformers"] == pytest.approx(1.76)  # 1.76, 1.92, 1.5
+    assert rows[SPECULATION_OFF]["vs_speculation_off"] == pytest.approx(1.0)
+    assert rows["ngram"]["identical"] == 7
+    assert rows["ngram"]["acceptance"] == pytest.approx(0.88)
+    assert rows[TRANSFORMERS]["acceptance"] is None
+    assert "| ngram | 88.0 | 1.76x | 1.10x |" in table(list(rows.values()))

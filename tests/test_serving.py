@@ -126,6 +126,29 @@ def test_requests_joining_a_running_batch_equal_their_solo_runs(tokenizer, specu
         engine.shutdown()
 
 
+def test_adaptive_serving_times_its_steps_and_weighs_rows_by_work_left(tokenizer):
+    """Under adaptive k the serving engine corrects the step cost by its steps' timings and, with nobody waiting,
+    weighs each row by the tokens it has left; every answer still equals its solo run."""
+    model = served_model()
+    engine = ServingEngine(model, tokenizer, "ngram", num_speculative_tokens=4, max_batch_size=3).start()
+    seen = []
+    weigh = engine.step.policy.weigh
+    engine.step.policy.weigh = lambda rows, remaining: seen.append(remaining) or weigh(rows, remaining)
+    try:
+        plan = [(repeating(6 + 3 * i, seed=i), 10 + 9 * i) for i in range(5)]
+        streams = [engine.submit(prompt, n) for prompt, n in plan]  # five for three slots: two wait at first
+        for stream in streams:
+            for _ in stream:
+                pass
+    finally:
+        engine.shutdown()
+    for (prompt, n), stream in zip(plan, streams):
+        assert stream.request.output_ids == solo(model, prompt, n)
+    assert engine.step.policy.measured.steps > 0
+    assert None in seen  # while requests waited: every row alike
+    assert any(r is not None and len(set(r)) > 1 for r in seen)  # then by the tokens each had left
+
+
 @pytest.mark.parametrize("idle_backlog", [None, 1])
 @pytest.mark.parametrize("version", [1, 3])
 def test_eagle_head_under_continuous_batching(tokenizer, tmp_path, version, idle_backlog):

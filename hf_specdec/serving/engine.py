@@ -228,7 +228,8 @@ class ServingEngine:
         eos = torch.tensor(self.eos_token_ids, device=device) if self.eos_token_ids else None
         self.prefix_cache = self._prefix_cache(prefix_cache_tokens, block_size)
         self.scheduler = Scheduler(self.batch, self.target, self.step, StopRules(None, eos), self.pad_token_id,
-                                   self.metrics, max_num_blocks=max_num_blocks, prefix_cache=self.prefix_cache)
+                                   self.metrics, max_num_blocks=max_num_blocks, prefix_cache=self.prefix_cache,
+                                   weigh_rows=True)
         self.calibration = calibration
 
     def _prefix_cache(self, tokens: int | None, block_size: int) -> PrefixCache | None:
