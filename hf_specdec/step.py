@@ -110,6 +110,9 @@ class Step:
         num_emit, num_accepted, num_drafted, finished = self._commit(
             batch, target, rows, [num_emit, result.num_accepted, draft.num_tokens, finished, broken],
             "the target or draft model" if draft.probs is not None else "the target model")
+        # The target's forward and the verify, done once the commit's host transfer returned. What follows (a head
+        # reading the committed tokens' states) is per committed token, not per draft: adaptive k does not price it.
+        verified_s = time.perf_counter() - t1
         if constrained is not None:
             self.constraints.commit(rows, output, num_emit, finished)
             # The grammar's drafts were never the speculator's: it, adaptive k and the metrics see only its own.
@@ -129,11 +132,10 @@ class Step:
         self.speculator.commit(batch, num_accepted)
         metrics.record_step(num_drafted, num_accepted)
         metrics.draft_time_s += t1 - t0
-        verify_s = time.perf_counter() - t1  # the commit's host transfer came first: the device is done
-        metrics.verify_time_s += verify_s
+        metrics.verify_time_s += time.perf_counter() - t1
         if self.policy is not None and self.drafting:
             self.policy.update(rows, num_drafted, num_accepted, classes)
-            self.policy.observe(len(rows), sum(num_fed), sum(cached), any(counts), verify_s)
+            self.policy.observe(len(rows), sum(num_fed), sum(cached), any(counts), verified_s)
         return num_emit, [r for r, done in zip(rows, finished) if done]
 
     def _tree_step(self, batch, target, stop, budget, metrics, pad_token_id) -> tuple[list[int], list[int]]:
