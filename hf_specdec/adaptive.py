@@ -145,18 +145,6 @@ class MeasuredStepCost:
         self._params: tuple[float, float, float] | None = None
         self._stale = False
 
-    def weigh(self, rows: list[int], remaining: list[int] | None) -> None:
-        """How much a token of each row is worth this step. `None`: every row alike (the batch's tokens per unit of
-        cost is what counts while requests wait for a place). With `remaining`, each row's tokens still to come at
-        most: weights proportional to them, the longest 1. When nobody waits, the work left ends when its longest
-        row does, and an accepted draft there saves a whole step at the end while one in a row about to finish
-        saves next to nothing; so drafts go where they shorten the run."""
-        if remaining is None or not rows:
-            self.weights[rows] = 1.0
-            return
-        longest = max(max(remaining), 1)
-        self.weights[rows] = torch.tensor(remaining, dtype=torch.float64).clamp(min=0) / longest
-
     def observe(self, rows: int, tokens_fed: int, context: float, drafted: bool, seconds: float) -> None:
         one = torch.ones((), dtype=torch.float64)
         plain = float(self.base(rows, one, context))

@@ -180,8 +180,8 @@ def query_groups(counts: list[int]) -> tuple[int, list[int], int] | None:
     than that in another of width `long`. `None` where one padded group is as good. A second group costs its own
     gathers and attention call per layer; one row of 20 feeding 2 tokens padded every row to 2 queries, and that
     attention took 35 ms against 15 over SmolLM2's 30 layers at 256 cached tokens (2-core CPU). On whole forwards
-    (`benchmarks/query_groups.py`, docs/benchmarks.md) two groups were 6-18% faster at 20-30 rows, -7% to +4% at 8
-    and up to 18% slower at 4, where this rule keeps one."""
+    (`benchmarks/query_groups.py`, docs/benchmarks.md) two groups were 6-18% faster at 20-30 rows, between 4% faster
+    and 7% slower at 8 and up to 18% slower at 4, where this rule keeps one."""
     widths = sorted(counts)
     whole = len(widths) * widths[-1]
     best, short = whole, None
