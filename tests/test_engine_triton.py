@@ -1,7 +1,8 @@
 """The whole engine on its Triton kernels (HF_SPECDEC_KERNEL_BACKEND=triton; the interpreter on a CPU).
 
-Paged attention reads the pool in place, the verifier and the sampling warpers run as kernels; greedy output must
-still equal plain `generate`, token for token. The interpreter runs each kernel program in Python, so these use
+Paged attention reads the pool in place, the verifier (for batches that sample: an all-greedy batch takes the
+PyTorch argmax on every backend) and the sampling warpers run as kernels; greedy output must still equal plain
+`generate`, token for token. The interpreter runs each kernel program in Python, so these use
 small batches and few tokens.
 """
 
@@ -58,7 +59,7 @@ def test_greedy_equals_generate_on_triton_kernels(arch, kind, kernel_calls):
                           return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected)
     assert out.speculative_metrics.num_draft_tokens > 0
-    assert kernel_calls["attention"] > 0 and kernel_calls["rejection"] > 0
+    assert kernel_calls["attention"] > 0 and kernel_calls["rejection"] == 0  # all greedy: the argmax path
     # The ragged prompts (and n-gram steps where rows offer different drafts) went through the kernel packed.
     assert kernel_calls["packed_attention"] > 0
 

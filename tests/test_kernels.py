@@ -71,16 +71,37 @@ GREEDY_CASES = {
 }
 
 
+@pytest.mark.parametrize("per_row", [False, True])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("case", list(GREEDY_CASES))
-def test_greedy_cases(case, backend):
+def test_greedy_cases(case, backend, per_row):
+    """`is_greedy=True` (the whole batch, known on the host) takes the PyTorch argmax on every backend; a per-row
+    tensor, as in a batch that also samples, takes the backend's own path (the kernel's greedy scan with triton)."""
     argmax, drafts, expected, accepted = GREEDY_CASES[case]
     drafts = torch.tensor(drafts, dtype=torch.long).reshape(len(argmax), -1)
     num_drafts = (drafts >= 0).sum(-1)
+    is_greedy = torch.ones(len(argmax), dtype=torch.bool, device=DEVICE) if per_row else True
     out, num_accepted = rejection_sample(drafts.to(DEVICE), num_drafts.to(DEVICE), one_hot_scores(argmax, 5).to(DEVICE),
-                                         is_greedy=True, backend=backend)
+                                         is_greedy=is_greedy, backend=backend)
     assert out.tolist() == expected
     assert num_accepted.tolist() == accepted
+
+
+def test_an_all_greedy_batch_takes_the_argmax_path_on_the_triton_backend(monkeypatch):
+    from hf_specdec.kernels.rejection_sample import triton_kernel
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the kernel ran for an all-greedy batch")
+
+    monkeypatch.setattr(triton_kernel, "rejection_sample_triton", refuse)
+    argmax, drafts, expected, _ = GREEDY_CASES["ragged_batch"]
+    drafts = torch.tensor(drafts, dtype=torch.long)
+    out, _ = rejection_sample(drafts.to(DEVICE), (drafts >= 0).sum(-1).to(DEVICE),
+                              one_hot_scores(argmax, 5).to(DEVICE), is_greedy=True, backend="triton")
+    assert out.tolist() == expected
+    with pytest.raises(AssertionError, match="the kernel ran"):  # a per-row flag still reaches the kernel
+        rejection_sample(drafts.to(DEVICE), (drafts >= 0).sum(-1).to(DEVICE), one_hot_scores(argmax, 5).to(DEVICE),
+                         is_greedy=torch.ones(3, dtype=torch.bool, device=DEVICE), backend="triton")
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -38,7 +38,10 @@ def rejection_sample(
         generator: the random source when `uniforms`/`seeds` are not given (the global one when `None`, so
             `torch.manual_seed` makes runs reproducible).
         backend: `"auto"` (triton on CUDA, torch elsewhere, unless `HF_SPECDEC_KERNEL_BACKEND` says otherwise),
-            `"torch"` or `"triton"`.
+            `"torch"` or `"triton"`. A batch known to be all greedy (`is_greedy=True`) takes the PyTorch path on
+            every backend: its argmax is one parallel reduction there, while the kernel scans each row's positions
+            in one program (on an H200, batch 256, k 5, vocab 128256: 0.45 ms against the kernel's 0.72;
+            docs/kernels.md).
 
     Returns:
         `(output_token_ids, num_accepted)`: `[batch, k + 1]` int64 (accepted drafts, then the recovered or bonus
@@ -50,7 +53,7 @@ def rejection_sample(
     all_greedy = is_greedy if isinstance(is_greedy, bool) else None
     if uniforms is None and all_greedy is not True:
         uniforms = torch.rand((batch, k), dtype=torch.float64, device=device, generator=generator)
-    if backend == "triton":
+    if backend == "triton" and all_greedy is not True:
         from .triton_kernel import rejection_sample_triton
 
         if isinstance(is_greedy, bool):
