@@ -86,9 +86,11 @@ def run_tests(ctx: Context) -> dict:
                          "output_tail": output.strip().splitlines()[-15:]}
         problem = judge_tests(proc.returncode, counts, allow_skips=ctx.dry_run)
         if problem:
-            failures.append(f"pytest {' '.join(args)}: {problem}")
+            # Which tests and why, so the report alone says what to fix (the first GPU run's said only how many).
+            failed = "; ".join(f"{t}: {m}" for t, m in counts.get("failed_tests", []))
+            failures.append(f"pytest {' '.join(args)}: {problem}" + (f" [{failed}]" if failed else ""))
     if failures:
-        raise StageError("; ".join(failures))
+        raise StageError("; ".join(failures), partial=results)
     return results
 
 
@@ -98,7 +100,15 @@ def junit_counts(report: Path) -> dict:
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     counts = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
     counts["skip_reasons"] = sorted({s.get("message", "") for s in root.iter("skipped")})
+    counts["failed_tests"] = [(case.get("name", "?"), _first_line(problem.get("message")) or problem.tag)
+                              for case in root.iter("testcase") for problem in case
+                              if problem.tag in ("failure", "error")]
     return counts
+
+
+def _first_line(text: str | None, limit: int = 300) -> str:
+    lines = (text or "").strip().splitlines()
+    return lines[0][:limit] if lines else ""
 
 
 def judge_tests(exit_code: int, counts: dict, allow_skips: bool) -> str | None:

@@ -130,6 +130,11 @@ def test_pytest_runs_are_judged_loudly(tmp_path):
     assert judge_tests(5, {**counts, "tests": 0, "skipped": 0}, allow_skips=True) == "collected no test"
     assert "1 failed" in judge_tests(1, {**counts, "failures": 1}, allow_skips=True)
     assert judge_tests(2, {}, allow_skips=True) == "no report (exit code 2)"
+    assert counts["failed_tests"] == []
+    report.write_text('<testsuite tests="2" failures="1" errors="1" skipped="0">'
+                      '<testcase name="d[draft]"><failure message="assert 0 &gt; 0&#10;where 0 = ...">tb</failure>'
+                      '</testcase><testcase name="e"><error message="">tb</error></testcase></testsuite>')
+    assert junit_counts(report)["failed_tests"] == [("d[draft]", "assert 0 > 0"), ("e", "error")]
 
 
 def test_bundle_parts_travel_and_reassemble(tmp_path):
