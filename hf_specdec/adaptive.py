@@ -115,11 +115,11 @@ class StepCost:
 class MeasuredStepCost:
     """A `StepCost` corrected by the wall times of the steps it prices.
 
-    Each observed step (its rows `B`, tokens fed `N`, cached tokens `C`, whether it verified drafts, its verify time)
-    is fitted as `t = s * base(B, 1, C) + m * (base(B, N / B, C) - base(B, 1, C)) + o * drafted`: `s` puts the base
-    curve in this host's units, `m` scales what the tokens beyond one per row cost (a profile taken on an idle host at
-    other batch sizes can be off by half), `o` is what a step with drafts costs beyond its tokens (verification and
-    commit work). Weighted least squares with counts that decay each step, so the fit follows the load; a light
+    Each observed step (its rows `B`, tokens fed `N`, cached tokens `C`, whether it verified drafts, and the time of
+    its target forward and verify) is fitted as `t = s * base(B, 1, C) + m * (base(B, N / B, C) - base(B, 1, C)) +
+    o * drafted`: `s` puts the base curve in this host's units, `m` scales what the tokens beyond one per row cost (a
+    profile taken on an idle host at other batch sizes can be off by half), `o` is what a step with drafts costs
+    beyond its tokens (a ragged step's attention and packing, the verify). Weighted least squares with counts that decay each step, so the fit follows the load; a light
     prior holds `m = s` and `o = 0` (the base curve as it is) until drafting steps say otherwise. Used only once
     `min_steps` steps were seen. `relative` then answers as `StepCost.relative` does.
 
