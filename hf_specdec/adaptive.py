@@ -119,9 +119,10 @@ class MeasuredStepCost:
     its target forward and verify) is fitted as `t = s * base(B, 1, C) + m * (base(B, N / B, C) - base(B, 1, C)) +
     o * drafted`: `s` puts the base curve in this host's units, `m` scales what the tokens beyond one per row cost (a
     profile taken on an idle host at other batch sizes can be off by half), `o` is what a step with drafts costs
-    beyond its tokens (a ragged step's attention and packing, the verify). Weighted least squares with counts that decay each step, so the fit follows the load; a light
-    prior holds `m = s` and `o = 0` (the base curve as it is) until drafting steps say otherwise. Used only once
-    `min_steps` steps were seen. `relative` then answers as `StepCost.relative` does.
+    beyond its tokens (a ragged step's attention and packing, the verify). Weighted least squares with counts that
+    decay each step, so the fit follows the load; a light prior holds `m = s` and `o = 0` (the base curve as it is)
+    until drafting steps say otherwise. Used only once `min_steps` steps were seen. `relative` then answers as
+    `StepCost.relative` does.
 
     Args:
         base (`StepCost`): the curve whose shape is kept.
@@ -222,7 +223,7 @@ class AdaptiveK:
             a margin for what the cost model leaves out (verification, context length); below it k = 0.
         packed (`bool`): the target's verify feeds each row only its own drafts (`paged_cache.PackedLayout`), so a
             step costs the rows' tokens summed rather than every row padded to the widest.
-        measure_steps (`bool`): correct `step_cost` by the steps' own wall times (`observe`, `MeasuredStepCost`);
+        measure_steps (`bool`): correct `step_cost` by the steps' own wall times (`measured`, a `MeasuredStepCost`);
             the serving engine's choice, where k already varies with arrivals. Off, k depends on acceptance alone.
     """
 
@@ -234,7 +235,7 @@ class AdaptiveK:
         self.max_k = max_k
         self.packed = packed
         self.step_cost = step_cost
-        # The serving engine's steps correct the step cost as they run (`observe`); `None`: the static cost only.
+        # The serving engine's steps correct the step cost as they run (`measured.observe`); `None`: static only.
         self.measured = MeasuredStepCost(step_cost) if measure_steps else None
         # Drafting one token, relative to a one-token target step. A static estimate, like the step cost.
         self.draft_cost_per_token = draft_cost_per_token
@@ -341,11 +342,6 @@ class AdaptiveK:
             return
         longest = max(max(remaining), 1)
         self.weights[rows] = torch.tensor(remaining, dtype=torch.float64).clamp(min=0) / longest
-
-    def observe(self, rows: int, tokens_fed: int, context: float, drafted: bool, seconds: float) -> None:
-        """One step's verify time, for `MeasuredStepCost` (a no-op unless built with `measure_steps=True`)."""
-        if self.measured is not None:
-            self.measured.observe(rows, tokens_fed, context, drafted, seconds)
 
     def _relative(self, rows: int, tokens: torch.Tensor, context: float) -> torch.Tensor:
         if self.measured is not None and self.measured.ready:

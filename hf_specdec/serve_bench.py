@@ -11,13 +11,14 @@ completion), p50/p90 time to first token, p50/p90 per-token latency after the fi
 transformers' (greedy, so they should all). With `--repeats N` every configuration runs N times, the order rotating
 by one each round so none always follows another; each figure is the median over the rounds, and the ratios to
 transformers and to speculation off are medians of the per-round ratios (configurations of one round ran side by
-side, so a slow spell of a shared host falls on all of them). The workload cycles through six prompts, so prefix caching (ours and
-transformers' block sharing, both on by default) finds most of each prompt stored: the metrics say how many prompt
-tokens were fed and how many were found.
+side, so a slow spell of a shared host falls on all of them). The workload cycles through six prompts, so prefix
+caching (ours and transformers' block sharing, both on by default) finds most of each prompt stored: the metrics say
+how many prompt tokens were fed and how many were found.
 """
 
 import asyncio
 import json
+import statistics
 import sys
 import threading
 import time
@@ -262,8 +263,6 @@ def run(model, tokenizer, model_name: str, speculators: dict, num_requests: int 
 def summarize_rounds(rounds: list[list[ServeResult]]) -> list[dict]:
     """Per configuration: each figure's median over the rounds, and the medians of the per-round ratios of its
     tokens/s to transformers' and to speculation off's."""
-    import statistics
-
     def ratios(i: int, j: int | None) -> float | None:
         if j is None:
             return None

@@ -135,7 +135,8 @@ class Step:
         metrics.verify_time_s += time.perf_counter() - t1
         if self.policy is not None and self.drafting:
             self.policy.update(rows, num_drafted, num_accepted, classes)
-            self.policy.observe(len(rows), sum(num_fed), sum(cached), any(counts), verified_s)
+            if self.policy.measured is not None:  # the serving engine's policy prices drafts by these timings
+                self.policy.measured.observe(len(rows), sum(num_fed), self.policy.context, any(counts), verified_s)
         return num_emit, [r for r, done in zip(rows, finished) if done]
 
     def _tree_step(self, batch, target, stop, budget, metrics, pad_token_id) -> tuple[list[int], list[int]]:
