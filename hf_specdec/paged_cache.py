@@ -179,7 +179,8 @@ def query_groups(counts: list[int]) -> tuple[int, list[int], int] | None:
     feeding one token): `(short, long_rows, long)`, every row's last `short` tokens in one group, the rows longer
     than that in another of width `long`. `None` where one padded group is as good. A second group costs its own
     gathers and attention call per layer; one row of 20 feeding 2 tokens padded every row to 2 queries, and that
-    attention took 35 ms against 15 over SmolLM2's 30 layers at 256 cached tokens (2-core CPU). On whole forwards
+    attention took 27-35 ms against 15 over SmolLM2's 30 layers at 256 cached tokens (2-core CPU,
+    `benchmarks/ragged_attention.py`). On whole forwards
     (`benchmarks/query_groups.py`, docs/benchmarks.md) two groups were 6-18% faster at 20-30 rows, between 4% faster
     and 7% slower at 8 and up to 18% slower at 4, where this rule keeps one."""
     widths = sorted(counts)

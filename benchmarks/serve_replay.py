@@ -1,0 +1,102 @@
+"""`hf-specdec bench-serve`'s requests through `ServingEngine` in this process, without HTTP: what each serving
+configuration does to throughput when nothing but the engine differs. Rounds rotate the order; each round's tokens/s
+is divided by the first configuration's in the same round, and the median of those ratios is reported, with the
+steps, drafted and accepted tokens and the fitted step cost (`MeasuredStepCost.params`: scale, extra-token price,
+fixed cost of a step with drafts, in ms) of each run. Every run's answers are compared with the first run's.
+
+Configurations: `off` (k = 0), or a speculator (`ngram`, `eagle`, ...) with optional suffixes: `-static` (adaptive k
+without the measured step cost), `-noweight` (rows not weighed by the work they have left), `-marginX` (`min_gain`
+X, e.g. `ngram-margin1.25`).
+
+    python benchmarks/serve_replay.py --configs off,ngram,ngram-noweight,ngram-static --rounds 3
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from hf_specdec.cli import _speculator
+from hf_specdec.models import DEFAULT_MODEL, load_model
+from hf_specdec.serve_bench import workload
+from hf_specdec.serving.engine import ServingEngine
+
+
+def run(model, tokenizer, name: str, requests, rate: float, max_batch_size: int) -> tuple[float, list, str]:
+    """Tokens/s, the answers, and a line describing the run."""
+    spec, *options = name.split("-")
+    off = spec == "off"
+    engine = ServingEngine(model, tokenizer, _speculator("ngram" if off else spec, model, tokenizer,
+                                                         model_name=DEFAULT_MODEL),
+                           num_speculative_tokens=0 if off else None, max_batch_size=max_batch_size,
+                           max_queue=len(requests), schedule="constant" if off else "adaptive")
+    policy = engine.step.policy
+    for option in options:
+        if option == "static":
+            policy.measured = None
+        elif option == "noweight":
+            engine.scheduler.weigh_rows = False
+        elif option.startswith("margin"):
+            policy.min_gain = float(option[len("margin"):])
+        else:
+            raise SystemExit(f"unknown option {option!r} in {name!r}: use -static, -noweight or -marginX")
+    steps = []
+    step = engine.scheduler.step
+
+    def counted():
+        steps.append(1)
+        return step()
+
+    engine.scheduler.step = counted
+    engine.start()
+    streams, start = [], time.perf_counter()
+    for i, (prompt, max_tokens) in enumerate(requests):
+        time.sleep(max(0.0, start + i / rate - time.perf_counter()))
+        streams.append(engine.submit(prompt, max_tokens))
+    for stream in streams:
+        for _ in stream:
+            pass
+    wall = time.perf_counter() - start
+    engine.shutdown()
+    answers = [stream.request.output_ids for stream in streams]
+    tokens = sum(len(a) for a in answers)
+    m = engine.metrics
+    fitted = policy.measured.params if policy is not None and policy.measured is not None else None
+    fitted = "-" if fitted is None else ", ".join(f"{p:.2f}" for p in fitted)
+    line = (f"{name}: {tokens / wall:.1f} tokens/s ({wall:.1f} s), {len(steps)} steps, {m.num_draft_tokens} drafted, "
+            f"{m.num_accepted_tokens} accepted, fitted cost (s, m, o) {fitted}")
+    return tokens / wall, answers, line
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--configs", default="off,ngram,ngram-static")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--rate", type=float, default=4.0)
+    parser.add_argument("--max-batch-size", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(DEFAULT_MODEL)
+    requests = workload(tokenizer, args.requests)
+    configs = args.configs.split(",")
+    speeds = {c: [] for c in configs}
+    reference = None
+    for r in range(args.rounds):
+        for name in configs[r % len(configs):] + configs[:r % len(configs)]:
+            speed, answers, line = run(model, tokenizer, name, requests, args.rate, args.max_batch_size)
+            reference = answers if reference is None else reference
+            print(line + ("" if answers == reference else "  ANSWERS DIFFER"), flush=True)
+            speeds[name].append(speed)
+    print(f"| configuration | tokens/s per round | vs {configs[0]} (median of per-round ratios) |")
+    print("| --- | --- | --- |")
+    for name in configs:
+        ratios = [a / b for a, b in zip(speeds[name], speeds[configs[0]])]
+        print(f"| {name} | {', '.join(f'{s:.1f}' for s in speeds[name])} | {statistics.median(ratios):.3f} "
+              f"({', '.join(f'{x:.3f}' for x in ratios)}) |")
+
+
+if __name__ == "__main__":
+    main()
