@@ -36,10 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check_bundle import install, pack, receive  # noqa: E402
 
 STAGE_NAMES = ("install", "tests", "kernels", "step_cost", "train", "bench")
-# Seconds per stage; together under the device tool's 10 minutes a command. The first run (H200, 2026-11-26,
-# docs/gpu_h200) took install 39, tests 65, kernels 14, step_cost 29, train 25 and bench 189 for n-gram and the head
-# alone. A stage past its budget fails (named) and the next one starts; `--stages` reruns any subset.
-BUDGET_S = {"install": 50, "tests": 80, "kernels": 25, "step_cost": 40, "train": 35, "bench": 320}
+# Seconds per stage, caps rather than plans: the first run (H200, 2026-11-26, docs/gpu_h200) took install 39, tests
+# 65, kernels 14, step_cost 29, train 25 and bench 189 for n-gram and the head alone, 372 s in all; the second ran
+# past 50 s in install (a cold import probe) and 80 s in tests on a fresh machine, 75 s warm. A stage past its budget
+# fails (named) and the next one starts; the report is written after each stage, so a command the device tool stops
+# at its 10 minutes still returns the stages before. `--stages` reruns any subset.
+BUDGET_S = {"install": 120, "tests": 180, "kernels": 25, "step_cost": 40, "train": 35, "bench": 320}
 
 
 def main(argv: list[str] | None = None) -> int:
