@@ -5,7 +5,8 @@ steps, drafted and accepted tokens and the fitted step cost (`MeasuredStepCost.p
 fixed cost of a step with drafts, in ms) of each run. Every run's answers are compared with the first run's.
 
 Configurations: `off` (k = 0), or a speculator (`ngram`, `eagle`, ...) with optional suffixes: `-static` (adaptive k
-without the measured step cost), `-noweight` (rows not weighed by the work they have left), `-marginX` (`min_gain`
+without the measured step cost), `-noweight` (rows not weighed by the work they have left), `-never` (no draft ever
+pays: the speculator's cost when it drafts nothing), `-marginX` (`min_gain`
 X, e.g. `ngram-margin1.25`).
 
     python benchmarks/serve_replay.py --configs off,ngram,ngram-noweight,ngram-static --rounds 3
@@ -37,10 +38,12 @@ def run(model, tokenizer, name: str, requests, rate: float, max_batch_size: int)
             policy.measured = None
         elif option == "noweight":
             engine.scheduler.weigh_rows = False
+        elif option == "never":  # the speculator's whole path, no draft ever paying: its cost when idle
+            policy.min_gain = float("inf")
         elif option.startswith("margin"):
             policy.min_gain = float(option[len("margin"):])
         else:
-            raise SystemExit(f"unknown option {option!r} in {name!r}: use -static, -noweight or -marginX")
+            raise SystemExit(f"unknown option {option!r} in {name!r}: use -static, -noweight, -never or -marginX")
     steps = []
     step = engine.scheduler.step
 
