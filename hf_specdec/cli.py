@@ -302,7 +302,7 @@ def cmd_serve(args) -> int:
                            max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                            max_model_len=args.max_model_len, schedule=args.schedule,
                            calibration=not args.no_calibrate, kv_region_tokens=args.kv_region_tokens,
-                           prefix_cache_tokens=args.prefix_cache_tokens)
+                           prefix_cache_tokens=args.prefix_cache_tokens, warmup=args.warm_up)
     name = args.served_model_name or args.model
     print(f"hf-specdec serve: {name} with speculator {args.speculator!r} on http://{args.host}:{args.port}/v1",
           file=sys.stderr)
@@ -483,6 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prompt tokens whose keys and values are kept after their requests end, so that a request "
                      "starting with a stored prefix (whole KV blocks) feeds only the rest; least recently used go "
                      "first (default 8192; 0 for none)")
+    srv.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
+                     help="run a few synthetic requests before serving, so kernels compile then and not inside the "
+                     "first clients' requests (default: on for CUDA, off elsewhere)")
     srv.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     srv.add_argument("--no-calibrate", action="store_true", help="skip measuring this host's costs at start")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -176,6 +176,53 @@ def test_eagle_head_under_continuous_batching(tokenizer, tmp_path, version, idle
         engine.shutdown()
 
 
+@pytest.mark.parametrize("speculator", ["ngram", "draft", "eagle", "none"])
+def test_warm_up_runs_real_steps_and_leaves_nothing_behind(tokenizer, tmp_path, speculator):
+    """`warmup=True`: synthetic greedy and sampled requests run through the real step before `start` returns,
+    drafting (k constant); afterwards the metrics, adaptive k's statistics, the measured step cost, the prefix cache
+    and the KV pool are as a fresh engine's, and served requests still equal their solo runs."""
+    model = served_model()
+    if speculator == "eagle":
+        from hf_specdec import EagleSpeculator
+        from test_eagle import convert
+
+        spec = EagleSpeculator.from_pretrained(convert(tmp_path, model, 1))
+    else:
+        spec = {"ngram": "ngram", "draft": served_model(seed=3), "none": "ngram"}[speculator]
+    k = 0 if speculator == "none" else 3
+    engine = ServingEngine(model, tokenizer, spec, num_speculative_tokens=k, max_batch_size=3, warmup=True)
+    policy = engine.step.policy
+    assert not engine.metrics.num_steps and engine.warmup_report is None
+    engine.start()
+    try:
+        report = engine.warmup_report
+        assert report["steps"] >= 2 and (report["draft_tokens"] > 0 or speculator == "none"), report
+        assert engine.metrics.num_steps == 0 and engine.metrics.num_draft_tokens == 0
+        assert engine.scheduler.metrics is engine.metrics and engine.step.policy is policy
+        assert policy.measured.steps == 0 and not policy.tried.any() and not policy.chosen
+        assert engine.prefix_cache.num_stored_blocks == 0
+        assert no_blocks_held(engine) and engine.counters["requests"] == 0
+        plan = [(repeating(6 + 3 * i, seed=20 + i), 9 + 4 * i) for i in range(4)]
+        streams = [engine.submit(prompt, n) for prompt, n in plan]
+        for (prompt, n), stream in zip(plan, streams):
+            for _ in stream:
+                pass
+            assert stream.request.output_ids == solo(model, prompt, n)
+        assert engine.metrics.num_steps > 0 and policy.measured.steps > 0
+    finally:
+        engine.shutdown()
+
+
+def test_warm_up_is_on_by_default_only_on_cuda(tokenizer):
+    engine = ServingEngine(served_model(), tokenizer, "ngram", num_speculative_tokens=2, max_batch_size=2)
+    assert engine.warmup is False  # the model is on the CPU: nothing compiles there
+    engine.start()
+    try:
+        assert engine.warmup_report is None
+    finally:
+        engine.shutdown()
+
+
 def test_sampled_row_beside_greedy_rows_keeps_the_target_distribution(tokenizer):
     """Two tokens sampled at temperature 0.7 from a prompt, with greedy requests in the same steps: the empirical
     distribution of the pair matches the target's exact one (total variation; the same check fails for the argmax
@@ -685,3 +732,11 @@ def test_a_failing_step_fails_its_requests_and_the_server_runs_on(tokenizer):
         assert after.request.output_ids == solo(model, repeating(6, 2), 6)
     finally:
         engine.shutdown()
+
+
+def test_serve_warm_up_flag():
+    import hf_specdec.cli
+
+    parse = hf_specdec.cli.build_parser().parse_args
+    assert parse(["serve"]).warm_up is None  # the engine decides: on for CUDA
+    assert parse(["serve", "--no-warm-up"]).warm_up is False and parse(["serve", "--warm-up"]).warm_up is True

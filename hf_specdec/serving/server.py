@@ -39,7 +39,7 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
 
     @asynccontextmanager
     async def lifespan(app):
-        engine.start()
+        await asyncio.to_thread(engine.start)  # returns after the warm-up, if any; /health answers from then on
         yield
         await asyncio.to_thread(engine.shutdown, shutdown_grace_s)
 
