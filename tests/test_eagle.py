@@ -568,19 +568,70 @@ def test_hidden_states_only_for_speculators_that_ask(tmp_path, monkeypatch):
 
 def test_states_of_a_step_that_drafted_nothing_are_kept_and_appended():
     from hf_specdec.model_runner import TargetHiddenStates
-    from hf_specdec.speculators.eagle import _append_states
+    from hf_specdec.speculators.eagle import _PendingStates
 
     def states(values: list[list[float]], width: int) -> torch.Tensor:  # right-aligned, padding 0
         return torch.tensor([[0.0] * (width - len(v)) + v for v in values])[..., None]
 
-    old = TargetHiddenStates(states([[1, 2, 3], [4], [5, 6]], 3), [3, 1, 2], [0, 0, 0], [0, 1, 2])
+    pending = _PendingStates()
+    pending.add(TargetHiddenStates(states([[1, 2, 3], [4], [5, 6]], 3), [3, 1, 2], [0, 0, 0], [0, 1, 2]))
     # Row 1 sat this step out (rows joining the batch had a step of their own); row 3 joined in it.
-    new = TargetHiddenStates(states([[7], [8, 9], [10, 11]], 2), [1, 2, 2], [3, 2, 0], [0, 2, 3])
-    merged = _append_states(old, new)
-    assert merged.rows == [0, 2, 3, 1] and merged.num_states == [4, 4, 2, 1]
-    assert merged.start_positions == [0, 0, 0, 0]
-    assert [row[4 - n:] for row, n in zip(merged.states[..., 0].tolist(), merged.num_states)] == [
-        [1, 2, 3, 7], [5, 6, 8, 9], [10, 11], [4]]
+    pending.add(TargetHiddenStates(states([[7], [8, 9], [10, 11]], 2), [1, 2, 2], [3, 2, 0], [0, 2, 3]))
+    assert sorted(pending.rows) == [0, 1, 2, 3] and pending.most() == 4
+    merged, counts, starts = pending.take([0, 2, 3, 1])
+    assert counts == [4, 4, 2, 1] and starts == [0, 0, 0, 0]
+    assert merged[..., 0].tolist() == [[1, 2, 3, 7], [5, 6, 8, 9], [0, 0, 10, 11], [0, 0, 0, 4]]
+    assert not pending and pending.most() == 0
+    pending.add(TargetHiddenStates(states([[12], [13, 14]], 2), [1, 2], [4, 1], [0, 1]))
+    pending.drop([0])
+    assert pending.rows == [1] and pending.take([1])[0][..., 0].tolist() == [[13, 14]]
+
+
+def test_catch_up_groups_feed_a_wide_row_on_its_own():
+    from hf_specdec.speculators.eagle import catch_up_groups
+
+    assert catch_up_groups([2, 3, 2]) == [[0, 1, 2]]  # little padding: one forward
+    assert catch_up_groups([2, 40, 1, 3]) == [[0, 2, 3], [1]]  # a newcomer's prompt beside rows holding a few
+    assert catch_up_groups([30, 32, 1]) == [[0, 1, 2]]  # a third padding: still one
+    assert catch_up_groups([5]) == [[0]]
+
+
+def test_split_catch_up_drafts_what_one_forward_drafts(fitted, tmp_path, monkeypatch):
+    """Rows catching up in two forwards (a newcomer's prompt apart from rows holding one state each) get the head
+    outputs one padded forward gives: the same drafts, step for step, and the target's output."""
+    from hf_specdec.speculators import eagle
+
+    target, src = fitted[3]
+    directory = convert_eagle(src, tmp_path / "head", target=target)
+    g = torch.Generator().manual_seed(11)
+    # Ragged prompts (4 to 30 tokens): the first catch-up of each call feeds the longest prompt apart from the others.
+    lengths = [4, 30, 5, 6]
+    input_ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for i, n in enumerate(lengths):
+        input_ids[i, -n:] = torch.randint(2, VOCAB, (n,), generator=g)
+        mask[i, -n:] = 1
+    expected = target.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    split = eagle.catch_up_groups
+    runs, splits = {}, []
+    for one_group in (False, True):
+        def groups(counts, one_group=one_group):
+            result = [list(range(len(counts)))] if one_group else split(counts)
+            splits.append(len(result) > 1)
+            return result
+
+        monkeypatch.setattr(eagle, "catch_up_groups", groups)
+        spec = EagleSpeculator.from_pretrained(directory)
+        propose, drafts = spec.propose, []
+        spec.propose = lambda batch, k: drafts.append(propose(batch, k)) or drafts[-1]
+        out = target.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                              speculator=spec, num_speculative_tokens=3, speculative_schedule="constant",
+                              return_dict_in_generate=True)
+        assert torch.equal(out.sequences, expected)
+        runs[one_group] = ([d.token_ids.tolist() for d in drafts], out.speculative_metrics)
+    assert any(splits)
+    assert runs[False][1].num_accepted_tokens > 0
+    assert runs[False][0] == runs[True][0]  # every step's drafts, row by row
 
 
 def test_adaptive_schedule_stays_lossless(tmp_path):
@@ -621,7 +672,7 @@ def test_idle_backlog_is_taken_in_chunks_and_drafting_resumes_from_it(fitted, tm
 
         def watch(hidden, spec=spec, observe=observe, backlog=backlog):
             observe(hidden)
-            widths.setdefault(backlog, []).append(max(spec._pending.num_states))
+            widths.setdefault(backlog, []).append(spec._pending.most())
 
         spec.observe_hidden_states = watch
         out = target.generate(input_ids=input_ids, max_new_tokens=30, do_sample=False, speculator=spec,

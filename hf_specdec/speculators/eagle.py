@@ -44,7 +44,7 @@ class EagleSpeculator(Speculator):
         self.config = head.config
         self.block_size = block_size
         self._runner: ModelRunner | None = None
-        self._pending: TargetHiddenStates | None = None
+        self._pending: _PendingStates | None = None
         self._rows: list[int] = []
         self._real_lengths: list[int] | None = None
 
@@ -86,7 +86,9 @@ class EagleSpeculator(Speculator):
 
     def observe_hidden_states(self, hidden: TargetHiddenStates) -> None:
         """Receives the target's states of newly committed tokens (called by the engine after each verify)."""
-        self._pending = hidden if self._pending is None else _append_states(self._pending, hidden)
+        if self._pending is None:
+            self._pending = _PendingStates()
+        self._pending.add(hidden)
 
     @torch.no_grad()
     def propose(self, batch: SequenceBatch, k: int) -> DraftProposal:
@@ -100,11 +102,10 @@ class EagleSpeculator(Speculator):
         self._rows = rows
         rows_t = torch.tensor(rows, device=batch.device) if len(rows) < len(everyone) else batch.active_tensor()
         runner = self._runner
-        hidden = self._catch_up(batch, rows, rows_t)
+        last = self._catch_up(batch, rows)  # [rows, hidden]: every row's newest entry
         end = batch.end_cols(rows)  # column of the first draft
         tokens, probs = [], []
         for j in range(k):
-            last = hidden[:, -1]  # right-aligned: every row's newest entry
             logits = self.head.logits(last, batch.target_vocab_size)
             scores = batch.processing(batch.token_ids, rows_t, end + j, logits)
             token, token_probs = sample_or_argmax(scores, batch.do_sample)
@@ -112,8 +113,8 @@ class EagleSpeculator(Speculator):
             tokens.append(token)
             probs.append(token_probs)
             if j + 1 < k:
-                hidden = runner.forward(rows, token[:, None], [1] * len(rows), num_logits=1,
-                                        features=last[:, None], from_target=False)
+                last = runner.forward(rows, token[:, None], [1] * len(rows), num_logits=1,
+                                      features=last[:, None], from_target=False)[:, -1]
         draft = DraftProposal(torch.stack(tokens, dim=1), torch.full((len(rows),), k, device=batch.device),
                               torch.stack(probs, dim=1) if batch.do_sample else None)
         return draft if len(rows) == len(everyone) else _spread(draft, rows, everyone)
@@ -138,7 +139,7 @@ class EagleSpeculator(Speculator):
             return DraftTree.empty(len(rows), batch.device)
         rows_t = batch.active_tensor()
         device = batch.device
-        last = self._catch_up(batch, rows, rows_t)[:, -1]  # [rows, hidden]
+        last = self._catch_up(batch, rows)  # [rows, hidden]
         vocab = batch.target_vocab_size
         num_rows, width = len(rows), min(branching, self.config.get("draft_vocab_size") or vocab, vocab)
         real = torch.tensor(self._real_lengths, device=device)
@@ -208,33 +209,47 @@ class EagleSpeculator(Speculator):
                          torch.isfinite(all_scores.gather(1, chosen)))
 
     def _consume_backlog(self, batch: SequenceBatch, rows: list[int]) -> None:
-        """While adaptive k keeps drafting off, the target's states pile up, and appending each step's copies the
-        pile: once a row has `IDLE_BACKLOG` of them, the head takes them in one forward (what it would do at its next
-        draft anyway), so an idle step costs the same however long drafting has been off."""
+        """While adaptive k keeps drafting off, the target's states pile up: once a row has `IDLE_BACKLOG` of
+        them, the head takes them in one forward (what it would do at its next draft anyway), so the pile, and the
+        forward that reads it, stay bounded however long drafting has been off."""
         pending = self._pending
-        if pending is None or max(pending.num_states) < self.IDLE_BACKLOG:
+        if pending is None or pending.most() < self.IDLE_BACKLOG:
             return
         take = self._with_states(rows)  # rows joining this step have none yet; inactive rows may hold some
         if take:
-            self._catch_up(batch, take, torch.tensor(take, device=batch.device))
+            self._catch_up(batch, take)
         self._real_lengths = None  # nothing was drafted: every entry the head now holds is the target's
 
-    def _catch_up(self, batch: SequenceBatch, rows: list[int], rows_t: torch.Tensor) -> torch.Tensor:
-        """Feeds the committed tokens whose target states arrived since the last step; returns the head's outputs
-        `[rows, q, hidden]` (right-aligned: column -1 is every row's newest entry)."""
-        pending = self._pending
-        features, num_states, starts = _select_rows(pending, rows)
-        features = features[:, features.shape[1] - max(num_states):]  # rows that left may have been the widest
-        rest = [r for r in pending.rows if r not in set(rows)]
-        self._pending = _keep_rows(pending, rest) if rest else None
-        runner = self._runner
-        if any(runner.length(r) != s for r, s in zip(rows, starts)):
-            raise RuntimeError("EAGLE head cache out of step with the target's states; this is a bug in hf_specdec")
-        # Entry p pairs the target's feature at p with the token at p + 1.
-        token_ids = gather_right_aligned(batch.token_ids, rows_t, batch.first_col[rows_t] + torch.tensor(
-            starts, device=batch.device) + 1, torch.tensor(num_states, device=batch.device), features.shape[1])
-        self._real_lengths = [s + n for s, n in zip(starts, num_states)]
-        return runner.forward(rows, token_ids, num_states, num_logits=1, features=features, from_target=True)
+    def _catch_up(self, batch: SequenceBatch, rows: list[int]) -> torch.Tensor:
+        """Feeds the committed tokens whose target states arrived since the last step; returns the head's output at
+        each row's newest entry, `[rows, hidden]`. Rows holding far more states than the rest (a newcomer's prompt
+        beside rows that hold a few) go through the head in a forward of their own (`catch_up_groups`): one forward
+        would pad every row's features to the widest row's."""
+        runner, device = self._runner, batch.device
+        counts = [self._pending.count(r) for r in rows]
+        last, real_lengths = None, {}
+        for group in catch_up_groups(counts):
+            members = [rows[i] for i in group]
+            features, num_states, starts = self._pending.take(members)
+            if any(runner.length(r) != s for r, s in zip(members, starts)):
+                raise RuntimeError("EAGLE head cache out of step with the target's states; this is a bug in "
+                                   "hf_specdec")
+            members_t = torch.tensor(members, device=device)
+            # Entry p pairs the target's feature at p with the token at p + 1.
+            token_ids = gather_right_aligned(batch.token_ids, members_t, batch.first_col[members_t] + torch.tensor(
+                starts, device=device) + 1, torch.tensor(num_states, device=device), features.shape[1])
+            real_lengths.update({r: s + n for r, s, n in zip(members, starts, num_states)})
+            out = runner.forward(members, token_ids, num_states, num_logits=1, features=features,
+                                 from_target=True)[:, -1]
+            if len(group) == len(rows):
+                last = out
+            else:
+                last = out.new_empty(len(rows), out.shape[-1]) if last is None else last
+                last.index_copy_(0, torch.tensor(group, device=out.device), out)
+        if not self._pending:
+            self._pending = None
+        self._real_lengths = [real_lengths[r] for r in rows]
+        return last
 
     def commit(self, batch: SequenceBatch, num_accepted: list[int]) -> None:
         # Entries built from the head's own outputs go; the next step rebuilds them from the target's real states.
@@ -251,8 +266,9 @@ class EagleSpeculator(Speculator):
         for row in rows:
             self._runner.free(row)
         if self._pending is not None:  # a later request may reuse the row: none of these states are its
-            kept = [r for r in self._pending.rows if r not in set(rows)]
-            self._pending = _keep_rows(self._pending, kept) if kept else None
+            self._pending.drop(rows)
+            if not self._pending:
+                self._pending = None
 
     def end(self) -> None:
         self._runner, self._pending, self._real_lengths = None, None, None
@@ -269,41 +285,79 @@ def _spread(draft: DraftProposal, rows: list[int], everyone: list[int]) -> Draft
     return DraftProposal(token_ids, num_tokens, probs)
 
 
-def _select_rows(hidden: TargetHiddenStates, rows: list[int]) -> tuple[torch.Tensor, list[int], list[int]]:
-    index = {r: i for i, r in enumerate(hidden.rows)}
-    picks = [index[r] for r in rows]
-    states = hidden.states[torch.tensor(picks, device=hidden.states.device)] if picks != list(
-        range(len(hidden.rows))) else hidden.states
-    return states, [hidden.num_states[i] for i in picks], [hidden.start_positions[i] for i in picks]
+def catch_up_groups(counts: list[int]) -> list[list[int]]:
+    """Indices of `counts` (states each row holds) to feed the head together: all in one group, or, where that would
+    be more than half padding, the rows holding more than the rest in a second group. The cheapest split by the
+    padded entries each group feeds (its rows times its widest row's count) is taken."""
+    order = sorted(range(len(counts)), key=counts.__getitem__)
+    widths = [counts[i] for i in order]
+    whole = len(widths) * (widths[-1] if widths else 0)
+    best, cut = whole, None
+    for n in range(1, len(widths)):  # the n rows holding least, then the others
+        cost = n * widths[n - 1] + (len(widths) - n) * widths[-1]
+        if cost < best:
+            best, cut = cost, n
+    if cut is None or best > whole / 2:
+        return [list(range(len(counts)))]
+    return [sorted(order[:cut]), sorted(order[cut:])]
 
 
-def _keep_rows(hidden: TargetHiddenStates, rows: list[int]) -> TargetHiddenStates:
-    states, counts, starts = _select_rows(hidden, rows)
-    return TargetHiddenStates(states, counts, starts, list(rows))
+class _PendingStates:
+    """The target's states the head has not read yet, per row, kept as the steps delivered them (views of each step's
+    `TargetHiddenStates`) and put together, right-aligned, only when the head reads them (`take`). Re-padding the
+    whole pile at every step instead, to the widest row's (a newcomer's prompt), took about 13 ms of a 180 ms step at
+    20 rows while drafting was off (docs/benchmarks.md)."""
 
+    def __init__(self):
+        self._start: dict[int, int] = {}  # row -> position of its first state held
+        self._chunks: dict[int, list[torch.Tensor]] = {}  # row -> `[n, features]` pieces, oldest first
+        self._count: dict[int, int] = {}
+        self._like: torch.Tensor | None = None  # a states tensor: dtype, device and features of what `take` builds
 
-def _rows_of(hidden: TargetHiddenStates, rows: list[int], starts: dict) -> tuple[torch.Tensor, list[int], list[int]]:
-    """Like `_select_rows`, where a row `hidden` lacks has no states (its start taken from `starts`)."""
-    index = {r: i for i, r in enumerate(hidden.rows)}
-    picks = torch.tensor([index.get(r, 0) for r in rows], device=hidden.states.device)
-    counts = [hidden.num_states[index[r]] if r in index else 0 for r in rows]
-    return hidden.states[picks], counts, [hidden.start_positions[index[r]] if r in index else starts[r] for r in rows]
+    def __bool__(self) -> bool:
+        return bool(self._start)
 
+    @property
+    def rows(self) -> list[int]:
+        return list(self._start)
 
-def _append_states(old: TargetHiddenStates, new: TargetHiddenStates) -> TargetHiddenStates:
-    """States not consumed yet (a step that drafted nothing) followed by the next step's, per row, right-aligned.
-    Rows in only one of them keep theirs (rows that joined the batch get a step of their own)."""
-    rows = list(new.rows) + [r for r in old.rows if r not in set(new.rows)]
-    new_starts = dict(zip(new.rows, new.start_positions))
-    old_states, old_counts, starts = _rows_of(old, rows, new_starts)
-    new_states, new_counts, _ = _rows_of(new, rows, dict(zip(rows, starts)))
-    totals = [a + b for a, b in zip(old_counts, new_counts)]
-    width, old_width = max(totals), old_states.shape[1]
-    device = new.states.device
-    old_c, new_c = torch.tensor(old_counts, device=device), torch.tensor(new_counts, device=device)
-    offset = (torch.arange(width, device=device)[None, :] - (width - old_c - new_c)[:, None]).clamp(min=0)
-    cols = torch.where(offset < old_c[:, None], old_width - old_c[:, None] + offset,
-                       old_width + new_states.shape[1] - new_c[:, None] + offset - old_c[:, None])
-    both = torch.cat([old_states, new_states], dim=1)
-    merged = both[torch.arange(len(rows), device=device)[:, None], cols]
-    return TargetHiddenStates(merged, totals, starts, rows)
+    def count(self, row: int) -> int:
+        return self._count[row]
+
+    def most(self) -> int:
+        """The most states any row holds."""
+        return max(self._count.values(), default=0)
+
+    def add(self, hidden: TargetHiddenStates) -> None:
+        """Appends a step's states; a row's continue where its held ones end (rows may hold none yet)."""
+        self._like = hidden.states
+        width = hidden.states.shape[1]
+        for i, (row, n, start) in enumerate(zip(hidden.rows, hidden.num_states, hidden.start_positions)):
+            if row not in self._start:
+                self._start[row], self._chunks[row], self._count[row] = start, [], 0
+            if n:
+                self._chunks[row].append(hidden.states[i, width - n:])
+                self._count[row] += n
+
+    def take(self, rows: list[int]) -> tuple[torch.Tensor, list[int], list[int]]:
+        """Removes `rows`' states and returns them as `TargetHiddenStates` holds them: `[rows, width, features]`
+        right-aligned (width: the most any of them has; padding is zeros), the counts and start positions."""
+        counts = [self._count.pop(r) for r in rows]
+        starts = [self._start.pop(r) for r in rows]
+        chunks = [c for r in rows for c in self._chunks.pop(r)]
+        width, like = max(counts, default=0), self._like
+        out = like.new_zeros(len(rows), width, like.shape[-1])
+        if chunks:
+            device = like.device
+            counts_t = torch.tensor(counts, device=device)
+            row_of = torch.repeat_interleave(torch.arange(len(rows), device=device), counts_t)
+            first = torch.repeat_interleave(counts_t.cumsum(0) - counts_t, counts_t)  # each state's row's first index
+            within = torch.arange(len(row_of), device=device) - first
+            column = (width - counts_t)[row_of] + within
+            out.view(-1, like.shape[-1]).index_copy_(0, row_of * width + column, torch.cat(chunks))
+        return out, counts, starts
+
+    def drop(self, rows: list[int]) -> None:
+        for row in rows:
+            if row in self._start:
+                del self._start[row], self._chunks[row], self._count[row]
