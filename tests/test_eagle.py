@@ -667,7 +667,7 @@ def test_idle_backlog_is_taken_in_chunks_and_drafting_resumes_from_it(fitted, tm
     runs, widths = {}, {}
     for backlog in (4, 10**9):
         spec = EagleSpeculator.from_pretrained(directory)
-        spec.IDLE_BACKLOG = backlog
+        spec.IDLE_WINDOW, spec.IDLE_BACKLOG = None, backlog  # the whole context kept
         observe = spec.observe_hidden_states
 
         def watch(hidden, spec=spec, observe=observe, backlog=backlog):
@@ -684,6 +684,44 @@ def test_idle_backlog_is_taken_in_chunks_and_drafting_resumes_from_it(fitted, tm
     chunked, whole = runs[4], runs[10**9]
     assert chunked.num_accepted_tokens > 0
     assert (chunked.accepted_per_position, chunked.num_steps) == (whole.accepted_per_position, whole.num_steps)
+
+
+def test_idle_window_bounds_the_pile_and_the_head_resumes_from_it(fitted, tmp_path, monkeypatch):
+    """While drafting is off a row keeps only its newest `IDLE_WINDOW` target states and the head reads none of
+    them; when drafting resumes, the head's cache starts again from that window (positions relative to it) and it
+    drafts from there: accepted drafts, and the target's output."""
+    from hf_specdec import adaptive
+
+    target, src = fitted[3]
+    directory = convert_eagle(src, tmp_path / "head", target=target)
+    choose = adaptive.AdaptiveK.choose
+
+    def off_then_on(self, rows, available=None, classes=None, context=0.0):  # 14 steps off, then 3 drafts
+        k = choose(self, rows, available, classes, context)
+        self.chosen[-1] = 0 if len(self.chosen) <= 14 else 3
+        return self.chosen[-1]
+
+    monkeypatch.setattr(adaptive.AdaptiveK, "choose", off_then_on)
+    monkeypatch.setattr(adaptive.AdaptiveK, "choose_rows", lambda self, rows, available, *args, **kwargs: available)
+    input_ids = torch.randint(2, VOCAB, (3, 6), generator=torch.Generator().manual_seed(7))
+    expected = target.generate(input_ids=input_ids, max_new_tokens=40, do_sample=False)
+    spec = EagleSpeculator.from_pretrained(directory)
+    spec.IDLE_WINDOW = 4
+    piles, head_forwards = [], []
+    consume, catch_up = spec._consume_backlog, spec._catch_up
+
+    def watched_consume(batch, rows):
+        consume(batch, rows)
+        piles.append(spec._pending.most() if spec._pending is not None else 0)
+
+    spec._consume_backlog = watched_consume
+    spec._catch_up = lambda batch, rows: head_forwards.append(len(piles)) or catch_up(batch, rows)
+    out = target.generate(input_ids=input_ids, max_new_tokens=40, do_sample=False, speculator=spec,
+                          num_speculative_tokens=3, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert len(piles) >= 13 and max(piles) <= 4  # bounded while idle
+    assert min(head_forwards) >= 14  # the head ran only once drafting resumed, after the 14 idle steps
+    assert out.speculative_metrics.num_accepted_tokens > 0
 
 
 def test_sampling_keeps_the_target_distribution(fitted):

@@ -149,7 +149,7 @@ def test_adaptive_serving_times_its_steps_and_weighs_rows_by_work_left(tokenizer
     assert any(r is not None and len(set(r)) > 1 for r in seen)  # then by the tokens each had left
 
 
-@pytest.mark.parametrize("idle_backlog", [None, 1])
+@pytest.mark.parametrize("idle_backlog", [None, 1, "window"])
 @pytest.mark.parametrize("version", [1, 3])
 def test_eagle_head_under_continuous_batching(tokenizer, tmp_path, version, idle_backlog):
     """EAGLE heads draft from the target's hidden states: rows that join get theirs from their own first step.
@@ -160,8 +160,10 @@ def test_eagle_head_under_continuous_batching(tokenizer, tmp_path, version, idle
 
     model = served_model()
     head = EagleSpeculator.from_pretrained(convert(tmp_path, model, version, **({"aux_layers": [0, 1, 1]} if version == 3 else {})))
-    if idle_backlog is not None:
-        head.IDLE_BACKLOG = idle_backlog
+    if idle_backlog == "window":  # every step that drafts nothing restarts a row's head cache at its newest state
+        head.IDLE_WINDOW = 1
+    elif idle_backlog is not None:
+        head.IDLE_WINDOW, head.IDLE_BACKLOG = None, idle_backlog
     engine = ServingEngine(model, tokenizer, head, num_speculative_tokens=3, max_batch_size=2,
                            schedule="constant").start()
     try:

@@ -37,7 +37,11 @@ class EagleSpeculator(Speculator):
     needs_hidden_states = True
     joins_in_verify = True
     supports_trees = True
-    IDLE_BACKLOG = 32  # target states a row may hold back while drafting is off (`_consume_backlog`)
+    # While drafting is off (`_consume_backlog`): a row keeps its newest `IDLE_WINDOW` target states and no more, and
+    # the head reads none of them until drafting resumes; `None` keeps every state, the head reading them every
+    # `IDLE_BACKLOG` steps so that it always holds the whole context.
+    IDLE_WINDOW: int | None = 64
+    IDLE_BACKLOG = 32
 
     def __init__(self, head: EagleHead, block_size: int = 16):
         self.head = head.eval()
@@ -47,6 +51,8 @@ class EagleSpeculator(Speculator):
         self._pending: _PendingStates | None = None
         self._rows: list[int] = []
         self._real_lengths: list[int] | None = None
+        # Rows whose head cache was restarted at a window of their states: position of its first entry.
+        self._offset: dict[int, int] = {}
 
     def __repr__(self) -> str:
         return f"EagleSpeculator(EAGLE-{self.head.version}, layers={list(self.hidden_state_layers)})"
@@ -82,7 +88,7 @@ class EagleSpeculator(Speculator):
         self._runner = ModelRunner(self.head, block_size=self.block_size)
         for row in batch.active:
             self._runner.add_sequence(row)
-        self._pending, self._real_lengths = None, None
+        self._pending, self._real_lengths, self._offset = None, None, {}
 
     def observe_hidden_states(self, hidden: TargetHiddenStates) -> None:
         """Receives the target's states of newly committed tokens (called by the engine after each verify)."""
@@ -209,16 +215,35 @@ class EagleSpeculator(Speculator):
                          torch.isfinite(all_scores.gather(1, chosen)))
 
     def _consume_backlog(self, batch: SequenceBatch, rows: list[int]) -> None:
-        """While adaptive k keeps drafting off, the target's states pile up: once a row has `IDLE_BACKLOG` of
-        them, the head takes them in one forward (what it would do at its next draft anyway), so the pile, and the
-        forward that reads it, stay bounded however long drafting has been off."""
+        """A step without drafts. The head needs a row's states only to draft for it, and while adaptive k keeps
+        drafting off (a compute-bound batch, where drafts do not pay) reading them would cost a head forward over
+        every committed token of every row. So a row keeps only its newest `IDLE_WINDOW` states; once it holds more,
+        its head cache starts again from that window (`_restart`), as a head with a sliding window would, and the
+        head reads them when drafting resumes. Drafts made from a window may differ from a full-context head's;
+        they are verified all the same, so the output does not. With `IDLE_WINDOW = None` the head keeps the whole
+        context, reading the states in one forward once a row holds `IDLE_BACKLOG` of them."""
         pending = self._pending
-        if pending is None or pending.most() < self.IDLE_BACKLOG:
+        if pending is None:
+            return
+        if self.IDLE_WINDOW is not None:
+            for row in pending.rows:
+                if pending.count(row) > self.IDLE_WINDOW:
+                    self._restart(row, pending.keep_last(row, self.IDLE_WINDOW))
+            return
+        if pending.most() < self.IDLE_BACKLOG:
             return
         take = self._with_states(rows)  # rows joining this step have none yet; inactive rows may hold some
         if take:
             self._catch_up(batch, take)
         self._real_lengths = None  # nothing was drafted: every entry the head now holds is the target's
+
+    def _restart(self, row: int, start: int) -> None:
+        """Empties `row`'s head cache, whose next entry is then the target's state at position `start`. Rotary
+        position embeddings make attention depend on relative positions only, so entries keep their own positions
+        relative to one another, counted from `start`."""
+        self._runner.free(row)
+        self._runner.add_sequence(row)
+        self._offset[row] = start
 
     def _catch_up(self, batch: SequenceBatch, rows: list[int]) -> torch.Tensor:
         """Feeds the committed tokens whose target states arrived since the last step; returns the head's output at
@@ -231,14 +256,16 @@ class EagleSpeculator(Speculator):
         for group in catch_up_groups(counts):
             members = [rows[i] for i in group]
             features, num_states, starts = self._pending.take(members)
-            if any(runner.length(r) != s for r, s in zip(members, starts)):
+            offsets = [self._offset.get(r, 0) for r in members]
+            if any(runner.length(r) + o != s for r, o, s in zip(members, offsets, starts)):
                 raise RuntimeError("EAGLE head cache out of step with the target's states; this is a bug in "
                                    "hf_specdec")
             members_t = torch.tensor(members, device=device)
             # Entry p pairs the target's feature at p with the token at p + 1.
             token_ids = gather_right_aligned(batch.token_ids, members_t, batch.first_col[members_t] + torch.tensor(
                 starts, device=device) + 1, torch.tensor(num_states, device=device), features.shape[1])
-            real_lengths.update({r: s + n for r, s, n in zip(members, starts, num_states)})
+            # The head cache's lengths (positions in it: the target's, less the row's offset).
+            real_lengths.update({r: s + n - o for r, s, n, o in zip(members, starts, num_states, offsets)})
             out = runner.forward(members, token_ids, num_states, num_logits=1, features=features,
                                  from_target=True)[:, -1]
             if len(group) == len(rows):
@@ -261,17 +288,19 @@ class EagleSpeculator(Speculator):
     def admit(self, batch: SequenceBatch, rows: list[int]) -> None:
         for row in rows:
             self._runner.add_sequence(row)
+            self._offset.pop(row, None)
 
     def release(self, rows: list[int]) -> None:
         for row in rows:
             self._runner.free(row)
+            self._offset.pop(row, None)
         if self._pending is not None:  # a later request may reuse the row: none of these states are its
             self._pending.drop(rows)
             if not self._pending:
                 self._pending = None
 
     def end(self) -> None:
-        self._runner, self._pending, self._real_lengths = None, None, None
+        self._runner, self._pending, self._real_lengths, self._offset = None, None, None, {}
 
 
 def _spread(draft: DraftProposal, rows: list[int], everyone: list[int]) -> DraftProposal:
@@ -356,6 +385,22 @@ class _PendingStates:
             column = (width - counts_t)[row_of] + within
             out.view(-1, like.shape[-1]).index_copy_(0, row_of * width + column, torch.cat(chunks))
         return out, counts, starts
+
+    def keep_last(self, row: int, n: int) -> int:
+        """Drops all but `row`'s newest `n` states; returns the position of the first one kept."""
+        chunks, extra = self._chunks[row], self._count[row] - n
+        while extra > 0:
+            if len(chunks[0]) <= extra:
+                extra -= len(chunks[0])
+                self._start[row] += len(chunks[0])
+                self._count[row] -= len(chunks[0])
+                chunks.pop(0)
+            else:
+                chunks[0] = chunks[0][extra:]
+                self._start[row] += extra
+                self._count[row] -= extra
+                extra = 0
+        return self._start[row]
 
     def drop(self, rows: list[int]) -> None:
         for row in rows:
