@@ -644,24 +644,30 @@ def test_adaptive_schedule_stays_lossless(tmp_path):
     assert torch.equal(out.sequences, expected)
 
 
-def test_idle_backlog_is_taken_in_chunks_and_drafting_resumes_from_it(fitted, tmp_path, monkeypatch):
-    """While adaptive k keeps drafting off, the head takes the target's pending states every `IDLE_BACKLOG` steps
-    instead of letting them pile up; when drafting resumes, its drafts are the ones a head that caught up in one
-    forward makes (same acceptance, step by step), and the output is the target's."""
+def idle_then_drafting(fitted, tmp_path, monkeypatch):
+    """A fitted target and its converted head, with adaptive k patched to keep drafting off for 14 steps and then
+    draft 3 every step, all verified (no per-row trim by the policy's estimates)."""
     from hf_specdec import adaptive
 
     target, src = fitted[3]
     directory = convert_eagle(src, tmp_path / "head", target=target)
     choose = adaptive.AdaptiveK.choose
 
-    def off_then_on(self, rows, available=None, classes=None, context=0.0):  # 14 steps off, then 3 drafts
-        k = choose(self, rows, available, classes, context)
+    def off_then_on(self, rows, available=None, classes=None, context=0.0):
+        choose(self, rows, available, classes, context)
         self.chosen[-1] = 0 if len(self.chosen) <= 14 else 3
         return self.chosen[-1]
 
     monkeypatch.setattr(adaptive.AdaptiveK, "choose", off_then_on)
-    # Once made, the 3 drafts are all verified (no per-row trim by the policy's estimates).
     monkeypatch.setattr(adaptive.AdaptiveK, "choose_rows", lambda self, rows, available, *args, **kwargs: available)
+    return target, directory
+
+
+def test_idle_backlog_is_taken_in_chunks_and_drafting_resumes_from_it(fitted, tmp_path, monkeypatch):
+    """While adaptive k keeps drafting off, the head takes the target's pending states every `IDLE_BACKLOG` steps
+    instead of letting them pile up; when drafting resumes, its drafts are the ones a head that caught up in one
+    forward makes (same acceptance, step by step), and the output is the target's."""
+    target, directory = idle_then_drafting(fitted, tmp_path, monkeypatch)
     input_ids = torch.randint(2, VOCAB, (3, 6), generator=torch.Generator().manual_seed(7))
     expected = target.generate(input_ids=input_ids, max_new_tokens=30, do_sample=False)
     runs, widths = {}, {}
@@ -690,19 +696,7 @@ def test_idle_window_bounds_the_pile_and_the_head_resumes_from_it(fitted, tmp_pa
     """While drafting is off a row keeps only its newest `IDLE_WINDOW` target states and the head reads none of
     them; when drafting resumes, the head's cache starts again from that window (positions relative to it) and it
     drafts from there: accepted drafts, and the target's output."""
-    from hf_specdec import adaptive
-
-    target, src = fitted[3]
-    directory = convert_eagle(src, tmp_path / "head", target=target)
-    choose = adaptive.AdaptiveK.choose
-
-    def off_then_on(self, rows, available=None, classes=None, context=0.0):  # 14 steps off, then 3 drafts
-        k = choose(self, rows, available, classes, context)
-        self.chosen[-1] = 0 if len(self.chosen) <= 14 else 3
-        return self.chosen[-1]
-
-    monkeypatch.setattr(adaptive.AdaptiveK, "choose", off_then_on)
-    monkeypatch.setattr(adaptive.AdaptiveK, "choose_rows", lambda self, rows, available, *args, **kwargs: available)
+    target, directory = idle_then_drafting(fitted, tmp_path, monkeypatch)
     input_ids = torch.randint(2, VOCAB, (3, 6), generator=torch.Generator().manual_seed(7))
     expected = target.generate(input_ids=input_ids, max_new_tokens=40, do_sample=False)
     spec = EagleSpeculator.from_pretrained(directory)

@@ -73,6 +73,15 @@ def solo(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
 
 
+def served_equal_solo(engine, model, plan: list[tuple[list[int], int]]) -> None:
+    """Submits every `(prompt, max_tokens)` of `plan` at once and checks each answer against its solo run."""
+    streams = [engine.submit(prompt, n) for prompt, n in plan]
+    for (prompt, n), stream in zip(plan, streams):
+        for _ in stream:
+            pass
+        assert stream.request.output_ids == solo(model, prompt, n)
+
+
 def no_blocks_held(engine) -> bool:
     manager = engine.target.cache.manager  # the slots' regions stay with the slots
     return manager.sequences() == [] and manager.num_free_blocks == (manager.num_blocks - manager.num_reserved
@@ -167,12 +176,7 @@ def test_eagle_head_under_continuous_batching(tokenizer, tmp_path, version, idle
     engine = ServingEngine(model, tokenizer, head, num_speculative_tokens=3, max_batch_size=2,
                            schedule="constant").start()
     try:
-        plan = [(repeating(5 + 2 * i, seed=10 + i), 10 + 5 * i) for i in range(5)]
-        streams = [engine.submit(p, n) for p, n in plan]
-        for (prompt, n), stream in zip(plan, streams):
-            for _ in stream:
-                pass
-            assert stream.request.output_ids == solo(model, prompt, n)
+        served_equal_solo(engine, model, [(repeating(5 + 2 * i, seed=10 + i), 10 + 5 * i) for i in range(5)])
         assert engine.metrics.num_draft_tokens > 0
     finally:
         engine.shutdown()
@@ -204,12 +208,7 @@ def test_warm_up_runs_real_steps_and_leaves_nothing_behind(tokenizer, tmp_path, 
         assert policy.measured.steps == 0 and not policy.tried.any() and not policy.chosen
         assert engine.prefix_cache.num_stored_blocks == 0
         assert no_blocks_held(engine) and engine.counters["requests"] == 0
-        plan = [(repeating(6 + 3 * i, seed=20 + i), 9 + 4 * i) for i in range(4)]
-        streams = [engine.submit(prompt, n) for prompt, n in plan]
-        for (prompt, n), stream in zip(plan, streams):
-            for _ in stream:
-                pass
-            assert stream.request.output_ids == solo(model, prompt, n)
+        served_equal_solo(engine, model, [(repeating(6 + 3 * i, seed=20 + i), 9 + 4 * i) for i in range(4)])
         assert engine.metrics.num_steps > 0 and policy.measured.steps > 0
     finally:
         engine.shutdown()
