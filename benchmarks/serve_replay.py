@@ -10,9 +10,17 @@ pays: the speculator's cost when it drafts nothing), `-marginX` (`min_gain`
 X, e.g. `ngram-margin1.25`).
 
     python benchmarks/serve_replay.py --configs off,ngram,ngram-noweight,ngram-static --rounds 3
+
+`--profile`: one run per configuration with every step under cProfile (the engine thread's `Step.__call__`): the
+time spent in steps, the steps, and the functions taking the most time, with their cumulative time per step.
+
+    python benchmarks/serve_replay.py --configs off,eagle-never --profile
 """
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import time
 
@@ -80,11 +88,16 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=4.0)
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--profile", action="store_true", help="one run per configuration, its steps under cProfile")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(DEFAULT_MODEL)
     requests = workload(tokenizer, args.requests)
     configs = args.configs.split(",")
+    if args.profile:
+        for name in configs:
+            profile(model, tokenizer, name, requests, args.rate, args.max_batch_size)
+        return
     speeds = {c: [] for c in configs}
     reference = None
     for r in range(args.rounds):
@@ -99,6 +112,23 @@ def main() -> None:
         ratios = [a / b for a, b in zip(speeds[name], speeds[configs[0]])]
         print(f"| {name} | {', '.join(f'{s:.1f}' for s in speeds[name])} | {statistics.median(ratios):.3f} "
               f"({', '.join(f'{x:.3f}' for x in ratios)}) |")
+
+
+def profile(model, tokenizer, name: str, requests, rate: float, max_batch_size: int) -> None:
+    """One run of `name` with each step (`Step.__call__`, in the engine thread) under one cProfile profile."""
+    from hf_specdec.step import Step
+
+    profiler, call = cProfile.Profile(), Step.__call__
+    Step.__call__ = lambda self, *a: profiler.runcall(call, self, *a)
+    try:
+        _, _, line = run(model, tokenizer, name, requests, rate, max_batch_size)
+    finally:
+        Step.__call__ = call
+    stats = pstats.Stats(profiler, stream=io.StringIO())
+    steps = next(v[0] for k, v in stats.stats.items() if k[2] == "__call__" and k[0].endswith("step.py"))
+    print(f"{line}; {stats.total_tt:.2f} s in {steps} steps ({1000 * stats.total_tt / steps:.1f} ms a step)")
+    stats.sort_stats("tottime").print_stats(15)
+    print(stats.stream.getvalue())
 
 
 if __name__ == "__main__":
