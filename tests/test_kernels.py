@@ -244,6 +244,21 @@ def test_sampling_reference_equals_transformers_warpers(temperature, top_k, top_
     assert torch.equal(got, warpers(None, logits))
 
 
+def test_sampling_reference_top_k_per_row_with_ties_and_masked_tokens():
+    """Per-row k (off, 1, ties at the k-th score, k past the vocabulary) over scores with -inf entries: each row keeps
+    exactly the tokens transformers' `TopKLogitsWarper` keeps for its own k."""
+    from transformers.generation.logits_process import TopKLogitsWarper
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randint(-4, 5, (6, 301), generator=g).float()  # many ties
+    logits[2, :290] = float("-inf")
+    top_k = torch.tensor([0, 1, 7, 50, 301, 400])
+    got = apply_sampling_params_reference(logits, None, top_k, None)
+    for row, k in enumerate(top_k.tolist()):
+        expected = logits[row:row + 1] if k <= 0 or k >= 301 else TopKLogitsWarper(k)(None, logits[row:row + 1])
+        assert torch.equal(got[row:row + 1], expected), row
+
+
 @st.composite
 def sampling_inputs(draw):
     n = draw(st.integers(1, 5))

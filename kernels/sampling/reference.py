@@ -34,9 +34,16 @@ def apply_sampling_params_reference(
     if temperature is not None:
         scores = scores / temperature.float()[:, None]
     if top_k is not None:
-        k = torch.where((top_k <= 0) | (top_k > vocab), vocab, top_k)
-        kth = scores.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+        off = (top_k <= 0) | (top_k >= vocab)
+        if scores.device.type == "cpu":  # the largest k, read on the host (free here; a GPU would stall on it)
+            k = torch.where(off, 1, top_k)
+            # the k-th largest score from the top max(k) only: at 26 rows of a 49152-token vocabulary 0.9 ms
+            # against 46 ms for a full sort on a 2-core CPU
+            kth = scores.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+        else:
+            k = torch.where(off, vocab, top_k)
+            kth = scores.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+        scores = scores.masked_fill((scores < kth) & ~off[:, None], float("-inf"))
     if top_p is not None:
         sorted_scores, order = scores.sort(dim=-1, descending=False)
         cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
