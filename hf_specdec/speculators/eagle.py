@@ -240,9 +240,11 @@ class EagleSpeculator(Speculator):
     def _restart(self, row: int, start: int) -> None:
         """Empties `row`'s head cache, whose next entry is then the target's state at position `start`. Rotary
         position embeddings make attention depend on relative positions only, so entries keep their own positions
-        relative to one another, counted from `start`."""
-        self._runner.free(row)
-        self._runner.add_sequence(row)
+        relative to one another, counted from `start`. A cache already empty (restarted at an earlier idle step)
+        only moves its offset."""
+        if self._runner.length(row):
+            self._runner.free(row)
+            self._runner.add_sequence(row)
         self._offset[row] = start
 
     def _catch_up(self, batch: SequenceBatch, rows: list[int]) -> torch.Tensor:
