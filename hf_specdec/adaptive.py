@@ -115,21 +115,24 @@ class StepCost:
 class MeasuredStepCost:
     """A `StepCost` corrected by the wall times of the steps it prices.
 
-    Each observed step (its rows `B`, tokens fed `N`, cached tokens `C`, whether it verified drafts, and the time of
-    its target forward and verify) is fitted as `t = s * base(B, 1, C) + m * (base(B, N / B, C) - base(B, 1, C)) +
-    o * drafted`: `s` puts the base curve in this host's units, `m` scales what the tokens beyond one per row cost (a
-    profile taken on an idle host at other batch sizes can be off by half), `o` is what a step with drafts costs
-    beyond its tokens (a ragged step's attention and packing, the verify). Weighted least squares with counts that
-    decay each step, so the fit follows the load; a light prior holds `m = s` and `o = 0` (the base curve as it is)
-    until drafting steps say otherwise. Used only once `min_steps` steps were seen. `relative` then answers as
-    `StepCost.relative` does.
+    Each observed step (its rows `B`, tokens fed `N` of which `D` are drafts, cached tokens `C`, and the time of its
+    target forward and verify) is fitted as `t = s * base(B, 1, C) + m * (base(B, (N - D) / B, C) - base(B, 1, C)) +
+    w * D + o * [D > 0]`: `s` puts the base curve in this host's units, `m` scales what other tokens beyond one per
+    row cost (newcomers' prompts; a profile taken on an idle host at other batch sizes can be off by half), `w` is
+    what a draft token costs and `o` what a step with drafts costs beyond its tokens (a ragged step's attention and
+    packing, the verify). Drafts are priced per token, not by the curve: a CPU's curve, measured at a few widths,
+    climbs in steps, and on its flat stretches it calls a few drafts free when each costs a few percent of a loaded
+    step (`benchmarks/draft_pricing.py`). Weighted least squares with counts that decay each step, so the fit follows
+    the load; a light prior holds `m = s`, `w = s` times the curve's average price of a token and `o = 0` until
+    steps say otherwise. Used only once `min_steps` steps were seen. `relative` then answers as `StepCost.relative`
+    does, for steps whose tokens beyond one per row are drafts.
 
     Args:
         base (`StepCost`): the curve whose shape is kept.
         decay (`float`): factor on the counts per observed step (0.98: about the last 50 steps weigh).
         min_steps (`int`): steps to see before the fit is used.
         prior_steps (`float`): how many observed steps the prior weighs, each at a quarter of a plain step's extra
-            cost (for `m`) or of 1 unit of time (for `o`).
+            cost (for `m`), 8 draft tokens (for `w`) or 1 unit of time (for `o`).
     """
 
     def __init__(self, base: StepCost, decay: float = 0.98, min_steps: int = 16, prior_steps: float = 2.0):
@@ -139,18 +142,30 @@ class MeasuredStepCost:
         self.decay = decay
         self.min_steps = min_steps
         self.prior_steps = prior_steps
-        self.gram = torch.zeros(3, 3, dtype=torch.float64)
-        self.moment = torch.zeros(3, dtype=torch.float64)
+        # The curve's average price of one more token, end to end: the prior's price of a draft token.
+        (x0, y0), (x1, y1) = base.points[0], base.points[-1]
+        self.token_price = (y1 - y0) / (x1 - x0)
+        self.gram = torch.zeros(4, 4, dtype=torch.float64)
+        self.moment = torch.zeros(4, dtype=torch.float64)
         self.weight = 0.0  # observations, decayed
         self.steps = 0  # observations, all
-        self._params: tuple[float, float, float] | None = None
+        self.skipped = 0  # steps not fitted (prefills)
+        self._params: tuple[float, float, float, float] | None = None
         self._stale = False
 
-    def observe(self, rows: int, tokens_fed: int, context: float, drafted: bool, seconds: float) -> None:
+    def observe(self, rows: int, tokens_fed: int, context: float, draft_tokens: int, seconds: float) -> None:
+        """One step: `rows` rows fed `tokens_fed` tokens in all, `draft_tokens` of them drafts, over `context`
+        cached tokens, in `seconds`. A step whose other tokens beyond one per row outnumber its rows (newcomers'
+        prompts: a prefill, which the curve prices by extrapolation, with the engine's first allocations in the
+        first one) is not fitted: its error would land on the drafts' price, and drafts are priced for decode
+        steps."""
+        if tokens_fed - draft_tokens - rows > rows:
+            self.skipped += 1
+            return
         one = torch.ones((), dtype=torch.float64)
         plain = float(self.base(rows, one, context))
-        extra = float(self.base(rows, one * (tokens_fed / rows), context)) - plain
-        x = torch.tensor([plain, extra, float(drafted)], dtype=torch.float64)
+        other = float(self.base(rows, one * ((tokens_fed - draft_tokens) / rows), context)) - plain
+        x = torch.tensor([plain, other, float(draft_tokens), float(draft_tokens > 0)], dtype=torch.float64)
         self.gram.mul_(self.decay).add_(torch.outer(x, x))
         self.moment.mul_(self.decay).add_(x * (seconds * 1e3))
         self.weight = self.weight * self.decay + 1.0
@@ -162,36 +177,45 @@ class MeasuredStepCost:
         return self.steps >= self.min_steps and self.params is not None
 
     @property
-    def params(self) -> tuple[float, float, float] | None:
-        """`(s, m, o)`, or None before any step or when the fit is degenerate (`s <= 0`)."""
+    def params(self) -> tuple[float, float, float, float] | None:
+        """`(s, m, w, o)`, or None before any step or when the fit is degenerate (`s <= 0`)."""
         if self._stale:
             self._stale = False
             self._params = self._fit()
         return self._params
 
-    def _fit(self) -> tuple[float, float, float] | None:
+    def _fit(self) -> tuple[float, float, float, float] | None:
         if self.weight == 0.0:
             return None
-        # The prior in the data's own units: a quarter of a plain step's base cost for `m`, 1 ms for `o`.
+        # The prior in the data's own units: a quarter of a plain step's base cost for `m`, draft tokens for `w`, 1 ms
+        # for `o`.
         ref = 0.0625 * float(self.gram[0, 0]) / self.weight
-        prior = torch.zeros(3, 3, dtype=torch.float64)
+        prior = torch.zeros(4, 4, dtype=torch.float64)
         prior[0, 0] = prior[1, 1] = self.prior_steps * ref
         prior[0, 1] = prior[1, 0] = -self.prior_steps * ref  # (m - s)^2
-        prior[2, 2] = self.prior_steps
+        # (w - price * s)^2, weighed like `8 * prior_steps` draft tokens: a few steps with drafts outweigh it, a
+        # single slow one does not set the price.
+        price, drafts = self.token_price, 8 * self.prior_steps
+        prior[0, 0] += drafts * price ** 2
+        prior[2, 2] = drafts
+        prior[0, 2] = prior[2, 0] = -drafts * price
+        prior[3, 3] = self.prior_steps
         try:
-            s, m, o = torch.linalg.solve(self.gram + prior, self.moment).tolist()
+            s, m, w, o = torch.linalg.solve(self.gram + prior, self.moment).tolist()
         except RuntimeError:  # singular: nothing informative seen yet
             return None
         if not s > 0:
             return None
-        return s, max(m, 0.0), max(o, 0.0)
+        return s, max(m, 0.0), max(w, 0.0), max(o, 0.0)
 
     def relative(self, rows: int, tokens: torch.Tensor, context: float = 0.0) -> torch.Tensor:
-        s, m, o = self.params
+        """The cost of a step whose rows feed `tokens` each on average, every one past the first a draft, relative
+        to a plain step."""
+        s, m, w, o = self.params
         tokens = torch.as_tensor(tokens, dtype=torch.float64)
-        plain = self.base(rows, torch.ones((), dtype=torch.float64), context)
-        extra = self.base(rows, tokens, context) - plain
-        return (s * plain + m * extra + o * (tokens > 1).double()) / (s * plain)
+        plain = s * self.base(rows, torch.ones((), dtype=torch.float64), context)
+        drafts = (tokens - 1).clamp(min=0) * rows
+        return (plain + w * drafts + o * (drafts > 0).double()) / plain
 
 
 # Measured with `StepCost.measure` on the development machine (2-core x86-64 CPU, SmolLM2-135M in float32, batch
@@ -225,11 +249,14 @@ class AdaptiveK:
             step costs the rows' tokens summed rather than every row padded to the widest.
         measure_steps (`bool`): correct `step_cost` by the steps' own wall times (`measured`, a `MeasuredStepCost`);
             the serving engine's choice, where k already varies with arrivals. Off, k depends on acceptance alone.
+        calibrate (`bool`): scale every draft's expected gain by the drafts accepted over those the estimates
+            expected, in the steps so far (`calibration`): the drafts verified are the ones whose estimates came out
+            highest, so the raw estimates overrate them (the serving engine's choice).
     """
 
     def __init__(self, num_rows: int, max_k: int, step_cost: StepCost, draft_cost_per_token: float = 0.0,
                  priors: tuple[float, ...] = (0.6,), strength: float = 2.0, decay: float = 0.9, min_gain: float = 1.1,
-                 packed: bool = False, measure_steps: bool = False):
+                 packed: bool = False, measure_steps: bool = False, calibrate: bool = False):
         if not priors or not all(0.0 <= p < 1.0 for p in priors):
             raise ValueError(f"acceptance priors must be in [0, 1), one per confidence class, got {priors!r}")
         self.max_k = max_k
@@ -254,6 +281,9 @@ class AdaptiveK:
         # What a token of each row is worth, 1 for every row unless `weigh` says otherwise (see there).
         self.weights = torch.ones(num_rows, dtype=torch.float64)
         self.num_declined = 0  # steps where drafts were on offer and k was 0
+        # Accepted drafts and what the estimates expected of the same drafts, decayed per step (`calibrate`).
+        self.calibrate = calibrate
+        self.expected_accepted = self.actual_accepted = 0.0
         self._last = (num_rows, 0.0)  # the rows and context of the latest choice, to explain it
 
     def acceptance(self, rows: list[int], classes: list[int] | None = None) -> torch.Tensor:
@@ -343,6 +373,27 @@ class AdaptiveK:
         longest = max(max(remaining), 1)
         self.weights[rows] = torch.tensor(remaining, dtype=torch.float64).clamp(min=0) / longest
 
+    # Calibration: how many expected accepted drafts the prior weighs (at a ratio of 1), and the decay per step.
+    CALIBRATION_PRIOR, CALIBRATION_DECAY = 8.0, 0.98
+
+    @property
+    def calibration(self) -> float:
+        """Drafts accepted over those the estimates expected (1 without `calibrate`), shrunk towards 1 by a prior
+        of `CALIBRATION_PRIOR` expected drafts and capped at 1.5."""
+        if not self.calibrate:
+            return 1.0
+        prior = self.CALIBRATION_PRIOR
+        return min(1.5, (self.actual_accepted + prior) / (self.expected_accepted + prior))
+
+    def _gains(self, rows: list[int], classes, ks: torch.Tensor) -> torch.Tensor:
+        """`[rows, len(ks)]` the expected tokens of each row's draft at each depth in `ks` (a row's j-th draft is
+        accepted with chance p^j), weighed and calibrated, at most 1 token each (at most the weight)."""
+        rates = self.acceptance(rows, classes)
+        weights = self.weights[torch.tensor(rows, dtype=torch.long)]
+        gains = rates[:, None] ** ks[None, :]
+        gains = torch.where(ks[None, :] > 0, (gains * self.calibration).clamp(max=1.0), gains)
+        return weights[:, None] * gains
+
     def _relative(self, rows: int, tokens: torch.Tensor, context: float) -> torch.Tensor:
         if self.measured is not None and self.measured.ready:
             return self.measured.relative(rows, tokens, context)
@@ -351,10 +402,9 @@ class AdaptiveK:
     def _choose_rows(self, rows, available, classes, context) -> tuple[list[int], float, float, float]:
         """Drafts per row, the step's expected tokens per unit of cost with them, its expected tokens and the tokens
         fed per row on average."""
-        rates = self.acceptance(rows, classes)
         weights = self.weights[torch.tensor(rows, dtype=torch.long)]
         j = torch.arange(1, self.max_k + 1, dtype=torch.float64)
-        gains = weights[:, None] * rates[:, None] ** j[None, :]  # [rows, max_k]: the j-th draft's expected tokens
+        gains = self._gains(rows, classes, j)  # [rows, max_k]: the j-th draft's expected tokens
         offered = torch.tensor(available, dtype=torch.float64)[:, None]
         gains = gains.masked_fill(j[None, :] > offered, -1.0)
         order = torch.sort(gains.flatten(), descending=True, stable=True)
@@ -378,10 +428,9 @@ class AdaptiveK:
         return picked.view(b, self.max_k).sum(1).tolist(), float(value[best]), float(expected[best]), float(tokens[best])
 
     def _choose(self, rows, available, classes, context) -> int:
-        rates = self.acceptance(rows, classes)
         ks = torch.arange(self.max_k + 1, dtype=torch.float64)
         # Expected emitted tokens summed over rows for each k: sum over j = 0..min(k, available) of rate^j.
-        terms = self.weights[torch.tensor(rows, dtype=torch.long)][:, None] * rates[:, None] ** ks[None, :]
+        terms = self._gains(rows, classes, ks)
         if available is not None:
             terms = terms.masked_fill(ks[None, :] > torch.tensor(available, dtype=torch.float64)[:, None], 0.0)
         expected = terms.cumsum(dim=1).sum(0)  # [max_k + 1]
@@ -413,6 +462,14 @@ class AdaptiveK:
     def update(self, rows: list[int], num_drafted: list[int], num_accepted: list[int],
                classes: list[int] | None = None) -> None:
         """Folds one step's outcome into the counts: each row's proposal was of class `classes[i]`."""
+        if self.calibrate and any(num_drafted):
+            # What the estimates, as they stood when these drafts were chosen, expected of them: sum of p^j.
+            rates = self.acceptance(rows, classes)
+            depth = torch.arange(1, max(num_drafted) + 1, dtype=torch.float64)
+            drafted_t = torch.tensor(num_drafted, dtype=torch.float64)
+            expected = (rates[:, None] ** depth[None, :]).masked_fill(depth[None, :] > drafted_t[:, None], 0.0)
+            self.expected_accepted = self.expected_accepted * self.CALIBRATION_DECAY + float(expected.sum())
+            self.actual_accepted = self.actual_accepted * self.CALIBRATION_DECAY + float(sum(num_accepted))
         self.accepted.mul_(self.decay)
         self.tried.mul_(self.decay)
         drafted = torch.tensor(num_drafted, dtype=torch.float64)

@@ -244,38 +244,40 @@ def test_drafts_already_made_are_trimmed_per_row_without_a_second_record():
 
 
 def _timed_steps(cost: MeasuredStepCost, truth, steps: int, seed: int = 0, draft_share: float = 0.5) -> None:
-    """Feeds `cost` steps of random shapes timed by `truth(rows, tokens per row, context, drafted)` (ms) with 2%
-    noise: about `draft_share` of them verify drafts."""
+    """Feeds `cost` steps of random shapes timed by `truth(rows, other tokens, drafts, context)` (ms; other tokens:
+    those fed beyond one per row that are not drafts, a newcomer's prompt) with 2% noise: about `draft_share` of them
+    verify drafts, a quarter carry a prompt."""
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         rows = int(torch.randint(1, 33, (), generator=g))
-        drafted = bool(torch.rand((), generator=g) < draft_share)
-        tokens = 1 + (int(torch.randint(1, 4 * rows + 1, (), generator=g)) / rows if drafted else 0)
+        drafts = int(torch.randint(1, 4 * rows + 1, (), generator=g)) if torch.rand((), generator=g) < draft_share else 0
+        other = int(torch.randint(8, 200, (), generator=g)) if torch.rand((), generator=g) < 0.25 else 0
         context = rows * float(torch.randint(50, 400, (), generator=g))
         noise = 1 + 0.02 * float(torch.randn((), generator=g))
-        cost.observe(rows, round(rows * tokens), context, drafted, truth(rows, tokens, context, drafted) * noise / 1e3)
+        cost.observe(rows, rows + other + drafts, context, drafts, truth(rows, other, drafts, context) * noise / 1e3)
 
 
-@pytest.mark.parametrize("scale,marginal,overhead", [(3.0, 1.5, 4.0), (0.5, 0.5, 0.0)])
-def test_measured_step_cost_recovers_how_the_host_prices_tokens(scale, marginal, overhead):
-    """Steps timed on a host whose plain steps cost `scale` times the base curve, whose extra tokens cost `marginal`
-    times the curve's and whose drafting steps carry `overhead` ms more: the fitted relative costs are the host's,
-    not the base curve's."""
+@pytest.mark.parametrize("scale,marginal,draft_price,overhead", [(3.0, 1.5, 6.0, 4.0), (0.5, 0.5, 4.0, 0.0)])
+def test_measured_step_cost_recovers_how_the_host_prices_tokens(scale, marginal, draft_price, overhead):
+    """Steps timed on a host whose plain steps cost `scale` times the base curve, whose newcomers' prompt tokens cost
+    `marginal` times the curve's, whose draft tokens cost `draft_price` ms each and whose drafting steps carry
+    `overhead` ms more: the fitted relative costs of drafting are the host's, not the base curve's."""
     base = DEFAULT_STEP_COST["cpu"]
     one = torch.ones((), dtype=torch.float64)
 
-    def truth(rows, tokens, context, drafted):
+    def truth(rows, other, drafts, context):
         plain = float(base(rows, one, context))
-        extra = float(base(rows, torch.tensor(float(tokens), dtype=torch.float64), context)) - plain
-        return scale * plain + marginal * scale * extra + overhead * drafted
+        extra = float(base(rows, one * (1 + other / rows), context)) - plain
+        return scale * plain + marginal * scale * extra + draft_price * drafts + overhead * (drafts > 0)
 
     measured = MeasuredStepCost(base)
     _timed_steps(measured, truth, 15)
     assert not measured.ready  # too few steps yet
     _timed_steps(measured, truth, 200, seed=1)
     assert measured.ready
-    for rows, tokens, context in [(1, 4.0, 100.0), (16, 1.5, 3000.0), (30, 1.25, 9000.0)]:
-        want = truth(rows, tokens, context, True) / truth(rows, 1.0, context, False)
+    for rows, tokens, context in [(4, 2.0, 400.0), (16, 1.5, 3000.0), (30, 1.25, 9000.0)]:
+        drafts = round(rows * (tokens - 1))
+        want = truth(rows, 0, drafts, context) / truth(rows, 0, 0, context)
         got = float(measured.relative(rows, torch.tensor(tokens, dtype=torch.float64), context))
         assert got == pytest.approx(want, rel=0.03)
         static = float(base.relative(rows, torch.tensor(tokens, dtype=torch.float64), context))
@@ -283,14 +285,33 @@ def test_measured_step_cost_recovers_how_the_host_prices_tokens(scale, marginal,
     assert float(measured.relative(8, torch.ones((), dtype=torch.float64), 800.0)) == pytest.approx(1.0)
 
 
-def test_without_drafting_steps_the_measured_cost_keeps_the_curves_shape():
-    """Only plain steps seen: nothing says what extra tokens cost, so the relative costs are the base curve's."""
-    base = DEFAULT_STEP_COST["cpu"]
+def test_without_drafting_steps_drafts_are_priced_at_the_curves_average_token():
+    """Only plain steps seen (some with newcomers' prompts): nothing says what a draft costs, so each is priced at
+    the base curve's average price of a token, in the host's units; a flat stretch of the curve does not make drafts
+    free."""
+    base = StepCost(per_row=0.0, points=((1.0, 40.0), (16.0, 40.0), (32.0, 72.0)))  # 1 ms a token on average
     measured = MeasuredStepCost(base)
     one = torch.ones((), dtype=torch.float64)
-    _timed_steps(measured, lambda r, t, c, d: 2.0 * float(base(r, one, c)), 40, draft_share=0.0)
-    tokens = torch.tensor([1.0, 2.0, 5.0], dtype=torch.float64)
-    assert torch.allclose(measured.relative(8, tokens, 1000.0), base.relative(8, tokens, 1000.0), rtol=0.01)
+    _timed_steps(measured, lambda r, o, d, c: 2.0 * float(base(r, one * (1 + o / r), c)), 40, draft_share=0.0)
+    assert measured.ready
+    tokens = torch.tensor([1.0, 1.25, 2.0], dtype=torch.float64)
+    want = 1 + (tokens - 1) * 8 * 1.0 / 40.0 + 0.0  # 8 rows: their drafts at 1 ms each against a 40 ms step
+    assert torch.allclose(measured.relative(8, tokens, 0.0), want, rtol=0.02)
+    assert float(base.relative(8, tokens, 0.0)[1]) == pytest.approx(1.0)  # the curve alone: 2 drafts are free
+
+
+def test_a_prefill_step_does_not_set_the_price_of_drafts():
+    """A step dominated by a newcomer's prompt (other tokens outnumbering its rows), however slow, is not fitted;
+    one where they do not is."""
+    base = DEFAULT_STEP_COST["cpu"]
+    one = torch.ones((), dtype=torch.float64)
+    measured = MeasuredStepCost(base)
+    _timed_steps(measured, lambda r, o, d, c: float(base(r, one * (1 + (o + d) / r), c)), 100, seed=3)
+    before, seen = measured.params, measured.steps
+    measured.observe(4, 4 + 3 + 180, 800.0, 3, 2.0)  # 180 prompt tokens beside 3 drafts, 2 s
+    assert measured.params == before and measured.steps == seen and measured.skipped > 0
+    measured.observe(8, 8 + 3 + 6, 800.0, 3, 2.0)
+    assert measured.steps == seen + 1 and measured.params != before
 
 
 def test_a_policy_measuring_its_steps_stops_drafting_where_tokens_cost_more_than_the_curve_says():
@@ -314,10 +335,38 @@ def test_a_policy_measuring_its_steps_stops_drafting_where_tokens_cost_more_than
         for _ in range(60):
             n = int(torch.randint(16, 48, (), generator=g))
             if policy.measured is not None:  # what the serving engine's steps report
-                policy.measured.observe(16, n, context, n > 16, truth(16, n / 16, context, n > 16) / 1e3)
+                policy.measured.observe(16, n, context, n - 16, truth(16, n / 16, context, n > 16) / 1e3)
         chosen[measure] = policy.choose_rows(rows, [4] * 16, context=context)
     assert sum(chosen[False]) > 0
     assert sum(chosen[True]) == 0
+
+
+def test_calibrated_policy_scales_its_estimates_by_the_drafts_it_saw_accepted():
+    """Rows whose drafts are accepted half as often as their estimates say: with `calibrate`, the expected gains are
+    scaled by accepted over expected (about 0.5 after many steps), and at a cost where the raw estimates say drafting
+    pays but the calibrated ones say it does not, the policy declines; without `calibrate` it keeps drafting.
+    Calibration is at most 1.5, and a draft's gain at most one token."""
+    cost = StepCost(per_row=0.0, points=((1.0, 10.0), (64.0, 10.0 + 63 * 0.9)))  # a token: 9% of an 8-row step
+    rows = list(range(8))
+    chosen = {}
+    for calibrate in (False, True):
+        policy = AdaptiveK(8, 2, cost, priors=(0.6,), packed=True, calibrate=calibrate, decay=1.0, strength=1e6)
+        for _ in range(200):
+            # The estimates stay at the prior (0.6: a huge strength) while half as many drafts are accepted as
+            # they expect (0.6 + 0.36 = 0.96 of 2 per row, 0.5 realised).
+            policy.update(rows, [2] * 8, [1 if i % 2 else 0 for i in rows])
+        if calibrate:
+            assert policy.calibration == pytest.approx(4 / (8 * 0.96), rel=0.05)
+        else:
+            assert policy.calibration == 1.0
+        chosen[calibrate] = policy.choose_rows(rows, [2] * 8)
+    assert sum(chosen[False]) > 0 and sum(chosen[True]) == 0
+
+    optimist = AdaptiveK(2, 3, cost, priors=(0.6,), calibrate=True)
+    optimist.actual_accepted, optimist.expected_accepted = 100.0, 10.0
+    assert optimist.calibration == 1.5
+    gains = optimist._gains([0, 1], None, torch.arange(0, 4, dtype=torch.float64))
+    assert torch.all(gains[:, 0] == 1.0) and torch.all(gains <= 1.0) and gains[0, 1] == pytest.approx(0.9)
 
 
 def test_weighed_rows_draft_where_the_remaining_work_waits():

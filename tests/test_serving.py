@@ -206,6 +206,7 @@ def test_warm_up_runs_real_steps_and_leaves_nothing_behind(tokenizer, tmp_path, 
         assert engine.metrics.num_steps == 0 and engine.metrics.num_draft_tokens == 0
         assert engine.scheduler.metrics is engine.metrics and engine.step.policy is policy
         assert policy.measured.steps == 0 and not policy.tried.any() and not policy.chosen
+        assert policy.calibrate and policy.expected_accepted == 0.0 and policy.actual_accepted == 0.0
         assert engine.prefix_cache.num_stored_blocks == 0
         assert no_blocks_held(engine) and engine.counters["requests"] == 0
         served_equal_solo(engine, model, [(repeating(6 + 3 * i, seed=20 + i), 9 + 4 * i) for i in range(4)])

@@ -223,7 +223,7 @@ class ServingEngine:
             # Arrivals change the batch every step, so k is not reproducible here anyway: the policy corrects the
             # step cost by the steps' own timings (a profile from an idle host misprices a loaded server's drafts).
             policy = AdaptiveK(slots, self.k, cost, draft_cost, priors=self.speculator.confidence_priors,
-                               packed=self.target.packed, measure_steps=True)
+                               packed=self.target.packed, measure_steps=True, calibrate=True)
         constraints = None
         try:
             from ..structured import xgrammar
