@@ -1,13 +1,13 @@
 """`hf-specdec bench-serve`'s requests through `ServingEngine` in this process, without HTTP: what each serving
 configuration does to throughput when nothing but the engine differs. Rounds rotate the order; each round's tokens/s
 is divided by the first configuration's in the same round, and the median of those ratios is reported, with the
-steps, drafted and accepted tokens and the fitted step cost (`MeasuredStepCost.params`: scale, extra-token price,
-fixed cost of a step with drafts, in ms) of each run. Every run's answers are compared with the first run's.
+steps, drafted and accepted tokens and the fitted step cost (`MeasuredStepCost.params`: scale, prompt-token scale,
+price of a draft token and fixed cost of a step with drafts, both in ms) of each run. Every run's answers are compared with the first run's.
 
 Configurations: `off` (k = 0), or a speculator (`ngram`, `eagle`, ...) with optional suffixes: `-static` (adaptive k
 without the measured step cost), `-noweight` (rows not weighed by the work they have left), `-never` (no draft ever
-pays: the speculator's cost when it drafts nothing), `-marginX` (`min_gain`
-X, e.g. `ngram-margin1.25`).
+pays: the speculator's cost when it drafts nothing), `-uncalibrated` (expected gains not scaled by the drafts
+accepted over expected), `-marginX` (`min_gain` X, e.g. `ngram-margin1.25`).
 
     python benchmarks/serve_replay.py --configs off,ngram,ngram-noweight,ngram-static --rounds 3
 
@@ -48,10 +48,13 @@ def run(model, tokenizer, name: str, requests, rate: float, max_batch_size: int)
             engine.scheduler.weigh_rows = False
         elif option == "never":  # the speculator's whole path, no draft ever paying: its cost when idle
             policy.min_gain = float("inf")
+        elif option == "uncalibrated":
+            policy.calibrate = False
         elif option.startswith("margin"):
             policy.min_gain = float(option[len("margin"):])
         else:
-            raise SystemExit(f"unknown option {option!r} in {name!r}: use -static, -noweight, -never or -marginX")
+            raise SystemExit(f"unknown option {option!r} in {name!r}: use -static, -noweight, -never, -uncalibrated "
+                             f"or -marginX")
     steps = []
     step = engine.scheduler.step
 
@@ -75,8 +78,9 @@ def run(model, tokenizer, name: str, requests, rate: float, max_batch_size: int)
     m = engine.metrics
     fitted = policy.measured.params if policy is not None and policy.measured is not None else None
     fitted = "-" if fitted is None else ", ".join(f"{p:.2f}" for p in fitted)
+    calibration = f", calibration {policy.calibration:.2f}" if policy is not None else ""
     line = (f"{name}: {tokens / wall:.1f} tokens/s ({wall:.1f} s), {len(steps)} steps, {m.num_draft_tokens} drafted, "
-            f"{m.num_accepted_tokens} accepted, fitted cost (s, m, o) {fitted}")
+            f"{m.num_accepted_tokens} accepted, fitted cost (s, m, w, o) {fitted}{calibration}")
     return tokens / wall, answers, line
 
 
