@@ -14,6 +14,7 @@ no time on them; one that underprices them drafts where it loses. Last, controll
 draft tokens, at 4, 12 and 24 rows of 300 cached tokens) against the relative costs the policy ended the run with.
 
     python benchmarks/draft_pricing.py --configs ngram,eagle
+    python benchmarks/draft_pricing.py --curve   # the controlled forwards only, against the step cost's prices
 """
 
 import argparse
@@ -84,8 +85,9 @@ def record(model, tokenizer, name: str, requests, rate: float, max_batch_size: i
 
 def controlled(model, policy, rows_list=(4, 12, 24), drafts_list=(2, 8), context: int = 300, repeats: int = 5):
     """Whole forwards through the paged runner at `rows` rows of `context` cached tokens each, plain and with
-    `drafts` draft tokens (2 per row on the first rows), timed interleaved (medians), against what the policy's
-    final measured cost says (relative to a plain step)."""
+    `drafts` draft tokens (2 per row on the first rows), timed interleaved (medians), against what `policy` (an
+    `AdaptiveK`, or a `StepCost`) says such a step costs relative to a plain one."""
+    price = policy._relative if hasattr(policy, "_relative") else policy.relative
     from hf_specdec.model_runner import ModelRunner, paged_attention
 
     vocab = model.config.vocab_size
@@ -112,9 +114,8 @@ def controlled(model, policy, rows_list=(4, 12, 24), drafts_list=(2, 8), context
             plain = statistics.median(times[0])
             cells = []
             for d in drafts_list:
-                believed = float(policy._relative(rows, torch.tensor(1 + d / rows, dtype=torch.float64),
-                                                  float(rows * context)))
-                cells.append(f"{d} drafts x{statistics.median(times[d]) / plain:.3f} (policy x{believed:.3f})")
+                believed = float(price(rows, torch.tensor(1 + d / rows, dtype=torch.float64), float(rows * context)))
+                cells.append(f"{d} drafts x{statistics.median(times[d]) / plain:.3f} (priced x{believed:.3f})")
             print(f"  rows {rows}, {context} cached each: plain {1e3 * plain:.0f} ms; " + "; ".join(cells))
 
 
@@ -168,9 +169,20 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=4.0)
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--curve", action="store_true",
+                        help="only the controlled forwards (4-24 rows, 2-16 drafts) against the step cost adaptive k "
+                             "starts from (this host's profile, else the static default)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(DEFAULT_MODEL)
+    if args.curve:
+        from hf_specdec.calibration import adaptive_costs
+        from hf_specdec.speculators import NgramSpeculator
+
+        step_cost, _, source = adaptive_costs(model, NgramSpeculator())
+        print(f"step cost: {source}")
+        controlled(model, step_cost, rows_list=(4, 8, 12, 16, 24), drafts_list=(2, 4, 8, 16), repeats=7)
+        return
     requests = workload(tokenizer, args.requests)
     for name in args.configs.split(","):
         steps, speed, policy = record(model, tokenizer, name, requests, args.rate, args.max_batch_size)
