@@ -74,9 +74,9 @@ def _top_p_remove_from_candidates(scores: torch.Tensor, top_p: torch.Tensor) -> 
     """`_top_p_remove` without a full sort where it can. A token survives top-p when the probability of the tokens
     scored above it is below top_p (the sorted form's cumulative sum from the bottom, read from the top). Among a
     row's `TOP_P_CANDIDATES` highest-scored tokens, once their probability reaches top_p the cut lies among them and
-    every other token goes; rows where it does not (a flat distribution) are sorted. Probabilities in float64, so a
-    token is cut where it lies within float32 rounding of the boundary only as the sorted form's own rounding may
-    cut it; ties at the cut keep whichever of them comes first, as the sort's order decides there."""
+    every other token goes; rows where it does not (a flat distribution) are sorted. Probabilities are float64: a
+    token within float32 rounding of the cut may land on the other side of it than under the sorted form's float32
+    cumulative sum. Ties at the cut keep whichever of them `topk` put first, as the sort's order decides there."""
     n, vocab = scores.shape
     active = top_p < 1
     remove = torch.zeros_like(scores, dtype=torch.bool)
