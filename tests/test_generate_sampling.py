@@ -83,3 +83,31 @@ def test_seeded_sampling_is_reproducible():
         torch.manual_seed(123)
         outs.append(target.generate(prompt, max_new_tokens=12, do_sample=True, speculator=draft))
     assert torch.equal(outs[0], outs[1])
+
+
+def test_cpu_sampling_warpers_run_as_the_reference_and_keep_transformers_tokens(monkeypatch):
+    """On a CPU, a call whose processors are exactly temperature, top-k and top-p runs the PyTorch reference (no
+    vocabulary sort) instead of transformers' warpers, and keeps the same tokens with the same scores; any other
+    processor keeps transformers' own path."""
+    import hf_specdec.logits as logits_module
+    from hf_specdec.logits import LogitsProcessing
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    calls = []
+    original = logits_module.apply_sampling_params
+    monkeypatch.setattr(logits_module, "apply_sampling_params",
+                        lambda *a, **k: calls.append(k.get("backend")) or original(*a, **k))
+    g = torch.Generator().manual_seed(2)
+    scores = torch.randn(7, 3000, generator=g) * 4
+    token_ids = torch.randint(0, 3000, (7, 5), generator=g)
+    rows, lens = torch.arange(7), torch.full((7,), 5)
+    for warpers in ([TemperatureLogitsWarper(0.7), TopKLogitsWarper(50), TopPLogitsWarper(0.9)],
+                    [TemperatureLogitsWarper(1.3), TopPLogitsWarper(0.5)], [TopKLogitsWarper(3)]):
+        calls.clear()
+        got = LogitsProcessing(LogitsProcessorList(warpers))(token_ids, rows, lens, scores)
+        assert calls == ["torch"]
+        assert torch.equal(got, LogitsProcessorList(warpers)(token_ids, scores))
+    calls.clear()
+    penalised = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.2), TopPLogitsWarper(0.9)])
+    LogitsProcessing(penalised)(token_ids, rows, lens, scores)
+    assert calls == []
