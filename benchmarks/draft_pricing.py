@@ -19,7 +19,6 @@ draft tokens, at 4, 12 and 24 rows of 300 cached tokens) against the relative co
 
 import argparse
 import statistics
-import time
 
 import torch
 
@@ -27,6 +26,8 @@ from hf_specdec.cli import _speculator
 from hf_specdec.models import DEFAULT_MODEL, load_model
 from hf_specdec.serve_bench import workload
 from hf_specdec.serving.engine import ServingEngine
+from _forwards import filled_runner, timed_forwards  # benchmarks/, this script's folder
+from serve_replay import replay
 
 
 def record(model, tokenizer, name: str, requests, rate: float, max_batch_size: int):
@@ -70,16 +71,7 @@ def record(model, tokenizer, name: str, requests, rate: float, max_batch_size: i
         return ks
 
     policy.choose_rows = chose
-    engine.start()
-    streams, start = [], time.perf_counter()
-    for i, (prompt, max_tokens) in enumerate(requests):
-        time.sleep(max(0.0, start + i / rate - time.perf_counter()))
-        streams.append(engine.submit(prompt, max_tokens))
-    for stream in streams:
-        for _ in stream:
-            pass
-    wall = time.perf_counter() - start
-    engine.shutdown()
+    streams, wall = replay(engine, requests, rate)
     return steps, sum(len(s.request.output_ids) for s in streams) / wall, policy
 
 
@@ -88,29 +80,15 @@ def controlled(model, policy, rows_list=(4, 12, 24), drafts_list=(2, 8), context
     `drafts` draft tokens (2 per row on the first rows), timed interleaved (medians), against what `policy` (an
     `AdaptiveK`, or a `StepCost`) says such a step costs relative to a plain one."""
     price = policy._relative if hasattr(policy, "_relative") else policy.relative
-    from hf_specdec.model_runner import ModelRunner, paged_attention
+    from hf_specdec.model_runner import paged_attention
 
-    vocab = model.config.vocab_size
     with torch.no_grad(), paged_attention(model):
         for rows in rows_list:
-            runner = ModelRunner(model, num_blocks=rows * (context + 64) // 16 + 8, packed=True)
-            for seq in range(rows):
-                runner.add_sequence(seq)
-            runner.forward(list(range(rows)), torch.randint(vocab, (rows, context)), [context] * rows, 1)
-            layouts = {0: [1] * rows}
+            runner = filled_runner(model, rows, context)
+            variants = {0: ([1] * rows, None)}
             for d in drafts_list:
-                layouts[d] = [3 if i < d // 2 else 1 for i in range(rows)]
-            times = {d: [] for d in layouts}
-            for repeat in range(repeats + 1):
-                for d, counts in (list(layouts.items()) if repeat % 2 else list(layouts.items())[::-1]):
-                    ids = torch.randint(vocab, (rows, max(counts)))
-                    start = time.perf_counter()
-                    runner.forward(list(range(rows)), ids, counts, max(counts), logit_counts=counts)
-                    elapsed = time.perf_counter() - start
-                    for seq in range(rows):
-                        runner.rollback(seq, context)
-                    if repeat:
-                        times[d].append(elapsed)
+                variants[d] = ([3 if i < d // 2 else 1 for i in range(rows)], None)
+            times = timed_forwards(runner, context, variants, repeats)
             plain = statistics.median(times[0])
             cells = []
             for d in drafts_list:

@@ -8,12 +8,12 @@ contexts. Whole forwards, medians of `--repeats`, the two ways interleaved.
 
 import argparse
 import statistics
-import time
 
 import torch
 
 import hf_specdec.paged_cache as paged_cache
-from hf_specdec.model_runner import ModelRunner, paged_attention
+from _forwards import filled_runner, timed_forwards  # benchmarks/, this script's folder
+from hf_specdec.model_runner import paged_attention
 from hf_specdec.models import DEFAULT_MODEL, load_model
 
 
@@ -34,30 +34,18 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, _ = load_model(DEFAULT_MODEL)
-    vocab = model.config.vocab_size
     rule = paged_cache.query_groups
     print("| context | rows | counts | one group ms | two groups ms | two/one | rule splits |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     with torch.no_grad(), paged_attention(model):
         for context in (int(c) for c in args.contexts.split(",")):
             for rows in (int(r) for r in args.rows.split(",")):
-                runner = ModelRunner(model, num_blocks=rows * (context + 64) // 16 + 8, packed=True)
-                for seq in range(rows):
-                    runner.add_sequence(seq)
-                runner.forward(list(range(rows)), torch.randint(vocab, (rows, context)), [context] * rows, 1)
+                runner = filled_runner(model, rows, context)
                 for counts in ([2] + [1] * (rows - 1), [3, 3] + [1] * (rows - 2)):
-                    times = {False: [], True: []}
-                    for repeat in range(args.repeats + 1):
-                        for split in ((False, True) if repeat % 2 else (True, False)):
-                            paged_cache.query_groups = two_groups if split else (lambda c: None)
-                            ids = torch.randint(vocab, (rows, max(counts)))
-                            start = time.perf_counter()
-                            runner.forward(list(range(rows)), ids, counts, max(counts), logit_counts=counts)
-                            elapsed = time.perf_counter() - start
-                            for seq in range(rows):
-                                runner.rollback(seq, context)
-                            if repeat:  # the first round warms up
-                                times[split].append(elapsed)
+                    def use(split):
+                        paged_cache.query_groups = two_groups if split else (lambda c: None)
+                    times = timed_forwards(runner, context, {False: (counts, lambda: use(False)),
+                                                             True: (counts, lambda: use(True))}, args.repeats)
                     paged_cache.query_groups = rule
                     one, two = (1000 * statistics.median(times[s]) for s in (False, True))
                     shown = f"[{', '.join(map(str, counts[:3]))}, ...]"

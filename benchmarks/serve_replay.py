@@ -63,6 +63,21 @@ def run(model, tokenizer, name: str, requests, rate: float, max_batch_size: int)
         return step()
 
     engine.scheduler.step = counted
+    streams, wall = replay(engine, requests, rate)
+    answers = [stream.request.output_ids for stream in streams]
+    tokens = sum(len(a) for a in answers)
+    m = engine.metrics
+    fitted = policy.measured.params if policy is not None and policy.measured is not None else None
+    fitted = "-" if fitted is None else ", ".join(f"{p:.2f}" for p in fitted)
+    calibration = f", calibration {policy.calibration:.2f}" if policy is not None else ""
+    line = (f"{name}: {tokens / wall:.1f} tokens/s ({wall:.1f} s), {len(steps)} steps, {m.num_draft_tokens} drafted, "
+            f"{m.num_accepted_tokens} accepted, fitted cost (s, m, w, o) {fitted}{calibration}")
+    return tokens / wall, answers, line
+
+
+def replay(engine: ServingEngine, requests, rate: float) -> tuple[list, float]:
+    """Starts `engine`, submits `requests` (prompt ids, max tokens) at `rate` per second, reads every answer to its
+    end and shuts the engine down: the streams and the seconds from the first submission to the last answer."""
     engine.start()
     streams, start = [], time.perf_counter()
     for i, (prompt, max_tokens) in enumerate(requests):
@@ -73,15 +88,7 @@ def run(model, tokenizer, name: str, requests, rate: float, max_batch_size: int)
             pass
     wall = time.perf_counter() - start
     engine.shutdown()
-    answers = [stream.request.output_ids for stream in streams]
-    tokens = sum(len(a) for a in answers)
-    m = engine.metrics
-    fitted = policy.measured.params if policy is not None and policy.measured is not None else None
-    fitted = "-" if fitted is None else ", ".join(f"{p:.2f}" for p in fitted)
-    calibration = f", calibration {policy.calibration:.2f}" if policy is not None else ""
-    line = (f"{name}: {tokens / wall:.1f} tokens/s ({wall:.1f} s), {len(steps)} steps, {m.num_draft_tokens} drafted, "
-            f"{m.num_accepted_tokens} accepted, fitted cost (s, m, w, o) {fitted}{calibration}")
-    return tokens / wall, answers, line
+    return streams, wall
 
 
 def main() -> None:

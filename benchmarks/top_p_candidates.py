@@ -40,7 +40,7 @@ def main() -> None:
             top_p = torch.full((rows,), p)
             sorted_rows = []
             sort = reference._top_p_remove
-            reference._top_p_remove = lambda s, q: sorted_rows.append(len(s)) or sort(s, q)
+            reference._top_p_remove = lambda s, q, seen=sorted_rows, sort=sort: seen.append(len(s)) or sort(s, q)
             fast = reference._top_p_remove_from_candidates(x, top_p)
             reference._top_p_remove = sort
             assert torch.equal(fast, sort(x, top_p)), "different tokens kept"

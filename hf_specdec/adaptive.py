@@ -211,7 +211,7 @@ class MeasuredStepCost:
     def relative(self, rows: int, tokens: torch.Tensor, context: float = 0.0) -> torch.Tensor:
         """The cost of a step whose rows feed `tokens` each on average, every one past the first a draft, relative
         to a plain step."""
-        s, m, w, o = self.params
+        s, _, w, o = self.params
         tokens = torch.as_tensor(tokens, dtype=torch.float64)
         plain = s * self.base(rows, torch.ones((), dtype=torch.float64), context)
         drafts = (tokens - 1).clamp(min=0) * rows

@@ -1,7 +1,5 @@
 """Speculative sampling end to end: the first two generated tokens follow the target's exact joint distribution."""
 
-import itertools
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList

@@ -77,7 +77,7 @@ def _top_p_remove_from_candidates(scores: torch.Tensor, top_p: torch.Tensor) -> 
     every other token goes; rows where it does not (a flat distribution) are sorted. Probabilities are float64: a
     token within float32 rounding of the cut may land on the other side of it than under the sorted form's float32
     cumulative sum. Ties at the cut keep whichever of them `topk` put first, as the sort's order decides there."""
-    n, vocab = scores.shape
+    vocab = scores.shape[-1]
     active = top_p < 1
     remove = torch.zeros_like(scores, dtype=torch.bool)
     if not bool(active.any()):
