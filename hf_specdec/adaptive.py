@@ -132,8 +132,13 @@ class MeasuredStepCost:
         decay (`float`): factor on the counts per observed step (0.98: about the last 50 steps weigh).
         min_steps (`int`): steps to see before the fit is used.
         prior_steps (`float`): how many observed steps the prior weighs, each at a quarter of a plain step's extra
-            cost (for `m`), 8 draft tokens (for `w`) or 1 unit of time (for `o`).
+            cost (for `m`), a step of 4 drafts at that price (for `w`) or 1 unit of time (for `o`).
     """
+
+    # Once the fit is in use, a step further from its prediction (relatively) than OUTLIER times the typical
+    # relative error, and than OUTLIER_FLOOR, weighs the limit over its error (Huber's weights: its residual counts
+    # as if clipped to the limit).
+    OUTLIER, OUTLIER_FLOOR = 4.0, 0.15
 
     def __init__(self, base: StepCost, decay: float = 0.98, min_steps: int = 16, prior_steps: float = 2.0):
         if not 0.0 < decay <= 1.0:
@@ -150,6 +155,7 @@ class MeasuredStepCost:
         self.weight = 0.0  # observations, decayed
         self.steps = 0  # observations, all
         self.skipped = 0  # steps not fitted (prefills)
+        self.typical_error = 0.05  # a step's relative distance from the fit, on average (outliers clipped)
         self._params: tuple[float, float, float, float] | None = None
         self._stale = False
 
@@ -166,9 +172,19 @@ class MeasuredStepCost:
         plain = float(self.base(rows, one, context))
         other = float(self.base(rows, one * ((tokens_fed - draft_tokens) / rows), context)) - plain
         x = torch.tensor([plain, other, float(draft_tokens), float(draft_tokens > 0)], dtype=torch.float64)
-        self.gram.mul_(self.decay).add_(torch.outer(x, x))
-        self.moment.mul_(self.decay).add_(x * (seconds * 1e3))
-        self.weight = self.weight * self.decay + 1.0
+        y = seconds * 1e3
+        weight = 1.0
+        if self.ready:
+            # A step far off the fit (a pause of the host, a collection) counts less, in proportion: a few drafts
+            # weigh as much as the whole prior on their price, so one such step would set it for a hundred steps.
+            predicted = float(x @ torch.tensor(self.params, dtype=torch.float64))
+            error = abs(y - predicted) / max(predicted, 1e-9)
+            limit = max(self.OUTLIER_FLOOR, self.OUTLIER * self.typical_error)
+            weight = min(1.0, limit / max(error, 1e-12))
+            self.typical_error = 0.95 * self.typical_error + 0.05 * min(error, limit)
+        self.gram.mul_(self.decay).add_(torch.outer(x, x), alpha=weight)
+        self.moment.mul_(self.decay).add_(x * y, alpha=weight)
+        self.weight = self.weight * self.decay + weight
         self.steps += 1
         self._stale = True
 
@@ -193,9 +209,9 @@ class MeasuredStepCost:
         prior = torch.zeros(4, 4, dtype=torch.float64)
         prior[0, 0] = prior[1, 1] = self.prior_steps * ref
         prior[0, 1] = prior[1, 0] = -self.prior_steps * ref  # (m - s)^2
-        # (w - price * s)^2, weighed like `8 * prior_steps` draft tokens: a few steps with drafts outweigh it, a
-        # single slow one does not set the price.
-        price, drafts = self.token_price, 8 * self.prior_steps
+        # (w - price * s)^2, weighed like `prior_steps` steps of 4 drafts each (least squares counts a step's drafts
+        # squared): the first steps with drafts outweigh it; one far off the fit is damped in `observe`.
+        price, drafts = self.token_price, 16 * self.prior_steps
         prior[0, 0] += drafts * price ** 2
         prior[2, 2] = drafts
         prior[0, 2] = prior[2, 0] = -drafts * price
@@ -462,14 +478,19 @@ class AdaptiveK:
     def update(self, rows: list[int], num_drafted: list[int], num_accepted: list[int],
                classes: list[int] | None = None) -> None:
         """Folds one step's outcome into the counts: each row's proposal was of class `classes[i]`."""
-        if self.calibrate and any(num_drafted):
-            # What the estimates, as they stood when these drafts were chosen, expected of them: sum of p^j.
-            rates = self.acceptance(rows, classes)
-            depth = torch.arange(1, max(num_drafted) + 1, dtype=torch.float64)
-            drafted_t = torch.tensor(num_drafted, dtype=torch.float64)
-            expected = (rates[:, None] ** depth[None, :]).masked_fill(depth[None, :] > drafted_t[:, None], 0.0)
-            self.expected_accepted = self.expected_accepted * self.CALIBRATION_DECAY + float(expected.sum())
-            self.actual_accepted = self.actual_accepted * self.CALIBRATION_DECAY + float(sum(num_accepted))
+        if self.calibrate:
+            # Every step, drafted or not, so that evidence fades while drafting is off and the ratio drifts back
+            # towards 1, as the acceptance counts drift back to the priors: drafting is tried again later.
+            self.expected_accepted *= self.CALIBRATION_DECAY
+            self.actual_accepted *= self.CALIBRATION_DECAY
+            if any(num_drafted):
+                # What the estimates, as they stood when these drafts were chosen, expected of them: sum of p^j.
+                rates = self.acceptance(rows, classes)
+                depth = torch.arange(1, max(num_drafted) + 1, dtype=torch.float64)
+                drafted_t = torch.tensor(num_drafted, dtype=torch.float64)
+                expected = (rates[:, None] ** depth[None, :]).masked_fill(depth[None, :] > drafted_t[:, None], 0.0)
+                self.expected_accepted += float(expected.sum())
+                self.actual_accepted += float(sum(num_accepted))
         self.accepted.mul_(self.decay)
         self.tried.mul_(self.decay)
         drafted = torch.tensor(num_drafted, dtype=torch.float64)

@@ -136,7 +136,10 @@ class Step:
         if self.policy is not None and self.drafting:
             self.policy.update(rows, num_drafted, num_accepted, classes)
             if self.policy.measured is not None:  # the serving engine's policy prices drafts by these timings
-                self.policy.measured.observe(len(rows), sum(num_fed), self.policy.context, sum(counts), verified_s)
+                # A packed target fed each row its own tokens; a padded one fed every row the widest row's.
+                fed, drafts = ((sum(num_fed), sum(counts)) if getattr(target, "packed", False) else
+                               (len(rows) * max(num_fed), len(rows) * max(counts)))
+                self.policy.measured.observe(len(rows), fed, self.policy.context, drafts, verified_s)
         return num_emit, [r for r, done in zip(rows, finished) if done]
 
     def _tree_step(self, batch, target, stop, budget, metrics, pad_token_id) -> tuple[list[int], list[int]]:

@@ -314,6 +314,37 @@ def test_a_prefill_step_does_not_set_the_price_of_drafts():
     assert measured.steps == seen + 1 and measured.params != before
 
 
+def test_one_step_far_off_the_fit_does_not_set_the_price_of_drafts():
+    """Steps at 16 rows with and without drafts (2% noise), then one step of 16 drafts taking three times what it
+    should (the host paused): the price of a draft moves by under a fifth of what the same fit without the damping
+    makes of it, and a step consistent with the fit keeps its full weight."""
+    base = DEFAULT_STEP_COST["cpu"]
+    one = torch.ones((), dtype=torch.float64)
+
+    def truth(drafts):
+        return float(base(16, one, 3200.0)) + 3.0 * drafts + 8.0 * (drafts > 0)
+
+    shifts = {}
+    for damped in (True, False):
+        g = torch.Generator().manual_seed(4)
+        measured = MeasuredStepCost(base)
+        if not damped:
+            measured.OUTLIER_FLOOR = float("inf")
+        for i in range(60):
+            drafts = [0, 0, 4, 8][i % 4]
+            noise = 1 + 0.02 * float(torch.randn((), generator=g))
+            measured.observe(16, 16 + drafts, 3200.0, drafts, truth(drafts) * noise / 1e3)
+        before = measured.params[2]
+        assert before == pytest.approx(3.0, abs=0.5)
+        measured.observe(16, 32, 3200.0, 16, 3 * truth(16) / 1e3)
+        shifts[damped] = measured.params[2] - before
+        if damped:
+            weight = measured.weight
+            measured.observe(16, 24, 3200.0, 8, truth(8) / 1e3)
+            assert measured.weight == pytest.approx(weight * measured.decay + 1.0)
+    assert shifts[False] > 4.0 and 0 < shifts[True] < shifts[False] / 5
+
+
 def test_a_policy_measuring_its_steps_stops_drafting_where_tokens_cost_more_than_the_curve_says():
     """At batch 16, half the rows accepting half their drafts: a curve pricing an extra token at 1.1% of a plain
     step says drafting pays; steps timed at three times that price say it does not, and the measuring policy
@@ -362,11 +393,36 @@ def test_calibrated_policy_scales_its_estimates_by_the_drafts_it_saw_accepted():
         chosen[calibrate] = policy.choose_rows(rows, [2] * 8)
     assert sum(chosen[False]) > 0 and sum(chosen[True]) == 0
 
-    optimist = AdaptiveK(2, 3, cost, priors=(0.6,), calibrate=True)
+    optimist = AdaptiveK(2, 3, cost, priors=(0.8,), calibrate=True)
     optimist.actual_accepted, optimist.expected_accepted = 100.0, 10.0
     assert optimist.calibration == 1.5
     gains = optimist._gains([0, 1], None, torch.arange(0, 4, dtype=torch.float64))
-    assert torch.all(gains[:, 0] == 1.0) and torch.all(gains <= 1.0) and gains[0, 1] == pytest.approx(0.9)
+    # 0.8 * 1.5 > 1: the first draft's gain is capped at one token, deeper ones (0.64, 0.51 times 1.5) are not
+    assert torch.all(gains[:, 0] == 1.0) and torch.all(gains[:, 1] == 1.0)
+    assert gains[0, 2] == pytest.approx(0.96) and gains[0, 3] == pytest.approx(0.768)
+
+
+def test_calibration_uses_the_estimates_the_drafts_were_chosen_by_and_fades_while_drafting_is_off():
+    """The expected side of the calibration is what the estimates said before the step's outcome is folded in; with
+    drafting off, calibration drifts back towards 1 as the acceptance counts drift back to the prior, so a policy that
+    stopped drafting after a bad stretch drafts again later."""
+    cost = StepCost(per_row=0.0, points=((1.0, 10.0), (64.0, 10.0 + 63 * 2.5)))  # a draft: a quarter of a step
+    policy = AdaptiveK(1, 2, cost, priors=(0.5,), calibrate=True)
+    policy.update([0], [2], [1])  # some evidence, so the estimate moves with the next outcome
+    rate = float(policy.acceptance([0])[0])
+    policy.update([0], [2], [0])
+    assert policy.expected_accepted == pytest.approx(0.98 * (0.5 + 0.25) + rate + rate ** 2)
+    assert float(policy.acceptance([0])[0]) < rate  # the update moved it: the expected side used the old one
+    # Estimates that stay put (a strength no evidence moves) while nothing is accepted: calibration alone says no.
+    policy = AdaptiveK(1, 1, cost, priors=(0.5,), calibrate=True, strength=1e9)
+    for _ in range(30):  # a bad stretch: nothing accepted
+        policy.update([0], [1], [0])
+    assert policy.calibration < 0.5 and policy.choose_rows([0], [1]) == [0]
+    steps = 0
+    while policy.choose_rows([0], [1]) == [0] and steps < 300:
+        policy.update([0], [0], [0])  # drafting off
+        steps += 1
+    assert steps < 300 and policy.calibration > 0.7
 
 
 def test_weighed_rows_draft_where_the_remaining_work_waits():

@@ -261,7 +261,7 @@ def test_sampling_reference_top_k_per_row_with_ties_and_masked_tokens():
 
 def test_sampling_reference_top_p_from_candidates_equals_transformers_warper(monkeypatch):
     """The CPU's top-p, which looks for the cut among each row's highest scores before sorting: peaked rows (the cut
-    among the candidates), flat rows (sorted instead), top_p = 1, a tiny top_p, tokens top-k removed, per-row top_p:
+    among the candidates), flat rows (sorted instead), top_p = 1, a tiny top_p, 0, tokens top-k removed, per-row top_p:
     each row keeps exactly what `TopPLogitsWarper` keeps for its own top_p, and only the flat rows were sorted."""
     from transformers.generation.logits_process import TopPLogitsWarper
 
@@ -269,11 +269,11 @@ def test_sampling_reference_top_p_from_candidates_equals_transformers_warper(mon
 
     g = torch.Generator().manual_seed(11)
     vocab = 5000
-    peaked = torch.randn(8, vocab, generator=g) * 4  # most of the mass in a few dozen tokens
+    peaked = torch.randn(8, vocab, generator=g) * 5  # most of the mass in a few dozen tokens
     flat = torch.randn(3, vocab, generator=g) * 0.2  # the mass spread over thousands
     logits = torch.cat([peaked, flat])
     logits[1, 2500:] = float("-inf")  # as top-k leaves them
-    top_p = torch.tensor([0.9, 0.5, 1.0, 0.01, 0.95, 0.7, 0.99, 0.3, 0.9, 1.0, 0.5])
+    top_p = torch.tensor([0.9, 0.5, 1.0, 0.01, 0.95, 0.7, 0.99, 0.0, 0.9, 1.0, 0.5])
     sorted_rows = []
     sort = reference._top_p_remove
     monkeypatch.setattr(reference, "_top_p_remove", lambda x, p: sorted_rows.append(len(x)) or sort(x, p))
@@ -283,6 +283,7 @@ def test_sampling_reference_top_p_from_candidates_equals_transformers_warper(mon
         expected = logits[row:row + 1] if p >= 1 else TopPLogitsWarper(p)(None, logits[row:row + 1])
         assert torch.equal(got[row:row + 1], expected), row
     assert 1 <= int((~torch.isinf(got[3])).sum()) < int((~torch.isinf(got[0])).sum())  # the cut did move
+    assert int((~torch.isinf(got[7])).sum()) == 1  # top_p = 0 keeps the highest-scored token only
 
 
 @st.composite

@@ -89,9 +89,11 @@ def _top_p_remove_from_candidates(scores: torch.Tensor, top_p: torch.Tensor) -> 
     resolved = (above[:, -1:] + p[:, -1:] >= limit).squeeze(1) & active
     if bool(resolved.any()):
         rows = resolved.nonzero().squeeze(1)
-        kept = torch.ones(len(rows), vocab, dtype=torch.bool)
-        kept.scatter_(1, index[rows], ~(above[rows] < limit[rows]))
-        remove[rows] = kept
+        cut = ~(above[rows] < limit[rows])
+        cut[:, 0] = False  # the highest-scored token stays whatever top_p is (top_p = 0 included)
+        removed = torch.ones(len(rows), vocab, dtype=torch.bool)
+        removed.scatter_(1, index[rows], cut)
+        remove[rows] = removed
     flat = active & ~resolved
     if bool(flat.any()):
         rows = flat.nonzero().squeeze(1)
