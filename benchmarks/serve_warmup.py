@@ -30,10 +30,11 @@ def child(args) -> dict:
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    model, tokenizer = load_model(DEFAULT_MODEL, dtype=dtype, device=args.device)
+    model, tokenizer = load_model(args.model or DEFAULT_MODEL, dtype=dtype, device=args.device)
     requests = workload(tokenizer, args.requests)
     start = time.perf_counter()
-    engine = ServingEngine(model, tokenizer, _speculator(args.speculator, model, tokenizer, model_name=DEFAULT_MODEL),
+    spec = _speculator(args.speculator, model, tokenizer, model_name=args.model or DEFAULT_MODEL)
+    engine = ServingEngine(model, tokenizer, spec,
                            max_batch_size=args.requests, max_queue=2 * args.requests, warmup=args.child == "warm",
                            prefix_cache_tokens=0)  # the second pass must prefill as the first did
     engine.start()
@@ -56,6 +57,7 @@ def child(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None, help="embedded model name or a model directory (default: SmolLM2)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
     parser.add_argument("--speculator", default="ngram")
@@ -77,6 +79,8 @@ def main() -> None:
                        "--max-tokens", str(args.max_tokens), "--threads", str(args.threads)]
             if args.dtype:
                 command += ["--dtype", args.dtype]
+            if args.model:
+                command += ["--model", args.model]
             out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
             line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
