@@ -109,6 +109,9 @@ def report(name: str, steps: list[dict], speed: float) -> None:
     a, b, c_draft, c_other, d, o = fit(steps).tolist()
     print(f"\n{name}: {speed:.1f} tokens/s, {len(steps)} steps; fit: {a:.1f} ms + {b:.2f} ms/row + {c_draft:.2f} ms/draft "
           f"token + {c_other:.2f} ms/other token fed + {d * 1e3:.2f} ms/1000 cached + {o:.1f} ms when drafting")
+    slowest = sorted(steps, key=lambda s: -s["seconds"])[:3]
+    print("  slowest steps: " + "; ".join(f"{s['rows']} rows, {s['fed']} fed ({s['drafts']} drafts), "
+                                          f"{1e3 * s['seconds']:.0f} ms" for s in slowest))
     drafting = [s for s in steps if s["drafted"]]
     if not drafting:
         print("  no step drafted")
@@ -140,6 +143,23 @@ def report(name: str, steps: list[dict], speed: float) -> None:
               f"({accepted / max(drafts, 1):.2f}; the policy expected {expected:.1f} accepted)")
 
 
+def profile(model, rows: int, context: int = 300, forwards: int = 5) -> None:
+    """Self CPU time per forward of the ops that take the most, in plain forwards and in forwards where the first
+    row verifies 2 drafts (a second attention group), under the PyTorch profiler."""
+    from hf_specdec.model_runner import paged_attention
+
+    with torch.no_grad(), paged_attention(model):
+        runner = filled_runner(model, rows, context)
+        for name, counts in (("plain", [1] * rows), ("one row verifying 2 drafts", [3] + [1] * (rows - 1))):
+            timed_forwards(runner, context, {name: (counts, None)}, 2)  # warm up
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                timed_forwards(runner, context, {name: (counts, None)}, forwards - 1)  # + its warm-up: `forwards`
+            ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:6]
+            print(f"{name}, {rows} rows: " + "; ".join(
+                f"{e.key} {e.self_cpu_time_total / 1e3 / forwards:.1f} ms ({e.count // forwards} calls)" for e in ops)
+                + " a forward")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", default="ngram,eagle")
@@ -147,12 +167,18 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=4.0)
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                        help="only a PyTorch profile of plain forwards against forwards where one row verifies 2 "
+                             "drafts, at ROWS rows of 300 cached tokens: each op's time per forward")
     parser.add_argument("--curve", action="store_true",
                         help="only the controlled forwards (4-24 rows, 2-16 drafts) against the step cost adaptive k "
                              "starts from (this host's profile, else the static default)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(DEFAULT_MODEL)
+    if args.profile:
+        profile(model, args.profile)
+        return
     if args.curve:
         from hf_specdec.calibration import adaptive_costs
         from hf_specdec.speculators import NgramSpeculator

@@ -203,8 +203,8 @@ class MeasuredStepCost:
     def _fit(self) -> tuple[float, float, float, float] | None:
         if self.weight == 0.0:
             return None
-        # The prior in the data's own units: a quarter of a plain step's base cost for `m`, draft tokens for `w`, 1 ms
-        # for `o`.
+        # The prior in the data's own units: a quarter of a plain step's base cost for `m`, steps of 4 drafts for
+        # `w` (below), 1 ms for `o`.
         ref = 0.0625 * float(self.gram[0, 0]) / self.weight
         prior = torch.zeros(4, 4, dtype=torch.float64)
         prior[0, 0] = prior[1, 1] = self.prior_steps * ref

@@ -137,7 +137,7 @@ class Step:
             self.policy.update(rows, num_drafted, num_accepted, classes)
             if self.policy.measured is not None:  # the serving engine's policy prices drafts by these timings
                 # A packed target fed each row its own tokens; a padded one fed every row the widest row's.
-                fed, drafts = ((sum(num_fed), sum(counts)) if getattr(target, "packed", False) else
+                fed, drafts = ((sum(num_fed), sum(counts)) if target.packed else
                                (len(rows) * max(num_fed), len(rows) * max(counts)))
                 self.policy.measured.observe(len(rows), fed, self.policy.context, drafts, verified_s)
         return num_emit, [r for r, done in zip(rows, finished) if done]
