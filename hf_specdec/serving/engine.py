@@ -444,26 +444,41 @@ class ServingEngine:
                 stream._put(RuntimeError(f"the engine failed: {type(error).__name__}: {error}"))
 
     def _warm_up(self) -> None:
-        """Synthetic requests through the real step before any client's: greedy and sampled rows together, row j
-        allowed j + 2 tokens (so with k drafts a step its first step verifies j of them, every count up to k in one
-        packed step, fewer as rows finish), then one row alone. A prompt that repeats itself gives n-gram lookup
-        something to propose; k is constant (adaptive k would draft nothing on its static priors) and nothing is
-        stored for prefix reuse. Afterwards the metrics start again from zero and adaptive k's statistics were never
-        touched."""
+        """Synthetic requests through the real step before any client's, so that every variant of the Triton kernels
+        a request can launch is compiled now (`kernels/variants.py` lists what makes a variant): four groups, one per
+        combination of top-k and top-p that a sampled batch can need (the sampling kernel's variants), alternately
+        seeded and not (the verify kernel's draws), each of greedy and sampled rows whose prompts differ in length
+        (a packed prefill) and that join a running batch (its first row, which emits k + 4 tokens), where row j > 0
+        may emit j + 2 tokens (every draft count up to k verified in one packed step, fewer as rows finish); then one
+        row alone, and one sampled row without drafts. A prompt that repeats itself gives n-gram lookup something
+        to propose; k is constant (adaptive k would draft nothing on its static priors) and nothing is stored for
+        prefix reuse. Afterwards the metrics start again from zero and adaptive k's statistics were never touched.
+        Groups larger than the batch queue as any requests would."""
         start = time.perf_counter()
         policy, prefix_cache = self.step.policy, self.scheduler.prefix_cache
         self.step.policy, self.scheduler.prefix_cache = None, None
         self.speculator.bind_policy(None)
         prompt = self._warmup_prompt()
-        greedy, sampled = SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=0)
-        together = [Request(list(prompt), j + 2, greedy if j % 2 == 0 else sampled)
-                    for j in range(min(self.max_batch_size, self.k + 1))]
+        greedy = SamplingParams()
+        groups = []
+        for i, (top_k, top_p) in enumerate(((0, 1.0), (20, 1.0), (0, 0.9), (20, 0.9))):
+            sampled = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, seed=0 if i % 2 == 0 else None)
+            groups.append([Request(prompt[:max(2, len(prompt) - j)], j + 2 if j else self.k + 4,
+                                   greedy if j % 2 == 0 else sampled) for j in range(max(2, self.k + 1))])
+        # One row alone; then a sampled row of one token, whose only step has no drafts (a speculator with draft
+        # probabilities verifies its drafts in another variant than a step without any).
+        groups += [[Request(list(prompt), self.k + 2)], [Request(list(prompt), 1, SamplingParams(temperature=1.0))]]
         steps = 0
         try:
-            for group in (together, [Request(list(prompt), self.k + 2)]):
-                for request in group:
+            for group in groups:
+                self.scheduler.add(group[0])
+                if len(group) > 1:  # the others join a running batch (a step of their own for some speculators)
+                    self.scheduler.step()
+                    steps += 1
+                for request in group[1:]:
                     self.scheduler.add(request)
-                for _ in range(8 * (self.k + 2) + 8):  # a bound: every request ends within its length
+                # A bound: every request ends within its length, and each joins in a step of its own at worst.
+                for _ in range(sum(r.max_new_tokens + 2 for r in group) + 8):
                     if not self.scheduler.has_work():
                         break
                     self.scheduler.step()

@@ -30,7 +30,12 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
               torch.float64: tl.float64}
 
 
-@triton.jit
+# Integers that change with the batch (its query count, its block tables' width, a tree's size) are not specialized
+# on (Triton compiles a variant per argument equal to 1 or a multiple of 16): a server would otherwise compile new
+# variants inside clients' requests whenever a batch first took such a shape (kernels/variants.py).
+@triton.jit(do_not_specialize=["stride_tables_b", "stride_positions_b", "stride_slots_b", "stride_region_mask_b",
+                               "stride_region_mask_q", "stride_region_positions_b", "region_len", "num_queries",
+                               "sliding_window"])
 def _paged_attention_kernel(
     out_ptr, stride_out_b, stride_out_q, stride_out_h,  # [rows, q, heads, head_dim], last stride 1
     query_ptr, stride_query_b, stride_query_h, stride_query_q,  # [rows, heads, q, head_dim], last stride 1

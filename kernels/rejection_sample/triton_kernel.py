@@ -35,7 +35,9 @@ def _argmax_row(row_ptr, vocab, BLOCK_V: tl.constexpr):
     return best_idx.to(tl.int64)
 
 
-@triton.jit
+# The draft count and the strides that follow it change from step to step: not specialized on (see the attention
+# kernel), and BLOCK_K is at least 16, so every k up to 15 shares one compiled variant.
+@triton.jit(do_not_specialize=["stride_draft_b", "stride_target_b", "stride_draft_probs_b", "stride_uniforms_b", "k"])
 def _rejection_sample_kernel(
     out_ptr,  # [batch, k + 1] int64, written fully (-1 past the output)
     num_accepted_ptr,  # [batch] int64
@@ -176,6 +178,6 @@ def rejection_sample_triton(
         seeds if seeds is not None else dummy,
         k, vocab,
         HAS_DRAFT_PROBS=draft_probs is not None, HAS_NOISE=noise is not None,
-        BLOCK_V=min(block_v, triton.next_power_of_2(vocab)), BLOCK_K=triton.next_power_of_2(k + 1),
+        BLOCK_V=min(block_v, triton.next_power_of_2(vocab)), BLOCK_K=max(16, triton.next_power_of_2(k + 1)),
     )
     return out, num_accepted
