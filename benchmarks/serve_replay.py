@@ -11,6 +11,8 @@ accepted over expected), `-marginX` (`min_gain` X, e.g. `ngram-margin1.25`).
 
     python benchmarks/serve_replay.py --configs off,ngram,ngram-noweight,ngram-static --rounds 3
 
+`--device cuda --dtype bfloat16` runs it on a GPU (the warm-up's steps are left out of the step times).
+
 `--profile`: one run per configuration with every step under cProfile (the engine thread's `Step.__call__`): the
 time spent in steps, the steps, and the functions taking the most time, with their cumulative time per step.
 
@@ -55,12 +57,17 @@ def run(model, tokenizer, name: str, requests, rate: float, max_batch_size: int)
         else:
             raise SystemExit(f"unknown option {option!r} in {name!r}: use -static, -noweight, -never, -uncalibrated "
                              f"or -marginX")
-    steps = []
+    steps = []  # per step once serving (the warm-up's are left out): seconds, draft tokens verified, rows running
     step = engine.scheduler.step
 
     def counted():
-        steps.append(1)
-        return step()
+        if not engine._ready.is_set():
+            return step()
+        drafted, start = engine.scheduler.metrics.num_draft_tokens, time.perf_counter()
+        rows = len(engine.scheduler.running)
+        events = step()
+        steps.append((time.perf_counter() - start, engine.scheduler.metrics.num_draft_tokens - drafted, rows))
+        return events
 
     engine.scheduler.step = counted
     streams, wall = replay(engine, requests, rate)
@@ -71,8 +78,26 @@ def run(model, tokenizer, name: str, requests, rate: float, max_batch_size: int)
     fitted = "-" if fitted is None else ", ".join(f"{p:.2f}" for p in fitted)
     calibration = f", calibration {policy.calibration:.2f}" if policy is not None else ""
     line = (f"{name}: {tokens / wall:.1f} tokens/s ({wall:.1f} s), {len(steps)} steps, {m.num_draft_tokens} drafted, "
-            f"{m.num_accepted_tokens} accepted, fitted cost (s, m, w, o) {fitted}{calibration}")
+            f"{m.num_accepted_tokens} accepted, fitted cost (s, m, w, o) {fitted}{calibration}; {step_times(steps, m)}")
     return tokens / wall, answers, line
+
+
+def step_times(steps, metrics) -> str:
+    """Where a run's step time went: the median step with and without drafts, and per step on average the
+    proposing (the speculator and adaptive k), the target's forward with the verify, and the scheduler's own work
+    around the step (admission, retiring, streaming)."""
+    if not steps:
+        return "no steps"
+    plain = [s for s, d, _ in steps if d == 0]
+    drafting = [s for s, d, _ in steps if d > 0]
+    total = sum(s for s, _, _ in steps)
+    n = len(steps)
+    medians = ", ".join(f"{label} {1e3 * statistics.median(group):.1f} ms x{len(group)}"
+                        for label, group in (("plain", plain), ("drafting", drafting)) if group)
+    return (f"steps: {medians}; per step propose {1e3 * metrics.draft_time_s / n:.1f} ms, forward+verify "
+            f"{1e3 * metrics.verify_time_s / n:.1f} ms, scheduler "
+            f"{1e3 * (total - metrics.draft_time_s - metrics.verify_time_s) / n:.1f} ms, "
+            f"rows {statistics.mean(r for _, _, r in steps):.1f} on average")
 
 
 def replay(engine: ServingEngine, requests, rate: float) -> tuple[list, float]:
@@ -99,10 +124,13 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=4.0)
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default=None, help="e.g. cuda (default: the CPU)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--profile", action="store_true", help="one run per configuration, its steps under cProfile")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(DEFAULT_MODEL)
+    model, tokenizer = load_model(DEFAULT_MODEL, dtype=getattr(torch, args.dtype) if args.dtype else None,
+                                  device=args.device)
     requests = workload(tokenizer, args.requests)
     configs = args.configs.split(",")
     if args.profile:
