@@ -25,6 +25,7 @@ server's drafts. `chosen` keeps each step's k, and `idle_explanation` says why d
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -56,22 +57,37 @@ class StepCost:
         if len(self.points) < 2 or tokens != sorted(set(tokens)) or times != sorted(times) or times[0] <= 0:
             raise ValueError(f"StepCost needs at least two (tokens, time) points with tokens ascending and times "
                              f"positive and not decreasing, got {self.points!r}")
+        # The points as tensors, built once: the policy prices several steps per decode step.
+        object.__setattr__(self, "_xs", torch.tensor(tokens, dtype=torch.float64))
+        object.__setattr__(self, "_ys", torch.tensor(times, dtype=torch.float64))
 
     def __call__(self, rows: int, tokens: torch.Tensor, context: float = 0.0) -> torch.Tensor:
         n = rows * tokens.double()
-        xs = torch.tensor([p[0] for p in self.points], dtype=torch.float64)
-        ys = torch.tensor([p[1] for p in self.points], dtype=torch.float64)
-        n = n.clamp(min=float(xs[0]))
+        xs, ys = self._xs, self._ys
+        n = n.clamp(min=float(self.points[0][0]))
         i = (torch.searchsorted(xs, n) - 1).clamp(0, len(xs) - 2)
         inside = ys[i] + (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i]) * (n - xs[i])
         # Past the last point, time grows at the curve's average rate (its last segment may be flat).
         beyond = ys[-1] + (ys[-1] - ys[0]) / (xs[-1] - xs[0]) * (n - xs[-1])
         return self.per_row * rows + self.per_context_token * context + torch.where(n > xs[-1], beyond, inside)
 
+    def at(self, rows: int, tokens: float, context: float = 0.0) -> float:
+        """`self(rows, tokens, context)` for one number of tokens per row, in plain floats (no tensor ops)."""
+        points = self.points
+        n = max(rows * tokens, points[0][0])
+        (x0, y0), (x1, y1) = points[0], points[-1]
+        if n > x1:
+            curve = y1 + (y1 - y0) / (x1 - x0) * (n - x1)
+        else:
+            i = min(max(bisect.bisect_left(points, (n,)) - 1, 0), len(points) - 2)
+            (xa, ya), (xb, yb) = points[i], points[i + 1]
+            curve = ya + (yb - ya) / (xb - xa) * (n - xa)
+        return self.per_row * rows + self.per_context_token * context + curve
+
     def relative(self, rows: int, tokens: torch.Tensor, context: float = 0.0) -> torch.Tensor:
         """Cost of forwards of `tokens` per row relative to a plain decode step (1 token per row), over `context`
         cached tokens in all."""
-        return self(rows, tokens, context) / self(rows, torch.ones((), dtype=torch.float64), context)
+        return self(rows, tokens, context) / self.at(rows, 1.0, context)
 
     @classmethod
     def measure(cls, model, rows: tuple[int, ...] = (1, 4, 16), tokens: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16),
@@ -168,9 +184,8 @@ class MeasuredStepCost:
         if tokens_fed - draft_tokens - rows > rows:
             self.skipped += 1
             return
-        one = torch.ones((), dtype=torch.float64)
-        plain = float(self.base(rows, one, context))
-        other = float(self.base(rows, one * ((tokens_fed - draft_tokens) / rows), context)) - plain
+        plain = self.base.at(rows, 1.0, context)
+        other = self.base.at(rows, (tokens_fed - draft_tokens) / rows, context) - plain
         x = torch.tensor([plain, other, float(draft_tokens), float(draft_tokens > 0)], dtype=torch.float64)
         y = seconds * 1e3
         weight = 1.0
@@ -229,7 +244,7 @@ class MeasuredStepCost:
         to a plain step."""
         s, _, w, o = self.params
         tokens = torch.as_tensor(tokens, dtype=torch.float64)
-        plain = s * self.base(rows, torch.ones((), dtype=torch.float64), context)
+        plain = s * self.base.at(rows, 1.0, context)
         drafts = (tokens - 1).clamp(min=0) * rows
         return (plain + w * drafts + o * (drafts > 0).double()) / plain
 
