@@ -215,6 +215,18 @@ def test_warm_up_runs_real_steps_and_leaves_nothing_behind(tokenizer, tmp_path, 
         engine.shutdown()
 
 
+def test_warm_up_fits_a_short_context(tokenizer):
+    """The warm-up's prompts are cut to leave room for their tokens within `max_model_len`."""
+    model = served_model()
+    engine = ServingEngine(model, tokenizer, "ngram", num_speculative_tokens=3, max_batch_size=2, max_model_len=24,
+                           warmup=True).start()
+    try:
+        assert engine.warmup_report["steps"] > 0
+        served_equal_solo(engine, model, [(repeating(8, seed=1), 10)])
+    finally:
+        engine.shutdown()
+
+
 def test_warm_up_is_on_by_default_only_on_cuda(tokenizer):
     engine = ServingEngine(served_model(), tokenizer, "ngram", num_speculative_tokens=2, max_batch_size=2)
     assert engine.warmup is False  # the model is on the CPU: nothing compiles there

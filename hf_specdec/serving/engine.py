@@ -458,7 +458,7 @@ class ServingEngine:
         policy, prefix_cache = self.step.policy, self.scheduler.prefix_cache
         self.step.policy, self.scheduler.prefix_cache = None, None
         self.speculator.bind_policy(None)
-        prompt = self._warmup_prompt()
+        prompt = self._warmup_prompt()[:max(2, self.max_model_len - self.k - 4)]  # with its tokens, within the context
         greedy = SamplingParams()
         groups = []
         for i, (top_k, top_p) in enumerate(((0, 1.0), (20, 1.0), (0, 0.9), (20, 0.9))):
