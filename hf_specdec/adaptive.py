@@ -57,7 +57,9 @@ class StepCost:
         if len(self.points) < 2 or tokens != sorted(set(tokens)) or times != sorted(times) or times[0] <= 0:
             raise ValueError(f"StepCost needs at least two (tokens, time) points with tokens ascending and times "
                              f"positive and not decreasing, got {self.points!r}")
-        # The points as tensors, built once: the policy prices several steps per decode step.
+        # Tuples (`at` bisects them), and the points as tensors, built once: the policy prices several steps per
+        # decode step.
+        object.__setattr__(self, "points", tuple((float(n), float(t)) for n, t in self.points))
         object.__setattr__(self, "_xs", torch.tensor(tokens, dtype=torch.float64))
         object.__setattr__(self, "_ys", torch.tensor(times, dtype=torch.float64))
 

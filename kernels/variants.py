@@ -55,10 +55,11 @@ def record_variants(target: tuple[str, int, int] = ("cuda", 90, 32)):
     default a Hopper GPU's."""
     record = VariantRecord()
     kernels = _our_kernels()
-    patched = []
+    patched = []  # (kernel, the `run` it held as its own attribute, or None)
     try:
         for name, kernel in kernels.items():
             binder, original = _binder(kernel, target), kernel.run
+            own = vars(kernel).get("run")  # a recording already in progress (nested), or anyone's patch
 
             def run(*args, grid, warmup, _name=name, _binder=binder, _original=original, **kwargs):
                 _, specialization, options = _binder(*args, **kwargs)
@@ -67,8 +68,11 @@ def record_variants(target: tuple[str, int, int] = ("cuda", 90, 32)):
                 return _original(*args, grid=grid, warmup=warmup, **kwargs)
 
             kernel.run = run  # shadows the class's `run`, which `kernel[grid](...)` calls
-            patched.append(kernel)
+            patched.append((kernel, own))
         yield record
     finally:
-        for kernel in patched:
-            del kernel.run
+        for kernel, own in reversed(patched):
+            if own is None:
+                del kernel.run
+            else:
+                kernel.run = own

@@ -440,3 +440,11 @@ def test_weighed_rows_draft_where_the_remaining_work_waits():
     assert ks[0] > 0 and ks[1:] == [0, 0, 0]
     policy.weigh(rows, None)
     assert policy.choose_rows(rows, [3] * 4) == [0, 0, 0, 0]
+
+
+def test_a_step_cost_built_from_lists_prices_as_one_from_tuples():
+    """Points loaded from JSON arrive as lists; the float path (`StepCost.at`) bisects them as tuples."""
+    listed, tupled = StepCost(0.5, [[1, 2.0], [4, 2.0], [9, 5.0]]), StepCost(0.5, ((1, 2.0), (4, 2.0), (9, 5.0)))
+    tokens = torch.tensor([1.0, 2.5, 7.0], dtype=torch.float64)
+    assert torch.equal(listed.relative(3, tokens, 10.0), tupled.relative(3, tokens, 10.0))
+    assert listed == tupled and listed.at(3, 2.5, 10.0) == float(tupled(3, torch.tensor(2.5), 10.0))

@@ -35,6 +35,30 @@ def test_the_record_tells_variants_apart_and_ignores_the_grid():
     assert len(record.seen) == 2 and record.kernels() == {"sampling_params"}
 
 
+def test_recordings_nest_and_leave_the_kernels_as_they_were():
+    from hf_specdec.kernels.variants import _our_kernels
+
+    logits, temperature = torch.randn(2, 40), torch.full((2,), 0.7)
+    kernel = _our_kernels()["sampling_params"]
+    with record_variants() as outer:
+        apply_sampling_params_triton(logits, temperature)
+        with record_variants() as inner:
+            apply_sampling_params_triton(logits, temperature, top_p=torch.full((2,), 0.9))
+        apply_sampling_params_triton(logits, temperature, top_k=torch.full((2,), 3))
+    assert (outer.launches, inner.launches, len(outer.seen), len(inner.seen)) == (3, 1, 3, 1)
+    assert "run" not in vars(kernel)  # the class's own `run` again
+    apply_sampling_params_triton(logits, temperature)
+    assert outer.launches == 3
+
+
+def test_the_warm_up_prompt_is_long_enough_whatever_the_tokenizer():
+    """A tokenizer that reads the warm-up phrase as one token (an unknown word) gets the synthetic prompt."""
+    from test_structured import constrained_model, piece_tokenizer
+
+    engine = ServingEngine(constrained_model(), piece_tokenizer(), "ngram", num_speculative_tokens=4)
+    assert len(engine._warmup_prompt()) >= engine.k + 8
+
+
 def _attention(rows: int, queries: int, blocks: int, block_size: int = 4, heads: int = 2, head_dim: int = 16):
     """A paged attention launch whose block tables are `blocks` wide and whose rows feed `queries` tokens."""
     slots = rows * blocks * block_size

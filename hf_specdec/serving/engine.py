@@ -498,11 +498,12 @@ class ServingEngine:
         logger.info(f"hf_specdec serving engine warmed up: {self.warmup_report}")
 
     def _warmup_prompt(self) -> list[int]:
-        """About 48 tokens that repeat a short phrase."""
+        """About 48 tokens that repeat a short phrase (at least k + 8: the warm-up's rows need prompts of different
+        lengths, and n-gram lookup a repeat to propose from)."""
         if self.tokenizer is not None:
             ids = self.tokenizer("one two three four five six seven eight. " * 6, add_special_tokens=False)[
                 "input_ids"]
-            if ids and max(ids) < self.vocab_size:
+            if len(ids) >= self.k + 8 and max(ids) < self.vocab_size:
                 return list(ids)[:64]
         return [1 + i % max(1, min(self.vocab_size - 1, 8)) for i in range(48)]
 
