@@ -7,7 +7,8 @@ price of a draft token and fixed cost of a step with drafts, both in ms) of each
 Configurations: `off` (k = 0), or a speculator (`ngram`, `eagle`, ...) with optional suffixes: `-static` (adaptive k
 without the measured step cost), `-noweight` (rows not weighed by the work they have left), `-never` (no draft ever
 pays: the speculator's cost when it drafts nothing), `-uncalibrated` (expected gains not scaled by the drafts
-accepted over expected), `-marginX` (`min_gain` X, e.g. `ngram-margin1.25`).
+accepted over expected), `-grouped` (no token rows: a step verifying drafts pads or groups its rows' queries,
+`paged_cache.token_rows_pay`), `-marginX` (`min_gain` X, e.g. `ngram-margin1.25`).
 
     python benchmarks/serve_replay.py --configs off,ngram,ngram-noweight,ngram-static --rounds 3
 
@@ -30,6 +31,7 @@ import torch
 
 from hf_specdec.cli import _speculator
 from hf_specdec.models import DEFAULT_MODEL, load_model
+from hf_specdec.paged_cache import PagedKVCache
 from hf_specdec.serve_bench import workload
 from hf_specdec.serving.engine import ServingEngine
 
@@ -54,9 +56,11 @@ def run(model, tokenizer, name: str, requests, rate: float, max_batch_size: int)
             policy.calibrate = False
         elif option.startswith("margin"):
             policy.min_gain = float(option[len("margin"):])
+        elif option == "grouped":  # no token rows: steps verifying drafts pad or group their rows' queries
+            PagedKVCache.token_rows = False
         else:
-            raise SystemExit(f"unknown option {option!r} in {name!r}: use -static, -noweight, -never, -uncalibrated "
-                             f"or -marginX")
+            raise SystemExit(f"unknown option {option!r} in {name!r}: use -static, -noweight, -never, -uncalibrated, "
+                             f"-grouped or -marginX")
     steps = []  # per step once serving (the warm-up's are left out): seconds, draft tokens verified, rows running
     step = engine.scheduler.step
 
@@ -70,7 +74,10 @@ def run(model, tokenizer, name: str, requests, rate: float, max_batch_size: int)
         return events
 
     engine.scheduler.step = counted
-    streams, wall = replay(engine, requests, rate)
+    try:
+        streams, wall = replay(engine, requests, rate)
+    finally:
+        PagedKVCache.token_rows = None
     answers = [stream.request.output_ids for stream in streams]
     tokens = sum(len(a) for a in answers)
     m = engine.metrics

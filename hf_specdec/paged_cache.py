@@ -84,13 +84,16 @@ class PackedLayout:
     #: The PyTorch path's attention in groups of rows, each padded to its own width (a newcomer's prompt beside rows
     #: verifying a few drafts), `QueryGroup`s; `None`: one group, every row padded to `q`.
     groups: tuple[QueryGroup, ...] | None = None
+    #: `[T]` each token's row, when the PyTorch path's attention gives every token a row of its own (one query over
+    #: its row's context up to itself: `token_rows_pay`); `None` otherwise.
+    token_rows: torch.Tensor | None = None
 
     @classmethod
     def build(cls, counts: torch.Tensor, q: int, total: int, query_positions: torch.Tensor,
-              host_counts: list[int] | None = None) -> PackedLayout:
+              host_counts: list[int] | None = None, token_rows: bool = False) -> PackedLayout:
         """`counts` `[rows]` tokens per row (each at least 1), right-aligned in a width of `q`; `total` their sum
         (known on the host, so nothing here waits for the device). `host_counts`, the same counts on the host, asks
-        for the PyTorch path's attention groups (`query_groups`)."""
+        for the PyTorch path's attention groups (`query_groups`); `token_rows` for a row per token instead."""
         rows = counts.shape[0]
         device = counts.device
         cu_query = torch.zeros(rows + 1, dtype=torch.long, device=device)
@@ -99,7 +102,7 @@ class PackedLayout:
         pack_index = row_of * q + (q - counts)[row_of] + within
         offset = torch.arange(q, device=device)[None, :] - (q - counts)[:, None]
         unpack_index = (cu_query[:-1, None] + offset.clamp(min=0)).reshape(-1)
-        split = query_groups(host_counts) if host_counts is not None else None
+        split = query_groups(host_counts) if host_counts is not None and not token_rows else None
         groups = None
         if split is not None:
             short, long_rows, long = split
@@ -107,12 +110,14 @@ class PackedLayout:
             groups = (QueryGroup.build(None, short, counts, cu_query, short_kept),
                       QueryGroup.build(torch.tensor(long_rows, device=device), long, counts, cu_query,
                                        total - short_kept))
-        return cls(pack_index, unpack_index, cu_query, query_positions.reshape(-1)[pack_index][None], groups)
+        return cls(pack_index, unpack_index, cu_query, query_positions.reshape(-1)[pack_index][None], groups,
+                   row_of if token_rows else None)
 
     def to(self, device) -> PackedLayout:
         groups = None if self.groups is None else tuple(g.to(device) for g in self.groups)
         return PackedLayout(*(t.to(device) for t in (self.pack_index, self.unpack_index, self.cu_query,
-                                                     self.positions)), groups)
+                                                     self.positions)), groups,
+                            None if self.token_rows is None else self.token_rows.to(device))
 
     def pad(self, packed: torch.Tensor, rows: int) -> torch.Tensor:
         """A packed query `[1, heads, T, dim]` to the padded `[rows, heads, q, dim]` (padding repeats each row's first
@@ -197,6 +202,19 @@ def query_groups(counts: list[int]) -> tuple[int, list[int], int] | None:
     return short, [i for i, c in enumerate(counts) if c > short], widths[-1]
 
 
+def token_rows_pay(counts: list[int]) -> bool:
+    """Whether the PyTorch path's attention should give every token of a packed step a row of its own, one query
+    over its row's context up to itself (the context gathered once per token), instead of padding rows to a common
+    query width or splitting them into two groups (`query_groups`): where a few rows verify a few drafts beside rows
+    feeding one token, at most a quarter more tokens than rows (and at most 2 more below 8 rows). One row of 12
+    verifying 2 drafts took a second attention group, whose own gathers, selections and attention call in every
+    layer cost about as much as 9 ms of a 100 ms forward of SmolLM2 on a 2-core CPU (`benchmarks/draft_pricing.py
+    --profile 12`); a row per token adds only those tokens' context to the one gather
+    (`benchmarks/token_rows.py`)."""
+    rows, total = len(counts), sum(counts)
+    return total > rows and total - rows <= max(2, rows // 4)
+
+
 @dataclass
 class StepPlan:
     """Where one forward's tokens go and what each query may see.
@@ -268,7 +286,9 @@ class StepPlan:
         key = sliding_window or 0
         if key not in self._masks:
             num_context = self.context_slots.shape[1]
-            if self.tree is None:
+            if self.packed is not None and self.packed.token_rows is not None:  # `[tokens, 1, 1, num_context]`
+                self._masks[key] = attention_mask(self.packed.positions[0][:, None], num_context, sliding_window)
+            elif self.tree is None:
                 self._masks[key] = attention_mask(self.query_positions, num_context, sliding_window)
             else:
                 tree = self.tree
@@ -292,6 +312,10 @@ class PagedKVCache(Cache):
     """
 
     is_compileable = False
+
+    # Token rows (`token_rows_pay`) on the PyTorch path: None decides per step, True whenever a packed step can,
+    # False never (benchmarks compare them).
+    token_rows: bool | None = None
 
     def __init__(self, block_size: int = 16, num_blocks: int = 64, max_num_blocks: int | None = None,
                  kernel_backend: str = "auto"):
@@ -385,12 +409,17 @@ class PagedKVCache(Cache):
             if run is not None and num_context <= run[1] * bs:
                 view = (run[0] * bs, run[1] * bs)
         if tree is None:
-            # The attention groups serve the gather-then-SDPA path only (the kernel reads each row's queries in place).
+            # The attention groups serve the gather-then-SDPA path only (the kernel reads each row's queries in place);
+            # so do token rows, which need the gather (rows read in place keep their groups).
+            by_token = (packed and backend == "torch" and view is None and self.token_rows is not False
+                        and (self.token_rows or token_rows_pay(num_tokens)))
             layout = PackedLayout.build(counts_t, q, sum(num_tokens), query_positions,
-                                        list(num_tokens) if backend == "torch" else None) if packed else None
+                                        list(num_tokens) if backend == "torch" else None, by_token) if packed else None
             write_slots = write_slots.reshape(-1)
             if layout is not None:
                 write_slots = write_slots.index_select(0, layout.pack_index)
+            if by_token:  # each token's row's context, its own mask hiding what follows it
+                slots = slots.index_select(0, layout.token_rows)
             self.plan = StepPlan(write_slots, block_tables, bs, query_positions, context_lens, backend, slots,
                                  packed=layout, context_view=view)
         else:
@@ -532,6 +561,10 @@ def paged_attention_forward(
         out = paged_attention_triton(query, key, value, plan.block_tables, plan.query_positions, plan.block_size,
                                      sliding_window, scaling, softcap, tree=plan.kernel_tree(), sinks=sinks)
         return out, None
+    if packed is not None and packed.token_rows is not None:  # a row per token: `[T, heads, 1, dim]` queries
+        out = attend(query[0].transpose(0, 1)[:, :, None], key, value, plan.mask(sliding_window), scaling, softcap,
+                     sinks)
+        return out.transpose(0, 1), None  # `[1, T, heads, dim]`
     if packed is not None:  # attention runs padded ([rows, q]); the linear layers around it saw only real tokens
         rows, mask = plan.query_positions.shape[0], plan.mask(sliding_window)
         if packed.groups is None:

@@ -69,6 +69,66 @@ def test_packed_steps_give_the_padded_logits_and_hidden_states(arch, monkeypatch
         torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_a_row_per_token_gives_the_padded_logits_and_hidden_states(arch, monkeypatch):
+    """Token rows (every token of a packed step its own attention row, one query over its row's context up to
+    itself) give what the padded layout gives, sliding windows and mixed layer types included."""
+    from hf_specdec import paged_cache
+
+    model = make_model(arch)
+    check_model_supported(model, "target model")
+    layouts = []
+    plan_step = paged_cache.PagedKVCache.plan_step
+    monkeypatch.setattr(paged_cache.PagedKVCache, "plan_step",
+                        lambda self, *a, **k: layouts.append(plan_step(self, *a, **k).packed) or self.plan)
+    outputs = {}
+    with torch.no_grad(), paged_attention(model):
+        for token_rows in (None, True):
+            runner = _three_rows(model, packed=token_rows is True)
+            runner.cache.token_rows = token_rows
+            outputs[token_rows] = []
+            for counts, ids in _steps(seed=3, rows=3, vocab=model.config.vocab_size):
+                out = runner.forward([0, 1, 2], ids, counts, num_logits=3, output_hidden_states=True)
+                for row, n in enumerate(counts):
+                    outputs[token_rows].append(out.logits[row, 3 - min(n, 3):])
+                    outputs[token_rows].extend(h[row, ids.shape[1] - n:] for h in out.hidden_states)
+    assert sum(layout is not None and layout.token_rows is not None for layout in layouts) == 4
+    for got, expected in zip(outputs[True], outputs[None], strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
+
+
+def test_token_rows_are_taken_where_few_rows_verify_a_few_drafts():
+    from hf_specdec.paged_cache import token_rows_pay
+
+    assert token_rows_pay([3] + [1] * 11)  # one row of 12 verifying 2 drafts
+    assert token_rows_pay([2, 2, 2] + [1] * 9) and not token_rows_pay([2, 2, 2, 2] + [1] * 9)
+    assert token_rows_pay([3, 1, 1, 1]) and not token_rows_pay([4, 1, 1, 1])
+    assert not token_rows_pay([1] * 8)  # nothing to verify: the plain layout
+    assert not token_rows_pay([40] + [1] * 11)  # a newcomer's prompt: its context would be gathered 40 times
+
+
+@pytest.mark.parametrize("speculator", ["ngram", "draft"])
+def test_generation_on_token_rows_is_the_targets_own(speculator, monkeypatch):
+    from hf_specdec import paged_cache
+
+    from hf_specdec.engine import SpeculativeEngine
+
+    monkeypatch.setattr(paged_cache.PagedKVCache, "token_rows", True)  # every packed step, whatever it feeds
+    monkeypatch.setattr(SpeculativeEngine, "REGION_MAX_NEW_TOKENS", 0)  # contexts gathered, not read in place
+    built = []
+    build = paged_cache.PackedLayout.build
+    monkeypatch.setattr(paged_cache.PackedLayout, "build",
+                        lambda *a, **k: built.append(build(*a, **k)) or built[-1])
+    target = make_model("mistral")
+    input_ids, mask = ragged_batch(rows=4, width=14)
+    expected = target.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    draft = "ngram" if speculator == "ngram" else make_model("mistral", seed=1)
+    out = target.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False, speculator=draft,
+                          num_speculative_tokens=3, speculative_schedule="constant")
+    assert torch.equal(out, expected)
+    assert any(layout.token_rows is not None for layout in built)
+
+
 @pytest.mark.parametrize("speculator", ["ngram", "draft"])
 def test_generation_with_packed_steps_is_the_targets_own(speculator, monkeypatch):
     runners = []
@@ -314,7 +374,7 @@ def test_a_one_call_generate_reads_its_rows_in_place_until_one_finishes(monkeypa
                   speculator="ngram", num_speculative_tokens=3, speculative_schedule="constant")
     plans.clear()
     assert torch.equal(target.generate(input_ids, **kwargs), expected)
-    target_plans = [p for p in plans if p.context_slots is not None and p.context_slots.shape[0] in (3, 4)]
+    target_plans = [p for p in plans if p.context_slots is not None and p.block_tables.shape[0] in (3, 4)]
     views = [p.context_view is not None for p in target_plans]
     assert views[0] and views.count(True) >= 2 and not views[-1]  # in place while every row runs, then gathered
     plans.clear()
