@@ -202,17 +202,28 @@ def query_groups(counts: list[int]) -> tuple[int, list[int], int] | None:
     return short, [i for i, c in enumerate(counts) if c > short], widths[-1]
 
 
-def token_rows_pay(counts: list[int]) -> bool:
+# Token rows gather their rows' contexts again for the tokens beyond one per row; where one padded group would have
+# gathered each context once, they are taken only while those extra contexts hold at most this many key elements
+# (tokens x kv heads x head dim) per layer: about what the padded step's extra work costs (a second group copies its
+# rows' contexts anyway).
+TOKEN_ROWS_EXTRA = 1 << 18
+
+
+def token_rows_pay(counts: list[int], num_context: int = 0, kv_width: int = 0) -> bool:
     """Whether the PyTorch path's attention should give every token of a packed step a row of its own, one query
     over its row's context up to itself (the context gathered once per token), instead of padding rows to a common
     query width or splitting them into two groups (`query_groups`): where a few rows verify a few drafts beside rows
-    feeding one token, at most a quarter more tokens than rows (and at most 2 more below 8 rows). One row of 12
-    verifying 2 drafts took a second attention group, whose own gathers, selections and attention call in every
-    layer cost about as much as 9 ms of a 100 ms forward of SmolLM2 on a 2-core CPU (`benchmarks/draft_pricing.py
-    --profile 12`); a row per token adds only those tokens' context to the one gather
-    (`benchmarks/token_rows.py`)."""
+    feeding one token, at most a quarter more tokens than rows (at most 2 more below 8 rows), and, where the rows
+    would otherwise attend as one padded group, the extra contexts are small (`TOKEN_ROWS_EXTRA`; `num_context`
+    cached tokens a row, `kv_width` kv heads x head dim, 0 when not known yet). One row of 12 verifying 2 drafts took
+    a second attention group, whose own gathers, selections and attention call in every layer cost 9-10 ms of a
+    120 ms forward of SmolLM2 on a 2-core CPU (`benchmarks/draft_pricing.py --profile 12`); as token rows it costs
+    10 ms less (`benchmarks/token_rows.py`). With 2-4 rows of long contexts one padded group is cheaper: token rows
+    there would gather up to twice the keys and values."""
     rows, total = len(counts), sum(counts)
-    return total > rows and total - rows <= max(2, rows // 4)
+    if not rows < total <= rows + max(2, rows // 4):
+        return False
+    return query_groups(counts) is not None or 0 < (total - rows) * num_context * kv_width <= TOKEN_ROWS_EXTRA
 
 
 @dataclass
@@ -227,7 +238,8 @@ class StepPlan:
         context_lens: `[rows]` tokens each row holds once this step's tokens are written.
         backend: `"torch"` (gather, then SDPA) or `"triton"` (the paged attention kernel reads the pool in place).
         context_slots: `[rows, num_context]` flat pool slots of each row's context, padded with the scratch slot
-            (torch backend only; `None` with triton).
+            (torch backend only; `None` with triton); with token rows (`PackedLayout.token_rows`) one row per token,
+            its row's context.
     """
 
     write_slots: torch.Tensor
@@ -282,7 +294,8 @@ class StepPlan:
         return self._kernel_tree
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
-        """`[rows, 1, q, num_context]` boolean mask: True where a query may attend (torch backend)."""
+        """`[rows, 1, q, num_context]` boolean mask: True where a query may attend (torch backend); with token rows
+        `[tokens, 1, 1, num_context]`."""
         key = sliding_window or 0
         if key not in self._masks:
             num_context = self.context_slots.shape[1]
@@ -411,8 +424,10 @@ class PagedKVCache(Cache):
         if tree is None:
             # The attention groups serve the gather-then-SDPA path only (the kernel reads each row's queries in place);
             # so do token rows, which need the gather (rows read in place keep their groups).
+            pool = next(iter(self.key_pools.values()), None)
             by_token = (packed and backend == "torch" and view is None and self.token_rows is not False
-                        and (self.token_rows or token_rows_pay(num_tokens)))
+                        and (self.token_rows or token_rows_pay(num_tokens, slots.shape[1],
+                                                               0 if pool is None else pool[0].numel())))
             layout = PackedLayout.build(counts_t, q, sum(num_tokens), query_positions,
                                         list(num_tokens) if backend == "torch" else None, by_token) if packed else None
             write_slots = write_slots.reshape(-1)
@@ -445,7 +460,8 @@ class PagedKVCache(Cache):
                 pool.index_copy_(0, d, pool.index_select(0, s))
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        """Writes this step's keys/values `[rows, kv_heads, q, head_dim]`. Returns each row's gathered context
+        """Writes this step's keys/values `[rows, kv_heads, q, head_dim]`. Returns each row's (with token rows: each
+        token's) gathered context
         `[rows, kv_heads, num_context, head_dim]`, ordered by position and padded (the plan's mask hides padding),
         or with the triton backend the pools themselves `[num_slots, kv_heads, head_dim]` (read in place)."""
         plan = self.plan

@@ -100,11 +100,16 @@ def test_a_row_per_token_gives_the_padded_logits_and_hidden_states(arch, monkeyp
 def test_token_rows_are_taken_where_few_rows_verify_a_few_drafts():
     from hf_specdec.paged_cache import token_rows_pay
 
-    assert token_rows_pay([3] + [1] * 11)  # one row of 12 verifying 2 drafts
-    assert token_rows_pay([2, 2, 2] + [1] * 9) and not token_rows_pay([2, 2, 2, 2] + [1] * 9)
-    assert token_rows_pay([3, 1, 1, 1]) and not token_rows_pay([4, 1, 1, 1])
-    assert not token_rows_pay([1] * 8)  # nothing to verify: the plain layout
-    assert not token_rows_pay([40] + [1] * 11)  # a newcomer's prompt: its context would be gathered 40 times
+    smollm2 = dict(num_context=300, kv_width=3 * 64)
+    # One row of 12 verifying 2 drafts: otherwise a second attention group, which copies that row's context anyway.
+    assert token_rows_pay([3] + [1] * 11) and token_rows_pay([3] + [1] * 11, 8192, 8 * 128)
+    assert token_rows_pay([2, 2, 2] + [1] * 9, **smollm2) and not token_rows_pay([2, 2, 2, 2] + [1] * 9, **smollm2)
+    assert token_rows_pay([3, 1, 1, 1], **smollm2) and not token_rows_pay([4, 1, 1, 1], **smollm2)
+    # Few rows that would attend as one padded group: not over long contexts (each extra token gathers one more),
+    # nor before the pools exist (kv width unknown).
+    assert not token_rows_pay([3, 1], num_context=2048, kv_width=8 * 128) and not token_rows_pay([3, 1, 1, 1])
+    assert not token_rows_pay([1] * 8, **smollm2)  # nothing to verify: the plain layout
+    assert not token_rows_pay([40] + [1] * 11, **smollm2)  # a newcomer's prompt: its context gathered 40 times
 
 
 @pytest.mark.parametrize("speculator", ["ngram", "draft"])
