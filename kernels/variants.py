@@ -39,9 +39,16 @@ def _our_kernels() -> dict:
 def _binder(kernel, target: tuple[str, int, int]):
     """Triton's argument binder for `kernel` as a CUDA device of compute capability `target[1]` would build it:
     it returns the launch's specialization and options, from which the kernel cache's key is made."""
+    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
-    from triton.runtime.jit import JITFunction, create_function_from_signature
+    from triton.runtime import jit as triton_jit
+
+    if not hasattr(triton_jit, "create_function_from_signature"):
+        raise RuntimeError(f"recording kernel variants needs Triton's argument binder "
+                           f"(triton.runtime.jit.create_function_from_signature), which triton {triton.__version__} "
+                           "lacks; install a newer triton")
+    JITFunction, create_function_from_signature = triton_jit.JITFunction, triton_jit.create_function_from_signature
 
     # Under the interpreter `triton.jit` made an `InterpretedFunction`; the binder needs the JIT's parsed signature.
     jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
