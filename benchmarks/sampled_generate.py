@@ -15,21 +15,13 @@ from transformers import LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from hf_specdec import logits as logits_module
+from hf_specdec.kernels._timing import median_ms
 from hf_specdec.kernels.sampling import apply_sampling_params
 from hf_specdec.models import DEFAULT_MODEL, load_model
 from hf_specdec.workloads import GROUNDED, OPEN_CHAT, chat_inputs
 
+CPU = torch.device("cpu")
 SAMPLING = {"do_sample": True, "temperature": 0.7, "top_k": 50, "top_p": 0.9}
-
-
-def median_ms(fn, repeats: int = 9) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def main() -> None:
@@ -75,8 +67,8 @@ def main() -> None:
             ("temperature 0.7, top-p 0.9", [TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.9)], (0.7, None, 0.9))):
         chain = LogitsProcessorList(warpers)
         tensors = [None if p is None else torch.full((11,), p) for p in params]
-        ours = median_ms(lambda t=tensors: apply_sampling_params(scores, *t, backend="torch"))
-        theirs = median_ms(lambda c=chain: c(None, scores))
+        ours = median_ms(lambda t=tensors: apply_sampling_params(scores, *t, backend="torch"), CPU, repeats=9, warmup=1)
+        theirs = median_ms(lambda c=chain: c(None, scores), CPU, repeats=9, warmup=1)
         same = torch.equal(apply_sampling_params(scores, *tensors, backend="torch"), chain(None, scores))
         print(f"warpers at 11 positions, {label}: reference {ours:.1f} ms, transformers {theirs:.1f} ms, "
               f"same scores: {same}")

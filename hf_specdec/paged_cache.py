@@ -90,10 +90,12 @@ class PackedLayout:
 
     @classmethod
     def build(cls, counts: torch.Tensor, q: int, total: int, query_positions: torch.Tensor,
-              host_counts: list[int] | None = None, token_rows: bool = False) -> PackedLayout:
+              host_counts: list[int] | None = None, split: tuple | None = None,
+              token_rows: bool = False) -> PackedLayout:
         """`counts` `[rows]` tokens per row (each at least 1), right-aligned in a width of `q`; `total` their sum
-        (known on the host, so nothing here waits for the device). `host_counts`, the same counts on the host, asks
-        for the PyTorch path's attention groups (`query_groups`); `token_rows` for a row per token instead."""
+        (known on the host, so nothing here waits for the device). `host_counts`, the same counts on the host, with
+        `split`, what `query_groups` made of them, asks for the PyTorch path's attention groups; `token_rows` for a
+        row per token instead."""
         rows = counts.shape[0]
         device = counts.device
         cu_query = torch.zeros(rows + 1, dtype=torch.long, device=device)
@@ -102,9 +104,8 @@ class PackedLayout:
         pack_index = row_of * q + (q - counts)[row_of] + within
         offset = torch.arange(q, device=device)[None, :] - (q - counts)[:, None]
         unpack_index = (cu_query[:-1, None] + offset.clamp(min=0)).reshape(-1)
-        split = query_groups(host_counts) if host_counts is not None and not token_rows else None
         groups = None
-        if split is not None:
+        if split is not None and host_counts is not None and not token_rows:
             short, long_rows, long = split
             short_kept = sum(c for c in host_counts if c <= short)
             groups = (QueryGroup.build(None, short, counts, cu_query, short_kept),
@@ -209,13 +210,14 @@ def query_groups(counts: list[int]) -> tuple[int, list[int], int] | None:
 TOKEN_ROWS_EXTRA = 1 << 18
 
 
-def token_rows_pay(counts: list[int], num_context: int = 0, kv_width: int = 0) -> bool:
+def token_rows_pay(counts: list[int], num_context: int = 0, kv_width: int = 0, split=...) -> bool:
     """Whether the PyTorch path's attention should give every token of a packed step a row of its own, one query
     over its row's context up to itself (the context gathered once per token), instead of padding rows to a common
     query width or splitting them into two groups (`query_groups`): where a few rows verify a few drafts beside rows
     feeding one token, at most a quarter more tokens than rows (at most 2 more below 8 rows), and, where the rows
     would otherwise attend as one padded group, the extra contexts are small (`TOKEN_ROWS_EXTRA`; `num_context`
-    cached tokens a row, `kv_width` kv heads x head dim, 0 when not known yet). One row of 12 verifying 2 drafts took
+    cached tokens a row, `kv_width` kv heads x head dim, 0 when not known yet; `split`: `query_groups(counts)`
+    when the caller has it). One row of 12 verifying 2 drafts took
     a second attention group, whose own gathers, selections and attention call in every layer cost 9-10 ms of a
     120 ms forward of SmolLM2 on a 2-core CPU (`benchmarks/draft_pricing.py --profile 12`); as token rows it costs
     10 ms less (`benchmarks/token_rows.py`). With 2-4 rows of long contexts one padded group is cheaper: token rows
@@ -223,7 +225,9 @@ def token_rows_pay(counts: list[int], num_context: int = 0, kv_width: int = 0) -
     rows, total = len(counts), sum(counts)
     if not rows < total <= rows + max(2, rows // 4):
         return False
-    return query_groups(counts) is not None or 0 < (total - rows) * num_context * kv_width <= TOKEN_ROWS_EXTRA
+    if split is ...:
+        split = query_groups(counts)
+    return split is not None or 0 < (total - rows) * num_context * kv_width <= TOKEN_ROWS_EXTRA
 
 
 @dataclass
@@ -424,12 +428,14 @@ class PagedKVCache(Cache):
         if tree is None:
             # The attention groups serve the gather-then-SDPA path only (the kernel reads each row's queries in place);
             # so do token rows, which need the gather (rows read in place keep their groups).
+            split = query_groups(num_tokens) if packed and backend == "torch" else None
             pool = next(iter(self.key_pools.values()), None)
             by_token = (packed and backend == "torch" and view is None and self.token_rows is not False
                         and (self.token_rows or token_rows_pay(num_tokens, slots.shape[1],
-                                                               0 if pool is None else pool[0].numel())))
+                                                               0 if pool is None else pool[0].numel(), split)))
             layout = PackedLayout.build(counts_t, q, sum(num_tokens), query_positions,
-                                        list(num_tokens) if backend == "torch" else None, by_token) if packed else None
+                                        list(num_tokens) if backend == "torch" else None, split,
+                                        by_token) if packed else None
             write_slots = write_slots.reshape(-1)
             if layout is not None:
                 write_slots = write_slots.index_select(0, layout.pack_index)
