@@ -7,7 +7,7 @@ price of a draft token and fixed cost of a step with drafts, both in ms) of each
 Configurations: `off` (k = 0), or a speculator (`ngram`, `eagle`, ...) with optional suffixes: `-static` (adaptive k
 without the measured step cost), `-noweight` (rows not weighed by the work they have left), `-never` (no draft ever
 pays: the speculator's cost when it drafts nothing), `-uncalibrated` (expected gains not scaled by the drafts
-accepted over expected), `-grouped` (no token rows: a step verifying drafts pads or groups its rows' queries,
+accepted over expected), `-unchecked` (no return check: `returns.DraftReturns`), `-grouped` (no token rows: a step verifying drafts pads or groups its rows' queries,
 `paged_cache.token_rows_pay`), `-marginX` (`min_gain` X, e.g. `ngram-margin1.25`).
 
     python benchmarks/serve_replay.py --configs off,ngram,ngram-noweight,ngram-static --rounds 3
@@ -54,13 +54,15 @@ def run(model, tokenizer, name: str, requests, rate: float, max_batch_size: int)
             policy.min_gain = float("inf")
         elif option == "uncalibrated":
             policy.calibrate = False
+        elif option == "unchecked":
+            policy.returns = None
         elif option.startswith("margin"):
             policy.min_gain = float(option[len("margin"):])
         elif option == "grouped":  # no token rows: steps verifying drafts pad or group their rows' queries
             PagedKVCache.token_rows = False
         else:
             raise SystemExit(f"unknown option {option!r} in {name!r}: use -static, -noweight, -never, -uncalibrated, "
-                             f"-grouped or -marginX")
+                             f"-unchecked, -grouped or -marginX")
     steps = []  # per step once serving (the warm-up's are left out): seconds, draft tokens verified, rows running
     step = engine.scheduler.step
 
@@ -84,6 +86,8 @@ def run(model, tokenizer, name: str, requests, rate: float, max_batch_size: int)
     fitted = policy.measured.params if policy is not None and policy.measured is not None else None
     fitted = "-" if fitted is None else ", ".join(f"{p:.2f}" for p in fitted)
     calibration = f", calibration {policy.calibration:.2f}" if policy is not None else ""
+    if policy is not None and policy.returns is not None:
+        calibration += f"; returns per band: {policy.returns.summary()}"
     line = (f"{name}: {tokens / wall:.1f} tokens/s ({wall:.1f} s), {len(steps)} steps, {m.num_draft_tokens} drafted, "
             f"{m.num_accepted_tokens} accepted, fitted cost (s, m, w, o) {fitted}{calibration}; {step_times(steps, m)}")
     return tokens / wall, answers, line

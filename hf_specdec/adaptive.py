@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .returns import DraftReturns
+
 _MAX_RATE = 0.95  # a prior scaled up by a call's evidence stays below certainty
 
 
@@ -285,11 +287,16 @@ class AdaptiveK:
         calibrate (`bool`): scale every draft's expected gain by the drafts accepted over those the estimates
             expected, in the steps so far (`calibration`): the drafts verified are the ones whose estimates came out
             highest, so the raw estimates overrate them (the serving engine's choice).
+        check_returns (`bool`): weigh each band of batch sizes' drafts by what drafting there returned in the steps
+            so far (`returns`, a `DraftReturns`: accepted drafts against the tokens their steps' extra time would
+            have made in plain steps); where it lost, drafts must promise that much more (`margin`). The serving
+            engine's choice; the step feeds it (`Step`).
     """
 
     def __init__(self, num_rows: int, max_k: int, step_cost: StepCost, draft_cost_per_token: float = 0.0,
                  priors: tuple[float, ...] = (0.6,), strength: float = 2.0, decay: float = 0.9, min_gain: float = 1.1,
-                 packed: bool = False, measure_steps: bool = False, calibrate: bool = False):
+                 packed: bool = False, measure_steps: bool = False, calibrate: bool = False,
+                 check_returns: bool = False):
         if not priors or not all(0.0 <= p < 1.0 for p in priors):
             raise ValueError(f"acceptance priors must be in [0, 1), one per confidence class, got {priors!r}")
         self.max_k = max_k
@@ -297,6 +304,7 @@ class AdaptiveK:
         self.step_cost = step_cost
         # The serving engine's steps correct the step cost as they run (`measured.observe`); `None`: static only.
         self.measured = MeasuredStepCost(step_cost) if measure_steps else None
+        self.returns = DraftReturns(step_cost) if check_returns else None
         # Drafting one token, relative to a one-token target step. A static estimate, like the step cost.
         self.draft_cost_per_token = draft_cost_per_token
         self.priors = torch.tensor(priors, dtype=torch.float64)
@@ -406,6 +414,11 @@ class AdaptiveK:
         longest = max(max(remaining), 1)
         self.weights[rows] = torch.tensor(remaining, dtype=torch.float64).clamp(min=0) / longest
 
+    def margin(self, rows: int) -> float:
+        """How many times plain decoding's tokens per unit of cost drafts must promise at a batch of `rows` rows:
+        `min_gain`, divided by what drafting returned at such batches where it lost (`check_returns`)."""
+        return self.min_gain if self.returns is None else self.min_gain / self.returns.factor(rows)
+
     # Calibration: how many expected accepted drafts the prior weighs (at a ratio of 1), and the decay per step.
     CALIBRATION_PRIOR, CALIBRATION_DECAY = 8.0, 0.98
 
@@ -452,8 +465,9 @@ class AdaptiveK:
         # its own cost by the margin too (at a large batch a row's draft adds little against what its width costs,
         # and one that only breaks even by the model is a loss when the model errs); the set as a whole must beat
         # plain decoding by the margin as before.
-        best = int(torch.argmax((expected[0] + gained / self.min_gain) / cost))
-        if best == 0 or value[best] < self.min_gain * value[0]:
+        margin = self.margin(b)
+        best = int(torch.argmax((expected[0] + gained / margin) / cost))
+        if best == 0 or value[best] < margin * value[0]:
             return [0] * b, float(value[0]), float(expected[0]), 1.0
         # Per row, its drafts among the best `best` (a row's gains fall with j, so they are its first ones).
         picked = torch.zeros(b * self.max_k, dtype=torch.long)
@@ -474,7 +488,7 @@ class AdaptiveK:
         cost = self._relative(len(rows), tokens, context) + self.draft_cost_per_token * ks
         value = expected / cost
         best = int(torch.argmax(value))
-        return best if value[best] >= self.min_gain * value[0] else 0
+        return best if value[best] >= self.margin(len(rows)) * value[0] else 0
 
     def idle_explanation(self, min_steps: int = 4) -> str | None:
         """When k was 0 in most steps (at least `min_steps` of them) although drafts were on offer, a sentence

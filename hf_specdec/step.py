@@ -140,6 +140,13 @@ class Step:
                 fed, drafts = ((sum(num_fed), sum(counts)) if target.packed else
                                (len(rows) * max(num_fed), len(rows) * max(counts)))
                 self.policy.measured.observe(len(rows), fed, self.policy.context, drafts, verified_s)
+            if self.policy.returns is not None and constrained is None and all(
+                    f - c == 1 for f, c in zip(num_fed, counts)):  # a decode step: no prompt tokens, no grammar
+                # The whole step, proposing and the speculator's commit included: what drafting costs end to end.
+                weights = self.policy.weights[rows]  # host tensors: no transfer
+                self.policy.returns.observe(len(rows), self.policy.context, time.perf_counter() - t0,
+                                            float((weights * torch.tensor(num_accepted, dtype=weights.dtype)).sum()),
+                                            float(weights.sum()), any(counts))
         return num_emit, [r for r, done in zip(rows, finished) if done]
 
     def _tree_step(self, batch, target, stop, budget, metrics, pad_token_id) -> tuple[list[int], list[int]]:

@@ -158,6 +158,42 @@ def test_adaptive_serving_times_its_steps_and_weighs_rows_by_work_left(tokenizer
     assert any(r is not None and len(set(r)) > 1 for r in seen)  # then by the tokens each had left
 
 
+def test_serving_checks_what_drafting_returned_per_batch_size(tokenizer):
+    """The serving policy's return check sees every decode step, timed whole: drafting steps with the drafts their
+    rows had accepted in that very step (rows unweighed: each counts 1), plain steps as its reference; steps that
+    feed prompts are left out."""
+    model = served_model()
+    engine = ServingEngine(model, tokenizer, "ngram", num_speculative_tokens=4, max_batch_size=3)
+    engine.scheduler.weigh_rows = False
+    returns, last = engine.step.policy.returns, {}
+    record_step, observe, seen = engine.metrics.record_step, returns.observe, []
+
+    def recorded(drafted, accepted):
+        last.update(drafted=sum(drafted), accepted=sum(accepted))
+        return record_step(drafted, accepted)
+
+    def observed(rows, context, seconds, accepted, weight, drafted):
+        seen.append((rows, accepted, weight, drafted, dict(last)))
+        return observe(rows, context, seconds, accepted, weight, drafted)
+
+    engine.metrics.record_step, returns.observe = recorded, observed
+    engine.start()
+    try:
+        plan = [(repeating(6 + 3 * i, seed=i), 10 + 9 * i) for i in range(5)]
+        streams = [engine.submit(prompt, n) for prompt, n in plan]
+        for stream in streams:
+            for _ in stream:
+                pass
+    finally:
+        engine.shutdown()
+    for (prompt, n), stream in zip(plan, streams):
+        assert stream.request.output_ids == solo(model, prompt, n)
+    assert any(drafted for *_, drafted, _ in seen) and any(not drafted for *_, drafted, _ in seen)
+    for rows, accepted, weight, drafted, step in seen:
+        assert weight == rows and accepted == step["accepted"] and drafted == (step["drafted"] > 0)
+    assert sum(b.drafting_steps for b in returns.bands.values()) > 0
+
+
 @pytest.mark.parametrize("idle_backlog", [None, 1, "window"])
 @pytest.mark.parametrize("version", [1, 3])
 def test_eagle_head_under_continuous_batching(tokenizer, tmp_path, version, idle_backlog):
