@@ -8,7 +8,8 @@ Configurations: `off` (k = 0), or a speculator (`ngram`, `eagle`, ...) with opti
 without the measured step cost), `-noweight` (rows not weighed by the work they have left), `-never` (no draft ever
 pays: the speculator's cost when it drafts nothing), `-uncalibrated` (expected gains not scaled by the drafts
 accepted over expected), `-unchecked` (no return check: `returns.DraftReturns`), `-grouped` (no token rows: a step verifying drafts pads or groups its rows' queries,
-`paged_cache.token_rows_pay`), `-marginX` (`min_gain` X, e.g. `ngram-margin1.25`).
+`paged_cache.token_rows_pay`), `-marginX` (`min_gain` X, e.g. `ngram-margin1.25`), `-flat` (a GPU's flat step-cost curve on every model of the policy: drafts look
+free, as they did to the H100's policy).
 
     python benchmarks/serve_replay.py --configs off,ngram,ngram-noweight,ngram-static --rounds 3
 
@@ -29,9 +30,11 @@ import time
 
 import torch
 
+from hf_specdec.adaptive import DEFAULT_STEP_COST, MeasuredStepCost
 from hf_specdec.cli import _speculator
 from hf_specdec.models import DEFAULT_MODEL, load_model
 from hf_specdec.paged_cache import PagedKVCache
+from hf_specdec.returns import DraftReturns
 from hf_specdec.serve_bench import workload
 from hf_specdec.serving.engine import ServingEngine
 
@@ -58,11 +61,18 @@ def run(model, tokenizer, name: str, requests, rate: float, max_batch_size: int)
             policy.returns = None
         elif option.startswith("margin"):
             policy.min_gain = float(option[len("margin"):])
+        elif option == "flat":  # applied below, once every option is known
+            pass
         elif option == "grouped":  # no token rows: steps verifying drafts pad or group their rows' queries
             PagedKVCache.token_rows = False
         else:
             raise SystemExit(f"unknown option {option!r} in {name!r}: use -static, -noweight, -never, -uncalibrated, "
-                             f"-unchecked, -grouped or -marginX")
+                             f"-unchecked, -grouped, -flat or -marginX")
+    if "flat" in options:
+        flat = DEFAULT_STEP_COST["cuda"]
+        policy.step_cost = flat
+        policy.measured = MeasuredStepCost(flat) if policy.measured is not None else None
+        policy.returns = DraftReturns(flat) if policy.returns is not None else None
     steps = []  # per step once serving (the warm-up's are left out): seconds, draft tokens verified, rows running
     step = engine.scheduler.step
 

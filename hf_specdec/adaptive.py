@@ -287,10 +287,9 @@ class AdaptiveK:
         calibrate (`bool`): scale every draft's expected gain by the drafts accepted over those the estimates
             expected, in the steps so far (`calibration`): the drafts verified are the ones whose estimates came out
             highest, so the raw estimates overrate them (the serving engine's choice).
-        check_returns (`bool`): weigh each band of batch sizes' drafts by what drafting there returned in the steps
-            so far (`returns`, a `DraftReturns`: accepted drafts against the tokens their steps' extra time would
-            have made in plain steps); where it lost, drafts must promise that much more (`margin`). The serving
-            engine's choice; the step feeds it (`Step`).
+        check_returns (`bool`): correct the extra cost of drafts per band of batch sizes by what the steps that
+            verified drafts there really took beyond plain steps, timed whole, against what the model priced
+            (`returns`, a `DraftReturns`; the step feeds it). The serving engine's choice.
     """
 
     def __init__(self, num_rows: int, max_k: int, step_cost: StepCost, draft_cost_per_token: float = 0.0,
@@ -400,7 +399,7 @@ class AdaptiveK:
         if not any(ks):
             return False
         cost = float(self._relative(len(rows), torch.tensor(tokens, dtype=torch.float64), context))
-        return expected / (cost + self.draft_cost_per_token * drafted) > base
+        return expected / float(self._corrected(len(rows), cost + self.draft_cost_per_token * drafted)) > base
 
     def weigh(self, rows: list[int], remaining: list[int] | None) -> None:
         """How much a token of each row is worth this step. `None`: every row alike (the batch's tokens per unit of
@@ -413,11 +412,6 @@ class AdaptiveK:
             return
         longest = max(max(remaining), 1)
         self.weights[rows] = torch.tensor(remaining, dtype=torch.float64).clamp(min=0) / longest
-
-    def margin(self, rows: int) -> float:
-        """How many times plain decoding's tokens per unit of cost drafts must promise at a batch of `rows` rows:
-        `min_gain`, divided by what drafting returned at such batches where it lost (`check_returns`)."""
-        return self.min_gain if self.returns is None else self.min_gain / self.returns.factor(rows)
 
     # Calibration: how many expected accepted drafts the prior weighs (at a ratio of 1), and the decay per step.
     CALIBRATION_PRIOR, CALIBRATION_DECAY = 8.0, 0.98
@@ -440,6 +434,19 @@ class AdaptiveK:
         gains = torch.where(ks[None, :] > 0, (gains * self.calibration).clamp(max=1.0), gains)
         return weights[:, None] * gains
 
+    def priced_extra(self, rows: int, tokens_per_row: float, drafted: int, context: float) -> float:
+        """The extra cost, in plain steps, that the model (without `returns`' correction) gives a step of `rows`
+        rows feeding `tokens_per_row` tokens each on average, over `context` cached tokens, whose speculator made
+        `drafted` draft positions (a model speculator's forwards; 0 for drafts that cost nothing to make)."""
+        cost = float(self._relative(rows, torch.tensor([tokens_per_row], dtype=torch.float64), context)[0])
+        return cost - 1.0 + self.draft_cost_per_token * drafted
+
+    def _corrected(self, rows: int, cost):
+        """A step's relative cost with its extra over a plain step scaled by `returns` for this batch size."""
+        if self.returns is None:
+            return cost
+        return 1.0 + self.returns.scale(rows) * (cost - 1.0)
+
     def _relative(self, rows: int, tokens: torch.Tensor, context: float) -> torch.Tensor:
         if self.measured is not None and self.measured.ready:
             return self.measured.relative(rows, tokens, context)
@@ -459,15 +466,14 @@ class AdaptiveK:
         gained = torch.cat([torch.zeros(1, dtype=torch.float64), order.values[:usable].cumsum(0)])
         expected = float(weights.sum()) + gained
         tokens = 1 + torch.arange(usable + 1, dtype=torch.float64) / b  # tokens fed per row, on average
-        cost = self._relative(b, tokens, context)
+        cost = self._corrected(b, self._relative(b, tokens, context))
         value = expected / cost
         # The size is chosen with every draft's gain discounted by the margin, so a draft joins only where it beats
         # its own cost by the margin too (at a large batch a row's draft adds little against what its width costs,
         # and one that only breaks even by the model is a loss when the model errs); the set as a whole must beat
         # plain decoding by the margin as before.
-        margin = self.margin(b)
-        best = int(torch.argmax((expected[0] + gained / margin) / cost))
-        if best == 0 or value[best] < margin * value[0]:
+        best = int(torch.argmax((expected[0] + gained / self.min_gain) / cost))
+        if best == 0 or value[best] < self.min_gain * value[0]:
             return [0] * b, float(value[0]), float(expected[0]), 1.0
         # Per row, its drafts among the best `best` (a row's gains fall with j, so they are its first ones).
         picked = torch.zeros(b * self.max_k, dtype=torch.long)
@@ -485,10 +491,10 @@ class AdaptiveK:
         if self.packed and available is not None:  # each row feeds min(k, what it offers) drafts
             offered = torch.tensor(available, dtype=torch.float64)[:, None]
             tokens = (1 + torch.minimum(ks[None, :], offered)).mean(0)
-        cost = self._relative(len(rows), tokens, context) + self.draft_cost_per_token * ks
+        cost = self._corrected(len(rows), self._relative(len(rows), tokens, context) + self.draft_cost_per_token * ks)
         value = expected / cost
         best = int(torch.argmax(value))
-        return best if value[best] >= self.margin(len(rows)) * value[0] else 0
+        return best if value[best] >= self.min_gain * value[0] else 0
 
     def idle_explanation(self, min_steps: int = 4) -> str | None:
         """When k was 0 in most steps (at least `min_steps` of them) although drafts were on offer, a sentence

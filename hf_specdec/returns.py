@@ -1,67 +1,66 @@
-"""Whether drafting pays, judged by the steps themselves: the serving engine's check on adaptive k's models.
+"""What drafting really cost at each batch size, judged by whole steps: the serving engine's check on adaptive k.
 
-Adaptive k chooses drafts from two models, the acceptance it expects and the step cost it fitted, and both can be
-wrong where it matters: on a CPU the step-cost curve is measured at a few batch sizes and bends between them; on a
-launch-bound GPU it is flat and calls drafts free when the verify's extra work and the head's forwards are not.
-`DraftReturns` measures the outcome instead. Per band of batch sizes (1, 2-3, 4-7, 8-15, ...) it keeps what a plain
-step (no drafts) costs there, as a ratio to the step-cost curve (which carries the context length) that follows the
-host's speed, and for every step that verified drafts:
+Adaptive k prices a step with drafts from its step-cost model: in serving, the calibrated curve corrected by the
+forwards' own timings (`MeasuredStepCost`), whose price of a draft is one number for every batch size. It is not:
+at one row a CPU's matrix kernels are bound by reading the weights and a few more tokens cost next to nothing, at
+twenty rows they are bound by arithmetic and every draft costs its share; a launch-bound GPU prices tokens flat and
+the verify's extra kernels and a head's forwards are what cost. The model also leaves out what happens around the
+forward (proposing, a head's forwards, the speculator's commit). `DraftReturns` compares, per band of batch sizes
+(1, 2-3, 4-7, 8-15, ...), what the steps that verified drafts took beyond a plain step with what the model said:
 
-- spent: the tokens its rows would have produced in plain steps during the step's extra time,
-  `rows * (seconds - plain) / plain`, the whole step timed (proposing, forward, verify, the speculator's commit);
-- accepted: the drafts the target accepted.
+- a plain step's time there, as a ratio to the step-cost curve's price (which carries the context length), recent
+  steps weighing more, so it follows the host's speed;
+- for each step with drafts, timed whole (proposing to commit): its extra time over that plain step, and the extra
+  the model priced for the same drafts (`AdaptiveK.priced_extra`), both in plain steps.
 
-A band's return is accepted over spent, both decayed per step in the band (drafted or not, so that a band where
-drafting stopped is tried again later) and shrunk towards `prior_return` by `prior_tokens` spent tokens. Below 1,
-drafting in the band lost tokens: adaptive k then asks its drafts there to promise that many times more
-(`AdaptiveK.margin`). Rows count as the policy weighs them (`AdaptiveK.weigh`): a row's accepted drafts and its
-share of the time at its weight. One-call `generate` never times its steps (seeded runs stay reproducible); only the
-server, whose batches change with every arrival anyway, uses this.
+A band's correction (`scale`) is realized extra over priced extra, decayed per step in the band (drafted or not:
+a band the policy stopped drafting in drifts back to 1 and is tried again) and shrunk towards 1 by `prior` plain
+steps of evidence; adaptive k multiplies the extra cost of every draft set in that band by it. Alongside, accepted
+drafts are counted per band, for reports (`summary`). One-call `generate` never times its steps (seeded runs stay
+reproducible); only the server, whose batches change with every arrival anyway, uses this.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 
 @dataclass
 class _Band:
     plain_ratio: float | None = None  # a plain step's seconds over the curve's price, recent steps weighing more
-    accepted: float = 0.0  # accepted drafts (weighted), decayed
-    spent: float = 0.0  # tokens the drafting steps' extra time would have made in plain steps (weighted), decayed
+    realized: float = 0.0  # the drafting steps' extra time, in plain steps, decayed
+    priced: float = 0.0  # what the model priced for the same drafts, in plain steps, decayed
     drafting_steps: int = 0
     plain_steps: int = 0
-    total_accepted: float = 0.0  # the same, not decayed (for reports)
-    total_spent: float = 0.0
+    accepted: float = 0.0  # accepted drafts, all steps (for reports)
+    drafted: float = 0.0  # verified drafts, all steps (for reports)
 
 
 class DraftReturns:
-    """Accepted drafts against the tokens their steps' extra time cost, per band of batch sizes.
+    """Realized against priced extra cost of steps with drafts, per band of batch sizes.
 
     Args:
         step_cost (`StepCost`): the curve that prices a plain step by rows and context; only its shape is used
             (each band learns its own ratio to it, in seconds).
-        decay (`float`): factor on a band's accepted and spent tokens at each of its steps.
+        decay (`float`): factor on a band's realized and priced extra at each of its steps.
         ratio_decay (`float`): weight kept by a band's plain-step ratio at each of its plain steps.
-        prior_tokens (`float`): spent tokens the prior weighs.
-        prior_return (`float`): the return assumed before evidence (above 1: drafting is given the benefit of the
-            doubt until it loses).
-        floor (`float`): the smallest factor `factor` returns (the largest margin multiplier is its inverse).
+        prior (`float`): plain steps of extra cost that the prior (a correction of 1) weighs.
+        bounds (`tuple[float, float]`): the smallest and largest correction.
     """
 
+    # A step far slower than its plain counterpart (a compile, a pause of the host) counts as at most this many
+    # plain steps of extra time, so one outlier does not set a band's price for a hundred steps.
     SLOWEST = 4.0
 
-    def __init__(self, step_cost, decay: float = 0.97, ratio_decay: float = 0.9, prior_tokens: float = 4.0,
-                 prior_return: float = 1.2, floor: float = 0.25):
+    def __init__(self, step_cost, decay: float = 0.97, ratio_decay: float = 0.9, prior: float = 0.5,
+                 bounds: tuple[float, float] = (0.25, 4.0)):
         if not 0.0 < decay <= 1.0 or not 0.0 <= ratio_decay < 1.0:
             raise ValueError(f"decay must be in (0, 1] and ratio_decay in [0, 1), got {decay}, {ratio_decay}")
         self.step_cost = step_cost
         self.decay = decay
         self.ratio_decay = ratio_decay
-        self.prior_tokens = prior_tokens
-        self.prior_return = prior_return
-        self.floor = floor
+        self.prior = prior
+        self.bounds = bounds
         self.bands: dict[int, _Band] = {}
         self._any_ratio: float | None = None  # every band's plain steps: the fallback for a band without its own
 
@@ -70,14 +69,14 @@ class DraftReturns:
         """The band of a batch of `rows` rows: 0 for 1 row, 1 for 2-3, 2 for 4-7, ..."""
         return max(rows, 1).bit_length() - 1
 
-    def observe(self, rows: int, context: float, seconds: float, accepted: float, weight: float,
-                drafted: bool) -> None:
+    def observe(self, rows: int, context: float, seconds: float, priced_extra: float = 0.0, drafted: int = 0,
+                accepted: int = 0) -> None:
         """One decode step (no prompt tokens in it) of `rows` rows over `context` cached tokens in all, timed whole
-        (`seconds`). `drafted`: it verified drafts, of which `accepted` (weighted) were accepted; `weight`: its rows'
-        weights summed (`rows` when rows are not weighed)."""
+        (`seconds`). A step with drafts (`drafted` > 0, `accepted` of them accepted) brings the extra cost the
+        policy priced for them, in plain steps (`priced_extra`)."""
         band = self.bands.setdefault(self.band(rows), _Band())
-        band.accepted *= self.decay
-        band.spent *= self.decay
+        band.realized *= self.decay
+        band.priced *= self.decay
         price = self.step_cost.at(rows, 1.0, context)
         if not drafted:
             ratio = seconds / price
@@ -91,38 +90,28 @@ class DraftReturns:
         if ratio is None:  # no plain step timed yet: nothing to compare with
             return
         plain = ratio * price
-        # A step far slower than its plain counterpart (a compile, a pause of the host) counts as at most
-        # `SLOWEST` plain steps' worth, so one outlier does not switch a band off for a hundred steps.
-        spent = weight * min((seconds - plain) / plain, self.SLOWEST)
-        band.accepted += accepted
-        band.spent += spent
-        band.total_accepted += accepted
-        band.total_spent += spent
+        band.realized += min((seconds - plain) / plain, self.SLOWEST)
+        band.priced += max(priced_extra, 0.0)
         band.drafting_steps += 1
+        band.drafted += drafted
+        band.accepted += accepted
 
-    def value(self, rows: int) -> float:
-        """The band's return: accepted drafts per token their time would have made in plain steps (shrunk towards
-        the prior; infinite while the drafting steps took no longer than plain ones)."""
+    def scale(self, rows: int) -> float:
+        """What the extra cost of drafts at a batch of `rows` rows really is, as a multiple of what the policy's
+        model prices: realized over priced extra in the band, shrunk towards 1, within `bounds`."""
         band = self.bands.get(self.band(rows))
-        accepted, spent = (band.accepted, band.spent) if band is not None else (0.0, 0.0)
-        denominator = spent + self.prior_tokens
-        if denominator <= 0:
-            return math.inf
-        return (accepted + self.prior_return * self.prior_tokens) / denominator
-
-    def factor(self, rows: int) -> float:
-        """What the band's drafts' promised gain counts for: their return where below 1 (at least `floor`), else
-        1."""
-        return max(self.floor, min(1.0, self.value(rows)))
+        if band is None:
+            return 1.0
+        value = (band.realized + self.prior) / (band.priced + self.prior)
+        return min(max(value, self.bounds[0]), self.bounds[1])
 
     def summary(self) -> str:
-        """One line: per band seen, its rows, steps with and without drafts, accepted and spent tokens over all
-        steps, and its return now."""
+        """One line: per band seen, its rows, steps with and without drafts, drafts verified and accepted, and its
+        correction now."""
         parts = []
         for b in sorted(self.bands):
             band = self.bands[b]
             rows = "1" if b == 0 else f"{1 << b}-{(2 << b) - 1}"
-            value = self.value(1 << b)
-            parts.append(f"{rows} rows: {band.drafting_steps}/{band.plain_steps} steps, accepted {band.total_accepted:.1f} "
-                         f"/ spent {band.total_spent:.1f}, return {value:.2f}")
+            parts.append(f"{rows} rows: {band.drafting_steps}/{band.plain_steps} steps, {band.drafted:.0f} drafted, "
+                         f"{band.accepted:.0f} accepted, extra cost x{self.scale(1 << b):.2f}")
         return "; ".join(parts) or "no steps"

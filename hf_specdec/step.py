@@ -142,12 +142,20 @@ class Step:
                 self.policy.measured.observe(len(rows), fed, self.policy.context, drafts, verified_s)
             if self.policy.returns is not None and constrained is None and all(
                     f - c == 1 for f, c in zip(num_fed, counts)):  # a decode step: no prompt tokens, no grammar
-                # The whole step, proposing and the speculator's commit included: what drafting costs end to end.
-                weights = self.policy.weights[rows]  # host tensors: no transfer
-                self.policy.returns.observe(len(rows), self.policy.context, time.perf_counter() - t0,
-                                            float((weights * torch.tensor(num_accepted, dtype=weights.dtype)).sum()),
-                                            float(weights.sum()), any(counts))
+                self._observe_returns(rows, counts, num_accepted, target.packed, time.perf_counter() - t0)
         return num_emit, [r for r, done in zip(rows, finished) if done]
+
+    def _observe_returns(self, rows, counts, num_accepted, packed, seconds) -> None:
+        """The whole step's time (proposing to the speculator's commit) and, with drafts, what the policy's model
+        priced for them, for its per-batch-size correction (`returns.DraftReturns`)."""
+        policy, drafted = self.policy, sum(counts)
+        priced = 0.0
+        if drafted:
+            # A packed target fed each row its own drafts; a padded one fed every row the widest row's.
+            tokens = 1 + (drafted / len(rows) if packed else max(counts))
+            made = 0 if self.speculator.drafts_are_free else max(counts)  # a model speculator's draft positions
+            priced = policy.priced_extra(len(rows), tokens, made, policy.context)
+        policy.returns.observe(len(rows), policy.context, seconds, priced, drafted, sum(num_accepted))
 
     def _tree_step(self, batch, target, stop, budget, metrics, pad_token_id) -> tuple[list[int], list[int]]:
         """One step with draft trees.

@@ -158,23 +158,25 @@ def test_adaptive_serving_times_its_steps_and_weighs_rows_by_work_left(tokenizer
     assert any(r is not None and len(set(r)) > 1 for r in seen)  # then by the tokens each had left
 
 
-def test_serving_checks_what_drafting_returned_per_batch_size(tokenizer):
-    """The serving policy's return check sees every decode step, timed whole: drafting steps with the drafts their
-    rows had accepted in that very step (rows unweighed: each counts 1), plain steps as its reference; steps that
-    feed prompts are left out."""
+def test_serving_checks_what_drafts_cost_per_batch_size(tokenizer):
+    """The serving policy's per-batch-size check sees every decode step, timed whole: steps with drafts with what
+    the policy's model priced for exactly the drafts fed and the drafts accepted in that very step, plain steps as
+    the reference; steps that feed prompts are left out."""
     model = served_model()
     engine = ServingEngine(model, tokenizer, "ngram", num_speculative_tokens=4, max_batch_size=3)
-    engine.scheduler.weigh_rows = False
-    returns, last = engine.step.policy.returns, {}
+    policy = engine.step.policy
+    returns, last = policy.returns, {}
     record_step, observe, seen = engine.metrics.record_step, returns.observe, []
 
     def recorded(drafted, accepted):
-        last.update(drafted=sum(drafted), accepted=sum(accepted))
+        last.update(drafted=list(drafted), accepted=sum(accepted), rows=list(engine.batch.active))
         return record_step(drafted, accepted)
 
-    def observed(rows, context, seconds, accepted, weight, drafted):
-        seen.append((rows, accepted, weight, drafted, dict(last)))
-        return observe(rows, context, seconds, accepted, weight, drafted)
+    def observed(rows, context, seconds, priced=0.0, drafted=0, accepted=0):
+        # the model's price of the drafts fed, as it stands when the step reports (its fit moves step by step)
+        expected = policy.priced_extra(rows, 1 + drafted / rows, 0, context) if drafted else 0.0
+        seen.append((rows, expected, priced, drafted, accepted, dict(last)))
+        return observe(rows, context, seconds, priced, drafted, accepted)
 
     engine.metrics.record_step, returns.observe = recorded, observed
     engine.start()
@@ -188,9 +190,11 @@ def test_serving_checks_what_drafting_returned_per_batch_size(tokenizer):
         engine.shutdown()
     for (prompt, n), stream in zip(plan, streams):
         assert stream.request.output_ids == solo(model, prompt, n)
-    assert any(drafted for *_, drafted, _ in seen) and any(not drafted for *_, drafted, _ in seen)
-    for rows, accepted, weight, drafted, step in seen:
-        assert weight == rows and accepted == step["accepted"] and drafted == (step["drafted"] > 0)
+    assert any(drafted for _, _, _, drafted, _, _ in seen) and any(not drafted for _, _, _, drafted, _, _ in seen)
+    for rows, expected, priced, drafted, accepted, step in seen:
+        assert rows == len(step["rows"]) and drafted == sum(step["drafted"]) and accepted == step["accepted"]
+        # n-gram's drafts cost nothing to make: the price is the packed verify's
+        assert priced == pytest.approx(expected) and (priced > 0) == (drafted > 0)
     assert sum(b.drafting_steps for b in returns.bands.values()) > 0
 
 

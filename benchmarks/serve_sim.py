@@ -1,0 +1,156 @@
+"""bench-serve's requests through the serving engine's scheduler on a virtual clock: the real model, the real drafts
+and the real adaptive k, but every step lasts what a fixed cost model says, so runs are deterministic and a policy
+change is compared without this host's drift (±8-15% between identical runs, docs/benchmarks.md).
+
+A step of B rows over C cached tokens feeding P prompt tokens and D drafts lasts
+`fixed + per_row * B + per_context * C + per_prompt * P + per_draft * D + draft_step * [D > 0]` ms, plus
+`lookup` ms for n-gram's lookup on every step, the drafts' part scaled by `min(1, B / draft_knee)` (a CPU's
+matrix kernels at a few rows are bound by reading the weights, and a few more tokens cost little there); the defaults are this CPU's SmolLM2 figures (docs/benchmarks.md: whole
+forwards at 4-28 rows over 300 cached tokens, `token_rows.py`; drafts at 3-7 ms a token; prefill ~1.5 ms a token).
+The policy times its steps on the same clock (`MeasuredStepCost`, `DraftReturns`), so it learns exactly these costs.
+Requests arrive at `--rate` per second of virtual time; the throughput is tokens over the virtual time from the first
+arrival to the last answer. An EAGLE head's forwards cost `--head-forward` ms each (default 0: set it from a
+profile of this host's head).
+
+    python benchmarks/serve_sim.py --configs off,ngram,ngram-unchecked
+"""
+
+import argparse
+import types
+from contextlib import ExitStack
+
+import torch
+
+from hf_specdec import step as step_module
+from hf_specdec.adaptive import DEFAULT_STEP_COST, MeasuredStepCost
+from hf_specdec.calibration import host_linear
+from hf_specdec.cli import _speculator
+from hf_specdec.dense_runner import runner_attention
+from hf_specdec.models import DEFAULT_MODEL, load_model
+from hf_specdec.scheduler import Request
+from hf_specdec.serve_bench import workload
+from hf_specdec.returns import DraftReturns
+from hf_specdec.serving.engine import ServingEngine
+
+
+class Clock:
+    now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def simulate(model, tokenizer, name: str, requests, rate: float, costs: argparse.Namespace, max_batch_size: int):
+    spec, *options = name.split("-")
+    off = spec == "off"
+    engine = ServingEngine(model, tokenizer, _speculator("ngram" if off else spec, model, tokenizer,
+                                                         model_name=DEFAULT_MODEL),
+                           num_speculative_tokens=0 if off else None, max_batch_size=max_batch_size,
+                           max_queue=len(requests), schedule="constant" if off else "adaptive")
+    policy = engine.step.policy
+    for option in options:
+        if option == "unchecked":
+            policy.returns = None
+        elif option.startswith("margin"):
+            policy.min_gain = float(option[len("margin"):])
+        elif option == "never":
+            policy.min_gain = float("inf")
+        elif option == "flat":  # a GPU's flat step-cost curve for every model of the policy
+            flat = DEFAULT_STEP_COST["cuda"]
+            policy.step_cost = flat
+            policy.measured = MeasuredStepCost(flat) if policy.measured is not None else None
+            policy.returns = DraftReturns(flat) if policy.returns is not None else None
+        elif option == "noweight":
+            engine.scheduler.weigh_rows = False
+        else:
+            raise SystemExit(f"unknown option {option!r}")
+    clock = Clock()
+    target = engine.target
+    forward = target.forward
+
+    def timed_forward(rows, input_ids, num_fed, *args, logit_counts=None, **kwargs):
+        b, fed = len(rows), sum(num_fed)
+        drafts = sum(logit_counts) - b if logit_counts is not None else 0
+        context = sum(target.length(r) for r in rows)
+        ms = (costs.fixed + costs.per_row * b + costs.per_context * context + costs.per_prompt * (fed - b - drafts)
+              + (costs.per_draft * drafts + costs.draft_step * (drafts > 0)) * min(1.0, b / costs.draft_knee))
+        clock.now += ms / 1e3
+        return forward(rows, input_ids, num_fed, *args, logit_counts=logit_counts, **kwargs)
+
+    target.forward = timed_forward
+    lookup = costs.lookup / 1e3 if spec == "ngram" and not off else 0.0
+    head = getattr(engine.speculator, "head", None)
+    if head is not None and costs.head_forward:  # a head's forward (drafting, or reading committed states)
+        head.register_forward_pre_hook(lambda *_: setattr(clock, "now", clock.now + costs.head_forward / 1e3))
+    scheduler = engine.scheduler
+    call = scheduler.step
+
+    def step():
+        clock.now += lookup
+        return call()
+
+    step_module.time = types.SimpleNamespace(perf_counter=clock.perf_counter)
+    with ExitStack() as stack:  # what the engine's thread sets up (`ServingEngine._run`), on this thread
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(runner_attention(model))
+        stack.enter_context(host_linear(model, engine.speculator, engine.calibration))
+        engine.speculator.begin(model, engine.batch)
+        stack.callback(engine.speculator.end)
+        stack.callback(setattr, step_module, "time", __import__("time"))
+        arrivals = [i / rate for i in range(len(requests))]
+        pending = [Request(list(p), n) for p, n in requests]
+        done_at, first_at, submitted = {}, {}, 0
+        while len(done_at) < len(pending):
+            while submitted < len(pending) and arrivals[submitted] <= clock.now:
+                scheduler.add(pending[submitted])
+                submitted += 1
+            if not scheduler.has_work():
+                clock.now = arrivals[submitted]
+                continue
+            for request, tokens, finished in step():
+                if tokens and request.request_id not in first_at:
+                    first_at[request.request_id] = clock.now
+                if finished:
+                    done_at[request.request_id] = clock.now
+    tokens = sum(r.num_generated for r in pending)
+    end = max(done_at.values())
+    if costs.verbose:
+        for i, (r, a) in enumerate(zip(pending, arrivals)):
+            print(f"  request {i}: arrives {a:.2f} s, {r.num_generated} of {r.max_new_tokens} tokens, done "
+                  f"{done_at[r.request_id]:.2f} s")
+    m = engine.metrics
+    ttft = sorted(first_at[r.request_id] - a for r, a in zip(pending, arrivals))
+    returns = f"; returns {policy.returns.summary()}" if policy is not None and policy.returns is not None else ""
+    return tokens / end, [r.output_ids for r in pending], (
+        f"{name}: {tokens / end:.2f} tokens/s (virtual), {m.num_draft_tokens} drafted, {m.num_accepted_tokens} "
+        f"accepted, TTFT p50 {ttft[len(ttft) // 2]:.2f} s{returns}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--configs", default="off,ngram,ngram-unchecked")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--rate", type=float, default=4.0)
+    parser.add_argument("--max-batch-size", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    for name, default in (("fixed", 66.0), ("per-row", 1.9), ("per-context", 0.00925), ("per-prompt", 1.5),
+                          ("per-draft", 4.0), ("draft-step", 7.0), ("lookup", 1.2), ("head-forward", 0.0),
+                          ("draft-knee", 1.0)):
+        parser.add_argument(f"--{name}", type=float, default=default, help=f"ms (default {default})")
+    parser.add_argument("--verbose", action="store_true", help="each request's arrival, tokens and end")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(DEFAULT_MODEL)
+    requests = workload(tokenizer, args.requests)
+    reference, speeds = None, {}
+    for name in args.configs.split(","):
+        speed, answers, line = simulate(model, tokenizer, name, requests, args.rate, args, args.max_batch_size)
+        reference = answers if reference is None else reference
+        speeds[name] = speed
+        print(line + ("" if answers == reference else "  ANSWERS DIFFER"), flush=True)
+    first = next(iter(speeds.values()))
+    print(" | ".join(f"{n} {s / first:.3f}x" for n, s in speeds.items()))
+
+
+if __name__ == "__main__":
+    main()
