@@ -39,14 +39,15 @@ from hf_specdec.serve_bench import workload
 from hf_specdec.serving.engine import ServingEngine
 
 
-def run(model, tokenizer, name: str, requests, rate: float, max_batch_size: int) -> tuple[float, list, str]:
-    """Tokens/s, the answers, and a line describing the run."""
+def configured(model, tokenizer, name: str, num_requests: int, max_batch_size: int) -> ServingEngine:
+    """A serving engine (not started) for configuration `name`: `off` or a speculator, with the module docstring's
+    options."""
     spec, *options = name.split("-")
     off = spec == "off"
     engine = ServingEngine(model, tokenizer, _speculator("ngram" if off else spec, model, tokenizer,
                                                          model_name=DEFAULT_MODEL),
                            num_speculative_tokens=0 if off else None, max_batch_size=max_batch_size,
-                           max_queue=len(requests), schedule="constant" if off else "adaptive")
+                           max_queue=num_requests, schedule="constant" if off else "adaptive")
     policy = engine.step.policy
     for option in options:
         if option == "static":
@@ -73,6 +74,13 @@ def run(model, tokenizer, name: str, requests, rate: float, max_batch_size: int)
         policy.step_cost = flat
         policy.measured = MeasuredStepCost(flat) if policy.measured is not None else None
         policy.returns = DraftReturns(flat) if policy.returns is not None else None
+    return engine
+
+
+def run(model, tokenizer, name: str, requests, rate: float, max_batch_size: int) -> tuple[float, list, str]:
+    """Tokens/s, the answers, and a line describing the run."""
+    engine = configured(model, tokenizer, name, len(requests), max_batch_size)
+    policy = engine.step.policy
     steps = []  # per step once serving (the warm-up's are left out): seconds, draft tokens verified, rows running
     step = engine.scheduler.step
 

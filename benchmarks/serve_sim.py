@@ -5,14 +5,17 @@ change is compared without this host's drift (±8-15% between identical runs, do
 A step of B rows over C cached tokens feeding P prompt tokens and D drafts lasts
 `fixed + per_row * B + per_context * C + per_prompt * P + per_draft * D + draft_step * [D > 0]` ms, plus
 `lookup` ms for n-gram's lookup on every step, the drafts' part scaled by `min(1, B / draft_knee)` (a CPU's
-matrix kernels at a few rows are bound by reading the weights, and a few more tokens cost little there); the defaults are this CPU's SmolLM2 figures (docs/benchmarks.md: whole
-forwards at 4-28 rows over 300 cached tokens, `token_rows.py`; drafts at 3-7 ms a token; prefill ~1.5 ms a token).
+matrix kernels at a few rows are bound by reading the weights, and a few more tokens cost little there; default 1:
+no scaling). The other defaults are this CPU's SmolLM2 figures (docs/benchmarks.md: whole forwards at 4-28 rows
+over 300 cached tokens, `token_rows.py`; drafts at 3-7 ms a token; prefill ~1.5 ms a token).
 The policy times its steps on the same clock (`MeasuredStepCost`, `DraftReturns`), so it learns exactly these costs.
 Requests arrive at `--rate` per second of virtual time; the throughput is tokens over the virtual time from the first
 arrival to the last answer. An EAGLE head's forwards cost `--head-forward` ms each (default 0: set it from a
 profile of this host's head).
 
-    python benchmarks/serve_sim.py --configs off,ngram,ngram-unchecked
+    python benchmarks/serve_sim.py --configs off,ngram,ngram-unchecked,eagle,eagle-unchecked --head-forward 4
+
+Configurations as `serve_replay.py`'s (`off`, a speculator, and its options: `-unchecked`, `-never`, `-flat`, ...).
 """
 
 import argparse
@@ -21,16 +24,14 @@ from contextlib import ExitStack
 
 import torch
 
+from serve_replay import configured  # benchmarks/ is the script's folder
+
 from hf_specdec import step as step_module
-from hf_specdec.adaptive import DEFAULT_STEP_COST, MeasuredStepCost
 from hf_specdec.calibration import host_linear
-from hf_specdec.cli import _speculator
 from hf_specdec.dense_runner import runner_attention
 from hf_specdec.models import DEFAULT_MODEL, load_model
 from hf_specdec.scheduler import Request
 from hf_specdec.serve_bench import workload
-from hf_specdec.returns import DraftReturns
-from hf_specdec.serving.engine import ServingEngine
 
 
 class Clock:
@@ -41,29 +42,9 @@ class Clock:
 
 
 def simulate(model, tokenizer, name: str, requests, rate: float, costs: argparse.Namespace, max_batch_size: int):
-    spec, *options = name.split("-")
+    engine = configured(model, tokenizer, name, len(requests), max_batch_size)  # serve_replay's options
+    spec, policy = name.split("-")[0], engine.step.policy
     off = spec == "off"
-    engine = ServingEngine(model, tokenizer, _speculator("ngram" if off else spec, model, tokenizer,
-                                                         model_name=DEFAULT_MODEL),
-                           num_speculative_tokens=0 if off else None, max_batch_size=max_batch_size,
-                           max_queue=len(requests), schedule="constant" if off else "adaptive")
-    policy = engine.step.policy
-    for option in options:
-        if option == "unchecked":
-            policy.returns = None
-        elif option.startswith("margin"):
-            policy.min_gain = float(option[len("margin"):])
-        elif option == "never":
-            policy.min_gain = float("inf")
-        elif option == "flat":  # a GPU's flat step-cost curve for every model of the policy
-            flat = DEFAULT_STEP_COST["cuda"]
-            policy.step_cost = flat
-            policy.measured = MeasuredStepCost(flat) if policy.measured is not None else None
-            policy.returns = DraftReturns(flat) if policy.returns is not None else None
-        elif option == "noweight":
-            engine.scheduler.weigh_rows = False
-        else:
-            raise SystemExit(f"unknown option {option!r}")
     clock = Clock()
     target = engine.target
     forward = target.forward
