@@ -49,6 +49,8 @@ def configured(model, tokenizer, name: str, num_requests: int, max_batch_size: i
                            num_speculative_tokens=0 if off else None, max_batch_size=max_batch_size,
                            max_queue=num_requests, schedule="constant" if off else "adaptive")
     policy = engine.step.policy
+    if off and options:
+        raise SystemExit(f"{name!r}: speculation off takes no options")
     for option in options:
         if option == "static":
             policy.measured = None

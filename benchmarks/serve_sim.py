@@ -8,7 +8,8 @@ A step of B rows over C cached tokens feeding P prompt tokens and D drafts lasts
 matrix kernels at a few rows are bound by reading the weights, and a few more tokens cost little there; default 1:
 no scaling). The other defaults are this CPU's SmolLM2 figures (docs/benchmarks.md: whole forwards at 4-28 rows
 over 300 cached tokens, `token_rows.py`; drafts at 3-7 ms a token; prefill ~1.5 ms a token).
-The policy times its steps on the same clock (`MeasuredStepCost`, `DraftReturns`), so it learns exactly these costs.
+The policy times its steps on the same clock (`MeasuredStepCost`, `DraftReturns`), so it learns these costs (the
+lookup's passes before the step's own timing starts: it is paid by every step alike).
 Requests arrive at `--rate` per second of virtual time; the throughput is tokens over the virtual time from the first
 arrival to the last answer. An EAGLE head's forwards cost `--head-forward` ms each (default 0: set it from a
 profile of this host's head).

@@ -445,7 +445,9 @@ class AdaptiveK:
         """A step's relative cost with its extra over a plain step scaled by `returns` for this batch size."""
         if self.returns is None:
             return cost
-        return 1.0 + self.returns.scale(rows) * (cost - 1.0)
+        extra = cost - 1.0
+        extra = extra.clamp(min=0.0) if isinstance(extra, torch.Tensor) else max(extra, 0.0)
+        return 1.0 + self.returns.scale(rows) * extra
 
     def _relative(self, rows: int, tokens: torch.Tensor, context: float) -> torch.Tensor:
         if self.measured is not None and self.measured.ready:

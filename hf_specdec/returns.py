@@ -18,16 +18,24 @@ a band the policy stopped drafting in drifts back to 1 and is tried again) and s
 steps of evidence; adaptive k multiplies the extra cost of every draft set in that band by it. Alongside, accepted
 drafts are counted per band, for reports (`summary`). One-call `generate` never times its steps (seeded runs stay
 reproducible); only the server, whose batches change with every arrival anyway, uses this.
+
+The references are guarded: a band's plain time starts at the median of its first plain steps and follows later
+ones within bounds; a band without a fresh plain step of its own (it drafts every step, or never had one) may have
+its drafts made dearer, never cheaper; one slow step counts at most the largest correction times its price. On a
+GPU a step is read after the commit's host transfer, with no sync of its own: work queued after that transfer (a
+head reading the committed states) lands in the next step's time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
 class _Band:
     plain_ratio: float | None = None  # a plain step's seconds over the curve's price, recent steps weighing more
+    first_ratios: list = field(default_factory=list)  # the first plain steps' ratios: the reference starts at their median
+    since_plain: int = 0  # the band's steps since its last plain step
     realized: float = 0.0  # the drafting steps' extra time, in plain steps, decayed
     priced: float = 0.0  # what the model priced for the same drafts, in plain steps, decayed
     drafting_steps: int = 0
@@ -48,9 +56,13 @@ class DraftReturns:
         bounds (`tuple[float, float]`): the smallest and largest correction.
     """
 
-    # A step far slower than its plain counterpart (a compile, a pause of the host) counts as at most this many
-    # plain steps of extra time, so one outlier does not set a band's price for a hundred steps.
-    SLOWEST = 4.0
+    # A plain reference starts at the median of a band's first SEED plain steps (the first decode steps carry
+    # one-off allocations); afterwards a plain step's ratio enters within [1 / DAMP, DAMP] times the reference (a
+    # pause of the host moves it a little, a lasting change of speed over a few steps).
+    SEED, DAMP = 3, 1.5
+    # A band whose last plain step is more than STALE of its steps ago (it drafts every step) has no fresh reference:
+    # its correction may then make drafts dearer, never cheaper, so an error in the reference cannot lock drafting on.
+    STALE = 32
 
     def __init__(self, step_cost, decay: float = 0.97, ratio_decay: float = 0.9, prior: float = 0.5,
                  bounds: tuple[float, float] = (0.25, 4.0)):
@@ -79,22 +91,34 @@ class DraftReturns:
         band.priced *= self.decay
         price = self.step_cost.at(rows, 1.0, context)
         if not drafted:
-            ratio = seconds / price
-            band.plain_ratio = ratio if band.plain_ratio is None else (
-                self.ratio_decay * band.plain_ratio + (1 - self.ratio_decay) * ratio)
-            self._any_ratio = ratio if self._any_ratio is None else (
-                self.ratio_decay * self._any_ratio + (1 - self.ratio_decay) * ratio)
+            band.plain_ratio = self._follow(band, seconds / price)
+            self._any_ratio = band.plain_ratio if self._any_ratio is None else (
+                self.ratio_decay * self._any_ratio + (1 - self.ratio_decay) * band.plain_ratio)
             band.plain_steps += 1
+            band.since_plain = 0
             return
+        band.since_plain += 1
         ratio = band.plain_ratio if band.plain_ratio is not None else self._any_ratio
         if ratio is None:  # no plain step timed yet: nothing to compare with
             return
         plain = ratio * price
-        band.realized += min((seconds - plain) / plain, self.SLOWEST)
-        band.priced += max(priced_extra, 0.0)
+        priced = max(priced_extra, 0.0)
+        # One step counts at most the largest correction times its price (and a quarter of a plain step): a pause
+        # of the host during one step moves the band's correction a little, not for a hundred steps.
+        band.realized += min((seconds - plain) / plain, max(self.bounds[1] * priced, 0.25))
+        band.priced += priced
         band.drafting_steps += 1
         band.drafted += drafted
         band.accepted += accepted
+
+    def _follow(self, band: _Band, ratio: float) -> float:
+        """The band's plain reference after a plain step of `ratio`."""
+        if len(band.first_ratios) < self.SEED:
+            band.first_ratios.append(ratio)
+            return sorted(band.first_ratios)[len(band.first_ratios) // 2]
+        reference = band.plain_ratio
+        ratio = min(max(ratio, reference / self.DAMP), reference * self.DAMP)
+        return self.ratio_decay * reference + (1 - self.ratio_decay) * ratio
 
     def scale(self, rows: int) -> float:
         """What the extra cost of drafts at a batch of `rows` rows really is, as a multiple of what the policy's
@@ -103,6 +127,8 @@ class DraftReturns:
         if band is None:
             return 1.0
         value = (band.realized + self.prior) / (band.priced + self.prior)
+        if band.plain_ratio is None or band.since_plain > self.STALE:  # no fresh reference of its own
+            value = max(value, 1.0)
         return min(max(value, self.bounds[0]), self.bounds[1])
 
     def summary(self) -> str:

@@ -54,6 +54,7 @@ class Step:
         # gave it.
         self.prefix_states: dict[int, TargetHiddenStates] = {}
         self.last_states: TargetHiddenStates | None = None
+        self._draft_forwards = 0  # the draft positions the latest proposal ran (a model speculator's forwards)
 
     def __call__(self, batch, target, stop, budget, metrics, pad_token_id) -> tuple[list[int], list[int]]:
         """One propose -> verify -> commit; returns tokens emitted per active row and the rows that finished."""
@@ -153,8 +154,7 @@ class Step:
         if drafted:
             # A packed target fed each row its own drafts; a padded one fed every row the widest row's.
             tokens = 1 + (drafted / len(rows) if packed else max(counts))
-            made = 0 if self.speculator.drafts_are_free else max(counts)  # a model speculator's draft positions
-            priced = policy.priced_extra(len(rows), tokens, made, policy.context)
+            priced = policy.priced_extra(len(rows), tokens, self._draft_forwards, policy.context)
         policy.returns.observe(len(rows), policy.context, seconds, priced, drafted, sum(num_accepted))
 
     def _tree_step(self, batch, target, stop, budget, metrics, pad_token_id) -> tuple[list[int], list[int]]:
@@ -282,6 +282,8 @@ class Step:
         if self.policy is not None and self.speculator.drafts_are_free:
             # Proposals first, then k from what each row offers and how confident its proposal is.
             draft = self.speculator.propose(batch, max(0, min(self.k, max(budget) - 1)))
+            # A lookup's drafts cost no forwards; a hybrid's head says how many it ran.
+            self._draft_forwards = getattr(self.speculator, "draft_forwards", 0)
             offered = torch.minimum(draft.num_tokens, limits)
             confidence = draft.confidence if draft.confidence is not None else torch.zeros_like(offered)
             offered, classes = torch.stack([offered, confidence.to(offered.dtype)]).tolist()  # one small transfer
@@ -296,6 +298,8 @@ class Step:
             k = self.policy.choose(batch.active, context=context) if self.policy is not None else self.k
             # Called even for k = 0: speculators track their rows.
             draft = self.speculator.propose(batch, max(0, min(k, max(budget) - 1)))
+            # The draft positions the speculator ran (a model's forwards), before any trimming below.
+            self._draft_forwards = 0 if self.speculator.drafts_are_free else max(0, min(k, max(budget) - 1))
             num_tokens = torch.minimum(draft.num_tokens, limits.clamp(max=k))
             # Each row's count must be known on the host to build the forward, hence one small transfer; draft
             # columns no row uses are dropped.

@@ -87,11 +87,53 @@ def test_a_band_that_stopped_drafting_drifts_back_and_is_tried_again():
     assert policy.returns.scale(4) == pytest.approx(1.0, abs=1e-6)
 
 
-def test_one_outlier_step_counts_as_a_few_plain_steps_at_most():
-    """A step with drafts 100 times slower than a plain one (a compile, a pause) counts `SLOWEST` plain steps."""
+def test_one_outlier_step_counts_as_its_price_times_the_largest_correction_at_most():
+    """A step with drafts 100 times slower than a plain one (a compile, a pause) counts 4 times its price (the
+    largest correction), or a quarter of a plain step where its price is smaller."""
     returns = DraftReturns(CURVE, decay=1.0, prior=1e-9)
     _steps(returns, 4, plain_s=0.010, drafting_s=1.0, priced=0.5, n=1)
-    assert returns.bands[2].realized == pytest.approx(DraftReturns.SLOWEST)
+    assert returns.bands[2].realized == pytest.approx(4 * 0.5)
+    returns.observe(4, 400.0, 1.0, 0.01, drafted=1, accepted=0)
+    assert returns.bands[2].realized == pytest.approx(2.0 + 0.25)
+
+
+def test_the_plain_reference_resists_a_slow_first_step_and_single_pauses():
+    """The reference starts at the median of the first plain steps (the first carries one-off allocations), and a
+    plain step ten times slower later moves it by a few percent; drafting steps that cost what was priced keep the
+    correction near 1."""
+    returns = DraftReturns(CURVE, decay=1.0, prior=1e-9)
+    price = CURVE.at(4, 1.0, 400.0)
+    for seconds in (0.030, 0.010, 0.010):
+        returns.observe(4, 400.0, seconds)
+    assert returns.bands[2].plain_ratio == pytest.approx(0.010 / price)
+    for _ in range(20):
+        returns.observe(4, 400.0, 0.010)
+    returns.observe(4, 400.0, 0.100)
+    assert returns.bands[2].plain_ratio < 1.06 * 0.010 / price
+    for _ in range(10):
+        returns.observe(4, 400.0, 0.010)
+        returns.observe(4, 400.0, 0.0125, 0.25, drafted=2, accepted=1)
+    assert 0.75 < returns.scale(4) < 1.1  # undamped, the pause would have read as drafts at a quarter of the price
+
+
+def test_a_band_without_a_fresh_plain_step_never_makes_drafts_cheaper():
+    """A band that drafts every step has no fresh reference: after `STALE` such steps its correction may raise the
+    price of drafts (the error heals as evidence decays) but not lower it (that error would keep drafting on with
+    nothing to correct it); a band with no plain step of its own at all borrows the others' ratio on the same
+    terms."""
+    returns = DraftReturns(CURVE, decay=1.0, prior=1e-9)
+    for _ in range(3):
+        returns.observe(4, 400.0, 0.010)
+    for _ in range(DraftReturns.STALE):
+        returns.observe(4, 400.0, 0.0105, 0.25, drafted=2, accepted=1)  # a fifth of the price
+    assert returns.scale(4) == pytest.approx(0.25)  # fresh enough: cheaper
+    returns.observe(4, 400.0, 0.0105, 0.25, drafted=2, accepted=1)
+    assert returns.scale(4) == 1.0  # stale: not cheaper
+    for _ in range(10):
+        returns.observe(4, 400.0, 0.030, 0.25, drafted=2, accepted=1)  # now dearer than priced
+    assert returns.scale(4) > 1.0
+    returns.observe(16, 1600.0, 0.001, 0.25, drafted=2, accepted=1)  # no plain step at 16 rows
+    assert returns.scale(16) == 1.0
 
 
 def test_the_plain_reference_follows_context_and_the_hosts_speed():

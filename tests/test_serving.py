@@ -158,13 +158,26 @@ def test_adaptive_serving_times_its_steps_and_weighs_rows_by_work_left(tokenizer
     assert any(r is not None and len(set(r)) > 1 for r in seen)  # then by the tokens each had left
 
 
-def test_serving_checks_what_drafts_cost_per_batch_size(tokenizer):
+@pytest.mark.parametrize("speculator", ["ngram", "draft"])
+def test_serving_checks_what_drafts_cost_per_batch_size(tokenizer, speculator):
     """The serving policy's per-batch-size check sees every decode step, timed whole: steps with drafts with what
-    the policy's model priced for exactly the drafts fed and the drafts accepted in that very step, plain steps as
-    the reference; steps that feed prompts are left out."""
+    the policy's model priced for exactly the drafts fed (and, for a draft model, the draft positions it ran before
+    adaptive k trimmed them per row) and the drafts accepted in that very step, plain steps as the reference."""
     model = served_model()
-    engine = ServingEngine(model, tokenizer, "ngram", num_speculative_tokens=4, max_batch_size=3)
-    policy = engine.step.policy
+    # A draft model with the target's weights, priced as a small one: its drafts are accepted and look cheap, so
+    # adaptive k keeps drafting.
+    spec = {"ngram": "ngram", "draft": served_model()}[speculator]
+    engine = ServingEngine(model, tokenizer, spec, num_speculative_tokens=4, max_batch_size=3)
+    policy, step = engine.step.policy, engine.step
+    if speculator == "draft":
+        policy.draft_cost_per_token = 0.05
+        choose_rows = policy.choose_rows
+
+        def trimmed(rows, available, classes=None, context=0.0, record=True):  # verify one draft fewer per row
+            counts = choose_rows(rows, available, classes, context, record)
+            return [max(0, c - 1) for c in counts] if not record else counts
+
+        policy.choose_rows = trimmed
     returns, last = policy.returns, {}
     record_step, observe, seen = engine.metrics.record_step, returns.observe, []
 
@@ -173,9 +186,10 @@ def test_serving_checks_what_drafts_cost_per_batch_size(tokenizer):
         return record_step(drafted, accepted)
 
     def observed(rows, context, seconds, priced=0.0, drafted=0, accepted=0):
+        made = step._draft_forwards
         # the model's price of the drafts fed, as it stands when the step reports (its fit moves step by step)
-        expected = policy.priced_extra(rows, 1 + drafted / rows, 0, context) if drafted else 0.0
-        seen.append((rows, expected, priced, drafted, accepted, dict(last)))
+        expected = policy.priced_extra(rows, 1 + drafted / rows, made, context) if drafted else 0.0
+        seen.append((rows, expected, priced, drafted, accepted, made, policy.chosen[-1], dict(last)))
         return observe(rows, context, seconds, priced, drafted, accepted)
 
     engine.metrics.record_step, returns.observe = recorded, observed
@@ -190,11 +204,16 @@ def test_serving_checks_what_drafts_cost_per_batch_size(tokenizer):
         engine.shutdown()
     for (prompt, n), stream in zip(plan, streams):
         assert stream.request.output_ids == solo(model, prompt, n)
-    assert any(drafted for _, _, _, drafted, _, _ in seen) and any(not drafted for _, _, _, drafted, _, _ in seen)
-    for rows, expected, priced, drafted, accepted, step in seen:
-        assert rows == len(step["rows"]) and drafted == sum(step["drafted"]) and accepted == step["accepted"]
-        # n-gram's drafts cost nothing to make: the price is the packed verify's
-        assert priced == pytest.approx(expected) and (priced > 0) == (drafted > 0)
+    assert any(s[3] for s in seen) and (speculator == "draft" or any(not s[3] for s in seen))
+    for rows, expected, priced, drafted, accepted, made, chosen, step_seen in seen:
+        assert rows == len(step_seen["rows"]) and drafted == sum(step_seen["drafted"])
+        assert accepted == step_seen["accepted"] and priced == pytest.approx(expected)
+        if speculator == "ngram":
+            assert made == 0  # a lookup's drafts cost no forwards
+        elif drafted:  # the draft model ran the k adaptive k chose (or the length budget allowed), trimmed or not
+            assert max(step_seen["drafted"]) <= made <= chosen
+    if speculator == "draft":  # trimmed per row after drafting: the price still counts every position it ran
+        assert any(made > max(s["drafted"]) for *_, made, _, s in seen if s.get("drafted") and sum(s["drafted"]))
     assert sum(b.drafting_steps for b in returns.bands.values()) > 0
 
 

@@ -222,7 +222,8 @@ class ServingEngine:
             cost, draft_cost, _ = adaptive_costs(self.model, self.speculator, None, calibration)
             # Arrivals change the batch every step, so k is not reproducible here anyway: the policy corrects the
             # step cost by the steps' own timings (a profile from an idle host misprices a loaded server's drafts).
-            # And it checks the outcome: where drafting at a batch size lost tokens, drafts there must promise more.
+            # And it checks them per batch size: what whole steps with drafts took beyond plain ones, against what
+            # it priced (`returns.DraftReturns`).
             policy = AdaptiveK(slots, self.k, cost, draft_cost, priors=self.speculator.confidence_priors,
                                packed=self.target.packed, measure_steps=True, calibrate=True, check_returns=True)
         constraints = None

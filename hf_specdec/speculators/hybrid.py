@@ -81,6 +81,7 @@ class HybridSpeculator(Speculator):
     @torch.no_grad()
     def propose(self, batch: SequenceBatch, k: int) -> DraftProposal:
         lookup = self.ngram.propose(batch, k)
+        self.draft_forwards = 0
         if k == 0:
             self.head.propose(batch, 0)  # keeps the head's row bookkeeping; it drafts nothing
             return lookup
@@ -98,6 +99,7 @@ class HybridSpeculator(Speculator):
             if not policy.drafting_pays(batch.active, offered, classes, alternative, kinds, head_k):
                 head_k = 0
         drafted = self.head.propose(batch, head_k)
+        self.draft_forwards = drafted.k  # the head's forwards this step (`Step` prices them for adaptive k's check)
         if drafted.k == 0:  # every row copies, or the head has no states yet (the first step): the lookup alone
             return lookup
         width = max(lookup.k, drafted.k)
