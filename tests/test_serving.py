@@ -135,6 +135,22 @@ def test_requests_joining_a_running_batch_equal_their_solo_runs(tokenizer, specu
         engine.shutdown()
 
 
+def five_requests_equal_their_solo_runs(engine, model) -> None:
+    """Starts `engine` (if it is not running), serves five requests of different lengths at once (more than three
+    slots: some wait), shuts it down and checks each answer against its solo run."""
+    engine.start()
+    try:
+        plan = [(repeating(6 + 3 * i, seed=i), 10 + 9 * i) for i in range(5)]
+        streams = [engine.submit(prompt, n) for prompt, n in plan]
+        for stream in streams:
+            for _ in stream:
+                pass
+    finally:
+        engine.shutdown()
+    for (prompt, n), stream in zip(plan, streams):
+        assert stream.request.output_ids == solo(model, prompt, n)
+
+
 def test_adaptive_serving_times_its_steps_and_weighs_rows_by_work_left(tokenizer):
     """Under adaptive k the serving engine corrects the step cost by its steps' timings and, with nobody waiting,
     weighs each row by the tokens it has left; every answer still equals its solo run."""
@@ -143,16 +159,7 @@ def test_adaptive_serving_times_its_steps_and_weighs_rows_by_work_left(tokenizer
     seen = []
     weigh = engine.step.policy.weigh
     engine.step.policy.weigh = lambda rows, remaining: seen.append(remaining) or weigh(rows, remaining)
-    try:
-        plan = [(repeating(6 + 3 * i, seed=i), 10 + 9 * i) for i in range(5)]
-        streams = [engine.submit(prompt, n) for prompt, n in plan]  # five for three slots: two wait at first
-        for stream in streams:
-            for _ in stream:
-                pass
-    finally:
-        engine.shutdown()
-    for (prompt, n), stream in zip(plan, streams):
-        assert stream.request.output_ids == solo(model, prompt, n)
+    five_requests_equal_their_solo_runs(engine, model)
     assert engine.step.policy.measured.steps > 0
     assert None in seen  # while requests waited: every row alike
     assert any(r is not None and len(set(r)) > 1 for r in seen)  # then by the tokens each had left
@@ -193,17 +200,7 @@ def test_serving_checks_what_drafts_cost_per_batch_size(tokenizer, speculator):
         return observe(rows, context, seconds, priced, drafted, accepted)
 
     engine.metrics.record_step, returns.observe = recorded, observed
-    engine.start()
-    try:
-        plan = [(repeating(6 + 3 * i, seed=i), 10 + 9 * i) for i in range(5)]
-        streams = [engine.submit(prompt, n) for prompt, n in plan]
-        for stream in streams:
-            for _ in stream:
-                pass
-    finally:
-        engine.shutdown()
-    for (prompt, n), stream in zip(plan, streams):
-        assert stream.request.output_ids == solo(model, prompt, n)
+    five_requests_equal_their_solo_runs(engine, model)
     assert any(s[3] for s in seen) and (speculator == "draft" or any(not s[3] for s in seen))
     for rows, expected, priced, drafted, accepted, made, chosen, step_seen in seen:
         assert rows == len(step_seen["rows"]) and drafted == sum(step_seen["drafted"])
