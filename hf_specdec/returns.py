@@ -19,9 +19,11 @@ steps of evidence; adaptive k multiplies the extra cost of every draft set in th
 drafts are counted per band, for reports (`summary`). One-call `generate` never times its steps (seeded runs stay
 reproducible); only the server, whose batches change with every arrival anyway, uses this.
 
-The references are guarded: a band's plain time starts at the median of its first plain steps and follows later
-ones within bounds; a band without a fresh plain step of its own (it drafts every step, or never had one) may have
-its drafts made dearer, never cheaper; one slow step counts at most the largest correction times its price. On a
+The references are guarded: a band's plain time starts at the lower median of its first plain steps and follows
+later ones within bounds; a band without a settled, fresh plain reference of its own (fewer than `SEED` plain steps,
+or none in its last `STALE` steps) may have its drafts made dearer, never cheaper; one step counts at most the
+largest correction times its price (or a quarter of a plain step), above or below it. A step whose speculator ran
+draft forwards but verified no draft is neither plain nor drafting: it is left out. On a
 GPU a step is read after the commit's host transfer, with no sync of its own: work queued after that transfer (a
 head reading the committed states) lands in the next step's time.
 """
@@ -103,9 +105,11 @@ class DraftReturns:
             return
         plain = ratio * price
         priced = max(priced_extra, 0.0)
-        # One step counts at most the largest correction times its price (and a quarter of a plain step): a pause
-        # of the host during one step moves the band's correction a little, not for a hundred steps.
-        band.realized += min((seconds - plain) / plain, max(self.bounds[1] * priced, 0.25))
+        # One step counts at most the largest correction times its price (and a quarter of a plain step) either
+        # way: a pause of the host during one step, or one faster than the reference, moves the band's correction
+        # a little, not for a hundred steps.
+        limit = max(self.bounds[1] * priced, 0.25)
+        band.realized += min(max((seconds - plain) / plain, -limit), limit)
         band.priced += priced
         band.drafting_steps += 1
         band.drafted += drafted
@@ -115,7 +119,8 @@ class DraftReturns:
         """The band's plain reference after a plain step of `ratio`."""
         if len(band.first_ratios) < self.SEED:
             band.first_ratios.append(ratio)
-            return sorted(band.first_ratios)[len(band.first_ratios) // 2]
+            # The lower median: with two, a slow first step does not stay the reference.
+            return sorted(band.first_ratios)[(len(band.first_ratios) - 1) // 2]
         reference = band.plain_ratio
         ratio = min(max(ratio, reference / self.DAMP), reference * self.DAMP)
         return self.ratio_decay * reference + (1 - self.ratio_decay) * ratio
@@ -127,7 +132,7 @@ class DraftReturns:
         if band is None:
             return 1.0
         value = (band.realized + self.prior) / (band.priced + self.prior)
-        if band.plain_ratio is None or band.since_plain > self.STALE:  # no fresh reference of its own
+        if len(band.first_ratios) < self.SEED or band.since_plain > self.STALE:  # no settled, fresh reference
             value = max(value, 1.0)
         return min(max(value, self.bounds[0]), self.bounds[1])
 

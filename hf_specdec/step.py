@@ -150,6 +150,8 @@ class Step:
         """The whole step's time (proposing to the speculator's commit) and, with drafts, what the policy's model
         priced for them, for its per-batch-size correction (`returns.DraftReturns`)."""
         policy, drafted = self.policy, sum(counts)
+        if not drafted and self._draft_forwards:  # forwards ran, nothing verified: not a plain step's time
+            return
         priced = 0.0
         if drafted:
             # A packed target fed each row its own drafts; a padded one fed every row the widest row's.

@@ -95,6 +95,8 @@ def test_one_outlier_step_counts_as_its_price_times_the_largest_correction_at_mo
     assert returns.bands[2].realized == pytest.approx(4 * 0.5)
     returns.observe(4, 400.0, 1.0, 0.01, drafted=1, accepted=0)
     assert returns.bands[2].realized == pytest.approx(2.0 + 0.25)
+    returns.observe(4, 400.0, 0.001, 0.1, drafted=1, accepted=0)  # far faster than the reference: capped too
+    assert returns.bands[2].realized == pytest.approx(2.25 - 0.4)
 
 
 def test_the_plain_reference_resists_a_slow_first_step_and_single_pauses():
@@ -114,6 +116,20 @@ def test_the_plain_reference_resists_a_slow_first_step_and_single_pauses():
         returns.observe(4, 400.0, 0.010)
         returns.observe(4, 400.0, 0.0125, 0.25, drafted=2, accepted=1)
     assert 0.75 < returns.scale(4) < 1.1  # undamped, the pause would have read as drafts at a quarter of the price
+
+
+def test_a_band_with_too_few_plain_steps_never_makes_drafts_cheaper():
+    """One slow first plain step, then drafting steps at normal speed: they read as cheaper than priced, but with
+    fewer than `SEED` plain steps the correction does not go below 1; a second plain step at normal speed takes over
+    the reference (the lower median)."""
+    returns = DraftReturns(CURVE, decay=1.0, prior=1e-9)
+    price = CURVE.at(4, 1.0, 400.0)
+    returns.observe(4, 400.0, 0.030)
+    for _ in range(5):
+        returns.observe(4, 400.0, 0.011, 0.1, drafted=2, accepted=1)
+    assert returns.scale(4) == 1.0
+    returns.observe(4, 400.0, 0.010)
+    assert returns.bands[2].plain_ratio == pytest.approx(0.010 / price)
 
 
 def test_a_band_without_a_fresh_plain_step_never_makes_drafts_cheaper():

@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+from hf_specdec.adaptive import StepCost
 from hf_specdec.scheduler import SamplingParams
 from hf_specdec.serving import QueueFullError, RequestError, ServingEngine
 
@@ -177,12 +178,20 @@ def test_serving_checks_what_drafts_cost_per_batch_size(tokenizer, speculator):
     engine = ServingEngine(model, tokenizer, spec, num_speculative_tokens=4, max_batch_size=3)
     policy, step = engine.step.policy, engine.step
     if speculator == "draft":
+        # Priced as a small draft over a flat curve, from the first step (the fitted costs wait for 16 steps)
         policy.draft_cost_per_token = 0.05
+        policy.step_cost, policy.measured = StepCost(per_row=0.0, points=((1.0, 10.0), (64.0, 10.6))), None
         choose_rows = policy.choose_rows
 
-        def trimmed(rows, available, classes=None, context=0.0, record=True):  # verify one draft fewer per row
+        calls = []
+
+        def trimmed(rows, available, classes=None, context=0.0, record=True):
+            # After drafting: one draft fewer per row, or (every third call) none verified at all.
             counts = choose_rows(rows, available, classes, context, record)
-            return [max(0, c - 1) for c in counts] if not record else counts
+            if record:
+                return counts
+            calls.append(1)
+            return [0] * len(counts) if len(calls) % 3 == 0 else [max(0, c - 1) for c in counts]
 
         policy.choose_rows = trimmed
     returns, last = policy.returns, {}
@@ -211,7 +220,11 @@ def test_serving_checks_what_drafts_cost_per_batch_size(tokenizer, speculator):
             assert max(step_seen["drafted"]) <= made <= chosen
     if speculator == "draft":  # trimmed per row after drafting: the price still counts every position it ran
         assert any(made > max(s["drafted"]) for *_, made, _, s in seen if s.get("drafted") and sum(s["drafted"]))
-    assert sum(b.drafting_steps for b in returns.bands.values()) > 0
+        # a step whose draft forwards ran but verified nothing is not taken for a plain step
+        assert all(made == 0 for _, _, _, drafted, _, made, _, _ in seen if not drafted)
+        assert len(calls) >= 3
+    else:  # steps with drafts counted against the plain steps' reference (the draft model drafts every step here)
+        assert sum(b.drafting_steps for b in returns.bands.values()) > 0
 
 
 @pytest.mark.parametrize("idle_backlog", [None, 1, "window"])
