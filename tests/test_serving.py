@@ -9,7 +9,6 @@ and frees every KV block of a client that goes away.
 from __future__ import annotations
 
 import collections
-import json
 import socket
 import threading
 import time
