@@ -399,7 +399,8 @@ class AdaptiveK:
         if not any(ks):
             return False
         cost = float(self._relative(len(rows), torch.tensor(tokens, dtype=torch.float64), context))
-        return expected / float(self._corrected(len(rows), cost + self.draft_cost_per_token * drafted)) > base
+        cost = torch.tensor(cost + self.draft_cost_per_token * drafted, dtype=torch.float64)
+        return expected / float(self._corrected(len(rows), cost)) > base
 
     def weigh(self, rows: list[int], remaining: list[int] | None) -> None:
         """How much a token of each row is worth this step. `None`: every row alike (the batch's tokens per unit of
@@ -441,13 +442,11 @@ class AdaptiveK:
         cost = float(self._relative(rows, torch.tensor([tokens_per_row], dtype=torch.float64), context)[0])
         return cost - 1.0 + self.draft_cost_per_token * drafted
 
-    def _corrected(self, rows: int, cost):
-        """A step's relative cost with its extra over a plain step scaled by `returns` for this batch size."""
+    def _corrected(self, rows: int, cost: torch.Tensor) -> torch.Tensor:
+        """Relative step costs with their extra over a plain step scaled by `returns` for this batch size."""
         if self.returns is None:
             return cost
-        extra = cost - 1.0
-        extra = extra.clamp(min=0.0) if isinstance(extra, torch.Tensor) else max(extra, 0.0)
-        return 1.0 + self.returns.scale(rows) * extra
+        return 1.0 + self.returns.scale(rows) * (cost - 1.0).clamp(min=0.0)
 
     def _relative(self, rows: int, tokens: torch.Tensor, context: float) -> torch.Tensor:
         if self.measured is not None and self.measured.ready:
@@ -493,7 +492,8 @@ class AdaptiveK:
         if self.packed and available is not None:  # each row feeds min(k, what it offers) drafts
             offered = torch.tensor(available, dtype=torch.float64)[:, None]
             tokens = (1 + torch.minimum(ks[None, :], offered)).mean(0)
-        cost = self._corrected(len(rows), self._relative(len(rows), tokens, context) + self.draft_cost_per_token * ks)
+        cost = self._relative(len(rows), tokens, context) + self.draft_cost_per_token * ks
+        cost = self._corrected(len(rows), cost)
         value = expected / cost
         best = int(torch.argmax(value))
         return best if value[best] >= self.min_gain * value[0] else 0

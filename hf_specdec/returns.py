@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 @dataclass
 class _Band:
     plain_ratio: float | None = None  # a plain step's seconds over the curve's price, recent steps weighing more
-    first_ratios: list = field(default_factory=list)  # the first plain steps' ratios: the reference starts at their median
+    first_ratios: list = field(default_factory=list)  # the first plain steps' ratios (the reference's seed)
     since_plain: int = 0  # the band's steps since its last plain step
     realized: float = 0.0  # the drafting steps' extra time, in plain steps, decayed
     priced: float = 0.0  # what the model priced for the same drafts, in plain steps, decayed
@@ -58,7 +58,7 @@ class DraftReturns:
         bounds (`tuple[float, float]`): the smallest and largest correction.
     """
 
-    # A plain reference starts at the median of a band's first SEED plain steps (the first decode steps carry
+    # A plain reference starts at the lower median of a band's first SEED plain steps (the first decode steps carry
     # one-off allocations); afterwards a plain step's ratio enters within [1 / DAMP, DAMP] times the reference (a
     # pause of the host moves it a little, a lasting change of speed over a few steps).
     SEED, DAMP = 3, 1.5

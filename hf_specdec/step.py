@@ -141,8 +141,8 @@ class Step:
                 fed, drafts = ((sum(num_fed), sum(counts)) if target.packed else
                                (len(rows) * max(num_fed), len(rows) * max(counts)))
                 self.policy.measured.observe(len(rows), fed, self.policy.context, drafts, verified_s)
-            if self.policy.returns is not None and constrained is None and all(
-                    f - c == 1 for f, c in zip(num_fed, counts)):  # a decode step: no prompt tokens, no grammar
+            # A decode step (every row fed its pending token and its drafts: no prompt tokens) without a grammar.
+            if self.policy.returns is not None and constrained is None and sum(num_fed) - sum(counts) == len(rows):
                 self._observe_returns(rows, counts, num_accepted, target.packed, time.perf_counter() - t0)
         return num_emit, [r for r, done in zip(rows, finished) if done]
 
