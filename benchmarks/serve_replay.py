@@ -7,7 +7,8 @@ price of a draft token and fixed cost of a step with drafts, both in ms) of each
 Configurations: `off` (k = 0), or a speculator (`ngram`, `eagle`, ...) with optional suffixes: `-static` (adaptive k
 without the measured step cost), `-noweight` (rows not weighed by the work they have left), `-never` (no draft ever
 pays: the speculator's cost when it drafts nothing), `-uncalibrated` (expected gains not scaled by the drafts
-accepted over expected), `-unchecked` (no return check: `returns.DraftReturns`), `-grouped` (no token rows: a step verifying drafts pads or groups its rows' queries,
+accepted over expected), `-unchecked` (no return check: `returns.DraftReturns`), `-unread` (a model speculator's backlog, read before
+drafting, left unpriced: `Speculator.unread`), `-grouped` (no token rows: a step verifying drafts pads or groups its rows' queries,
 `paged_cache.token_rows_pay`), `-marginX` (`min_gain` X, e.g. `ngram-margin1.25`), `-flat` (a GPU's flat step-cost curve on every model of the policy: drafts look
 free, as they did to the H100's policy).
 
@@ -62,6 +63,8 @@ def configured(model, tokenizer, name: str, num_requests: int, max_batch_size: i
             policy.calibrate = False
         elif option == "unchecked":
             policy.returns = None
+        elif option == "unread":  # a model speculator's backlog left unpriced (`Speculator.unread`)
+            policy.read_horizon = float("inf")
         elif option.startswith("margin"):
             policy.min_gain = float(option[len("margin"):])
         elif option == "flat":  # applied below, once every option is known
@@ -70,7 +73,7 @@ def configured(model, tokenizer, name: str, num_requests: int, max_batch_size: i
             PagedKVCache.token_rows = False
         else:
             raise SystemExit(f"unknown option {option!r} in {name!r}: use -static, -noweight, -never, -uncalibrated, "
-                             f"-unchecked, -grouped, -flat or -marginX")
+                             f"-unchecked, -unread, -grouped, -flat or -marginX")
     if "flat" in options:
         flat = DEFAULT_STEP_COST["cuda"]
         policy.step_cost = flat

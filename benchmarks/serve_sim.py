@@ -11,8 +11,9 @@ over 300 cached tokens, `token_rows.py`; drafts at 3-7 ms a token; prefill ~1.5 
 The policy times its steps on the same clock (`MeasuredStepCost`, `DraftReturns`), so it learns these costs (the
 lookup's passes before the step's own timing starts: it is paid by every step alike).
 Requests arrive at `--rate` per second of virtual time; the throughput is tokens over the virtual time from the first
-arrival to the last answer. An EAGLE head's forwards cost `--head-forward` ms each (default 0: set it from a
-profile of this host's head).
+arrival to the last answer. An EAGLE head's forwards cost `--head-forward` ms each plus `--head-token` ms per token
+they run (defaults 0: set them from a profile of this host's head; here about 4.5 ms and 0.078 ms, the second from
+catch-ups of 3-1378 states timed in a served run).
 
     python benchmarks/serve_sim.py --configs off,ngram,ngram-unchecked,eagle,eagle-unchecked --head-forward 4
 
@@ -62,8 +63,12 @@ def simulate(model, tokenizer, name: str, requests, rate: float, costs: argparse
     target.forward = timed_forward
     lookup = costs.lookup / 1e3 if spec == "ngram" and not off else 0.0
     head = getattr(engine.speculator, "head", None)
-    if head is not None and costs.head_forward:  # a head's forward (drafting, or reading committed states)
-        head.register_forward_pre_hook(lambda *_: setattr(clock, "now", clock.now + costs.head_forward / 1e3))
+    if head is not None and (costs.head_forward or costs.head_token):  # a head's forward (drafting, or reading
+        # committed states): a fixed part and one per token it runs (padding included)
+        def head_cost(module, args, kwargs):
+            clock.now += (costs.head_forward + costs.head_token * kwargs["input_ids"].numel()) / 1e3
+
+        head.register_forward_pre_hook(head_cost, with_kwargs=True)
     scheduler = engine.scheduler
     call = scheduler.step
 
@@ -117,7 +122,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     for name, default in (("fixed", 66.0), ("per-row", 1.9), ("per-context", 0.00925), ("per-prompt", 1.5),
                           ("per-draft", 4.0), ("draft-step", 7.0), ("lookup", 1.2), ("head-forward", 0.0),
-                          ("draft-knee", 1.0)):
+                          ("head-token", 0.0), ("draft-knee", 1.0)):
         parser.add_argument(f"--{name}", type=float, default=default, help=f"ms (default {default})")
     parser.add_argument("--verbose", action="store_true", help="each request's arrival, tokens and end")
     args = parser.parse_args()

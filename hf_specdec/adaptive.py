@@ -290,12 +290,16 @@ class AdaptiveK:
         check_returns (`bool`): correct the extra cost of drafts per band of batch sizes by what the steps that
             verified drafts there really took beyond plain steps, timed whole, against what the model priced
             (`returns`, a `DraftReturns`; the step feeds it). The serving engine's choice.
+        price_reading (`bool`): price a model speculator's backlog (`Speculator.unread`: what it reads before its
+            first draft after steps without drafts, or after requests joined) with the drafts, spread over
+            `READ_HORIZON` steps. The serving engine's choice, where arrivals stop and resume drafting at large
+            batches; in one call a model speculator reads the prompts once and drafting rarely stops.
     """
 
     def __init__(self, num_rows: int, max_k: int, step_cost: StepCost, draft_cost_per_token: float = 0.0,
                  priors: tuple[float, ...] = (0.6,), strength: float = 2.0, decay: float = 0.9, min_gain: float = 1.1,
                  packed: bool = False, measure_steps: bool = False, calibrate: bool = False,
-                 check_returns: bool = False):
+                 check_returns: bool = False, price_reading: bool = False):
         if not priors or not all(0.0 <= p < 1.0 for p in priors):
             raise ValueError(f"acceptance priors must be in [0, 1), one per confidence class, got {priors!r}")
         self.max_k = max_k
@@ -304,6 +308,7 @@ class AdaptiveK:
         # The serving engine's steps correct the step cost as they run (`measured.observe`); `None`: static only.
         self.measured = MeasuredStepCost(step_cost) if measure_steps else None
         self.returns = DraftReturns(step_cost) if check_returns else None
+        self.read_horizon = self.READ_HORIZON if price_reading else float("inf")  # inf: backlogs priced at 0
         # Drafting one token, relative to a one-token target step. A static estimate, like the step cost.
         self.draft_cost_per_token = draft_cost_per_token
         self.priors = torch.tensor(priors, dtype=torch.float64)
@@ -344,7 +349,7 @@ class AdaptiveK:
         return (accepted + self.strength * prior) / (tried + self.strength)
 
     def choose(self, rows: list[int], available: list[int] | None = None, classes: list[int] | None = None,
-               context: float = 0.0) -> int:
+               context: float = 0.0, unread: float = 0.0) -> int:
         """The k for this step's rows.
 
         Args:
@@ -353,10 +358,13 @@ class AdaptiveK:
                 up to `max_k` each.
             classes: each row's confidence class for this step's proposal; `None` means class 0.
             context: tokens already in the rows' KV caches, summed (the step cost depends on it).
+            unread: what the speculator must read before drafting, in target tokens (`Speculator.unread`): paid
+                once by any k > 0, for the stretch of drafting steps it starts, and priced as spread over
+                `READ_HORIZON` of them (with `price_reading`; otherwise not priced).
         """
         # Nothing on offer (no lookup matched): k = 0 without the arithmetic, which costs a few small tensor ops.
         offers = available is None or any(a > 0 for a in available)
-        k = self._choose(rows, available, classes, context) if self.max_k and rows and offers else 0
+        k = self._choose(rows, available, classes, context, unread) if self.max_k and rows and offers else 0
         self.chosen.append(k)
         # A step is declined when drafts were possible (a row offered some) and the policy chose none.
         self.num_declined += k == 0 and bool(rows) and (available is None or any(a > 0 for a in available))
@@ -386,11 +394,13 @@ class AdaptiveK:
         return ks
 
     def drafting_pays(self, rows: list[int], available: list[int], classes: list[int], alternative: list[int],
-                      alternative_classes: list[int], drafted: int, context: float | None = None) -> bool:
+                      alternative_classes: list[int], drafted: int, context: float | None = None,
+                      unread: float = 0.0) -> bool:
         """Whether the drafts `alternative` (per row, of `alternative_classes`), which take `drafted` draft
         positions to make (a head's forwards), would give a packed step more expected tokens per unit of cost, their
-        drafting included (`draft_cost_per_token` each), than the drafts already on offer (`available`, of
-        `classes`). `context`: the step's cached tokens (default: `self.context`, the step's). Records nothing."""
+        drafting included (`draft_cost_per_token` each, and reading `unread` target tokens' worth first), than the
+        drafts already on offer (`available`, of `classes`). `context`: the step's cached tokens (default:
+        `self.context`, the step's). Records nothing."""
         if not self.max_k or not rows or not drafted:
             return False
         context = self.context if context is None else context
@@ -399,7 +409,8 @@ class AdaptiveK:
         if not any(ks):
             return False
         cost = float(self._relative(len(rows), torch.tensor(tokens, dtype=torch.float64), context))
-        cost = torch.tensor(cost + self.draft_cost_per_token * drafted, dtype=torch.float64)
+        cost += self.draft_cost_per_token * drafted + self._reading(len(rows), unread / self.read_horizon, context)
+        cost = torch.tensor(cost, dtype=torch.float64)
         return expected / float(self._corrected(len(rows), cost)) > base
 
     def weigh(self, rows: list[int], remaining: list[int] | None) -> None:
@@ -413,6 +424,12 @@ class AdaptiveK:
             return
         longest = max(max(remaining), 1)
         self.weights[rows] = torch.tensor(remaining, dtype=torch.float64).clamp(min=0) / longest
+
+    # A speculator's backlog (`Speculator.unread`) is read once for the drafting steps that follow: priced as spread
+    # over this many. Charged whole to one step, a resume would rarely pay where every later step would (a newcomer's
+    # prompt at one row); spread over a whole answer, a resume for one step at a large batch (reading up to 64
+    # states a row of an EAGLE head, most of a step on a CPU) would look free.
+    READ_HORIZON = 8
 
     # Calibration: how many expected accepted drafts the prior weighs (at a ratio of 1), and the decay per step.
     CALIBRATION_PRIOR, CALIBRATION_DECAY = 8.0, 0.98
@@ -435,12 +452,22 @@ class AdaptiveK:
         gains = torch.where(ks[None, :] > 0, (gains * self.calibration).clamp(max=1.0), gains)
         return weights[:, None] * gains
 
-    def priced_extra(self, rows: int, tokens_per_row: float, drafted: int, context: float) -> float:
+    def priced_extra(self, rows: int, tokens_per_row: float, drafted: int, context: float,
+                     unread: float = 0.0) -> float:
         """The extra cost, in plain steps, that the model (without `returns`' correction) gives a step of `rows`
         rows feeding `tokens_per_row` tokens each on average, over `context` cached tokens, whose speculator made
-        `drafted` draft positions (a model speculator's forwards; 0 for drafts that cost nothing to make)."""
+        `drafted` draft positions (a model speculator's forwards; 0 for drafts that cost nothing to make) after
+        reading `unread` target tokens' worth of backlog."""
         cost = float(self._relative(rows, torch.tensor([tokens_per_row], dtype=torch.float64), context)[0])
-        return cost - 1.0 + self.draft_cost_per_token * drafted
+        return cost - 1.0 + self.draft_cost_per_token * drafted + self._reading(rows, unread, context)
+
+    def _reading(self, rows: int, unread: float, context: float) -> float:
+        """What reading `unread` target tokens' worth (a speculator's backlog) costs, in plain steps: the step cost
+        model's price of feeding that many more tokens over the batch's rows."""
+        if unread <= 0.0:
+            return 0.0
+        cost = self._relative(rows, torch.tensor([1.0, 1.0 + unread / rows], dtype=torch.float64), context)
+        return float(cost[1] - cost[0])
 
     def _corrected(self, rows: int, cost: torch.Tensor) -> torch.Tensor:
         """Relative step costs with their extra over a plain step scaled by `returns` for this batch size."""
@@ -481,7 +508,7 @@ class AdaptiveK:
         picked[order.indices[:best]] = 1
         return picked.view(b, self.max_k).sum(1).tolist(), float(value[best]), float(expected[best]), float(tokens[best])
 
-    def _choose(self, rows, available, classes, context) -> int:
+    def _choose(self, rows, available, classes, context, unread: float = 0.0) -> int:
         ks = torch.arange(self.max_k + 1, dtype=torch.float64)
         # Expected emitted tokens summed over rows for each k: sum over j = 0..min(k, available) of rate^j.
         terms = self._gains(rows, classes, ks)
@@ -493,6 +520,7 @@ class AdaptiveK:
             offered = torch.tensor(available, dtype=torch.float64)[:, None]
             tokens = (1 + torch.minimum(ks[None, :], offered)).mean(0)
         cost = self._relative(len(rows), tokens, context) + self.draft_cost_per_token * ks
+        cost = cost + (ks > 0) * self._reading(len(rows), unread / self.read_horizon, context)  # whatever k
         cost = self._corrected(len(rows), cost)
         value = expected / cost
         best = int(torch.argmax(value))

@@ -55,6 +55,7 @@ class Step:
         self.prefix_states: dict[int, TargetHiddenStates] = {}
         self.last_states: TargetHiddenStates | None = None
         self._draft_forwards = 0  # the draft positions the latest proposal ran (a model speculator's forwards)
+        self._draft_unread = 0.0  # the backlog it read first, in target tokens (`Speculator.unread`)
 
     def __call__(self, batch, target, stop, budget, metrics, pad_token_id) -> tuple[list[int], list[int]]:
         """One propose -> verify -> commit; returns tokens emitted per active row and the rows that finished."""
@@ -156,7 +157,7 @@ class Step:
         if drafted:
             # A packed target fed each row its own drafts; a padded one fed every row the widest row's.
             tokens = 1 + (drafted / len(rows) if packed else max(counts))
-            priced = policy.priced_extra(len(rows), tokens, self._draft_forwards, policy.context)
+            priced = policy.priced_extra(len(rows), tokens, self._draft_forwards, policy.context, self._draft_unread)
         policy.returns.observe(len(rows), policy.context, seconds, priced, drafted, sum(num_accepted))
 
     def _tree_step(self, batch, target, stop, budget, metrics, pad_token_id) -> tuple[list[int], list[int]]:
@@ -279,13 +280,15 @@ class Step:
         context = sum(batch.lengths[r] for r in batch.active)  # cached tokens, for the step-cost model
         if self.policy is not None:
             self.policy.context = context  # speculators that ask the policy while drafting read it there
+        self._draft_forwards, self._draft_unread = 0, 0.0
         if not self.drafting:  # rows joining a running batch feed their prompts; speculators still track them
             return self._no_drafts(batch, limits), None, [0] * len(budget)
         if self.policy is not None and self.speculator.drafts_are_free:
             # Proposals first, then k from what each row offers and how confident its proposal is.
             draft = self.speculator.propose(batch, max(0, min(self.k, max(budget) - 1)))
-            # A lookup's drafts cost no forwards; a hybrid's head says how many it ran.
+            # A lookup's drafts cost no forwards; a hybrid's head says how many it ran, and what it read first.
             self._draft_forwards = getattr(self.speculator, "draft_forwards", 0)
+            self._draft_unread = getattr(self.speculator, "draft_unread", 0.0)
             offered = torch.minimum(draft.num_tokens, limits)
             confidence = draft.confidence if draft.confidence is not None else torch.zeros_like(offered)
             offered, classes = torch.stack([offered, confidence.to(offered.dtype)]).tolist()  # one small transfer
@@ -297,11 +300,18 @@ class Step:
             width = max(counts)
             num_tokens = torch.tensor(counts, device=batch.device)
         else:
-            k = self.policy.choose(batch.active, context=context) if self.policy is not None else self.k
+            if self.policy is not None:
+                # A model speculator reads its backlog (states or tokens of idle steps, newcomers' prompts) before
+                # its first draft: the policy prices that with the drafts.
+                unread = self.speculator.unread(batch)
+                k = self.policy.choose(batch.active, context=context, unread=unread)
+            else:
+                k, unread = self.k, 0.0
             # Called even for k = 0: speculators track their rows.
             draft = self.speculator.propose(batch, max(0, min(k, max(budget) - 1)))
             # The draft positions the speculator ran (a model's forwards), before any trimming below.
             self._draft_forwards = 0 if self.speculator.drafts_are_free else max(0, min(k, max(budget) - 1))
+            self._draft_unread = unread if self._draft_forwards else 0.0
             num_tokens = torch.minimum(draft.num_tokens, limits.clamp(max=k))
             # Each row's count must be known on the host to build the forward, hence one small transfer; draft
             # columns no row uses are dropped.

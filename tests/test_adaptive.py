@@ -448,3 +448,24 @@ def test_a_step_cost_built_from_lists_prices_as_one_from_tuples():
     tokens = torch.tensor([1.0, 2.5, 7.0], dtype=torch.float64)
     assert torch.equal(listed.relative(3, tokens, 10.0), tupled.relative(3, tokens, 10.0))
     assert listed == tupled and listed.at(3, 2.5, 10.0) == float(tupled(3, torch.tensor(2.5), 10.0))
+
+
+def test_a_backlog_read_before_drafting_is_priced_only_where_the_policy_prices_reading():
+    """A model speculator that must first read a backlog (an EAGLE head's states of steps without drafts) pays for
+    it with its drafts: the serving policy (`price_reading`) declines a resume at 4 rows that reads 1000 target
+    tokens' worth, drafts with a small backlog, and a policy without `price_reading` ignores it. The price checked
+    against whole steps (`priced_extra`) carries the whole backlog, the choice 1 / `READ_HORIZON` of it."""
+    cpu = DEFAULT_STEP_COST["cpu"]
+    rows, context = list(range(4)), 1200.0
+
+    def policy(price_reading):
+        return AdaptiveK(num_rows=4, max_k=4, step_cost=cpu, priors=(0.8,), packed=True, price_reading=price_reading)
+
+    assert policy(True).choose(rows, context=context, unread=10.0) > 0
+    assert policy(True).choose(rows, context=context, unread=1000.0) == 0
+    assert policy(False).choose(rows, context=context, unread=1000.0) == policy(False).choose(rows, context=context) > 0
+    p = policy(True)
+    whole = p.priced_extra(4, 2.0, 1, context, 1000.0) - p.priced_extra(4, 2.0, 1, context)
+    fed = cpu.relative(4, torch.tensor([1.0, 1.0 + 1000.0 / 4], dtype=torch.float64), context)
+    assert whole == pytest.approx(float(fed[1] - fed[0])) and whole > 1.0
+    assert p._reading(4, 1000.0 / p.READ_HORIZON, context) < whole / 2

@@ -653,7 +653,7 @@ def idle_then_drafting(fitted, tmp_path, monkeypatch):
     directory = convert_eagle(src, tmp_path / "head", target=target)
     choose = adaptive.AdaptiveK.choose
 
-    def off_then_on(self, rows, available=None, classes=None, context=0.0):
+    def off_then_on(self, rows, available=None, classes=None, context=0.0, unread=0.0):
         choose(self, rows, available, classes, context)
         self.chosen[-1] = 0 if len(self.chosen) <= 14 else 3
         return self.chosen[-1]
@@ -742,3 +742,30 @@ def test_sampling_keeps_the_target_distribution(fitted):
                        .double() / num_samples - exact).abs().sum().item() for _ in range(5))
     print(f"total variation {tv:.4f}, largest of 5 exact-sample draws {noise:.4f}")
     assert tv < 1.5 * noise
+
+
+def test_unread_is_what_the_head_reads_before_its_next_draft(fitted, tmp_path, monkeypatch):
+    """`unread` (what the serving policy prices before a resume): while drafting is off, each row's pending states
+    beyond its newest one, at most the idle window's, weighed by the head's fc and layer against the target's
+    parameters; after drafting, only the states of the tokens accepted since."""
+    target, directory = idle_then_drafting(fitted, tmp_path, monkeypatch)
+    input_ids = torch.randint(2, VOCAB, (3, 6), generator=torch.Generator().manual_seed(7))
+    spec = EagleSpeculator.from_pretrained(directory)
+    spec.IDLE_WINDOW = 4
+    seen, propose = [], spec.propose
+
+    def watched(batch, k):
+        seen.append((k, spec.unread(batch)))
+        return propose(batch, k)
+
+    spec.propose = watched
+    out = target.generate(input_ids=input_ids, max_new_tokens=30, do_sample=False, speculator=spec,
+                          num_speculative_tokens=3, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, target.generate(input_ids=input_ids, max_new_tokens=30, do_sample=False))
+    per_state = sum(p.numel() for m in (spec.head.fc, spec.head.layer) for p in m.parameters()) / target.num_parameters()
+    first = next(i for i, (k, _) in enumerate(seen) if k > 0)
+    assert seen[0][1] == 0 and seen[1][1] == pytest.approx(3 * 5 * per_state)  # none yet; the prompts' 6 states
+    # Then the window's 4 states kept at each idle step, and that step's newest one: 4 beyond it, in 3 rows.
+    assert [u for _, u in seen[2:first + 1]] == pytest.approx([3 * 4 * per_state] * (first - 1))
+    after = [u for _, u in seen[first + 1:]]
+    assert after and max(after) <= 3 * 3 * per_state + 1e-12  # at most k = 3 accepted a row since the last draft

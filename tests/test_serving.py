@@ -201,9 +201,10 @@ def test_serving_checks_what_drafts_cost_per_batch_size(tokenizer, speculator):
         return record_step(drafted, accepted)
 
     def observed(rows, context, seconds, priced=0.0, drafted=0, accepted=0):
-        made = step._draft_forwards
-        # the model's price of the drafts fed, as it stands when the step reports (its fit moves step by step)
-        expected = policy.priced_extra(rows, 1 + drafted / rows, made, context) if drafted else 0.0
+        made, unread = step._draft_forwards, step._draft_unread
+        # the model's price of the drafts fed (and of the backlog read before them), as it stands when the step
+        # reports (its fit moves step by step)
+        expected = policy.priced_extra(rows, 1 + drafted / rows, made, context, unread) if drafted else 0.0
         seen.append((rows, expected, priced, drafted, accepted, made, policy.chosen[-1], dict(last)))
         return observe(rows, context, seconds, priced, drafted, accepted)
 

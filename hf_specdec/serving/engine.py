@@ -223,9 +223,11 @@ class ServingEngine:
             # Arrivals change the batch every step, so k is not reproducible here anyway: the policy corrects the
             # step cost by the steps' own timings (a profile from an idle host misprices a loaded server's drafts).
             # And it checks them per batch size: what whole steps with drafts took beyond plain ones, against what
-            # it priced (`returns.DraftReturns`).
+            # it priced (`returns.DraftReturns`). A model speculator's backlog (states or tokens of steps without
+            # drafts, newcomers' prompts), read before it drafts again, is priced with the drafts (`price_reading`).
             policy = AdaptiveK(slots, self.k, cost, draft_cost, priors=self.speculator.confidence_priors,
-                               packed=self.target.packed, measure_steps=True, calibrate=True, check_returns=True)
+                               packed=self.target.packed, measure_steps=True, calibrate=True, check_returns=True,
+                               price_reading=True)
         constraints = None
         try:
             from ..structured import xgrammar

@@ -80,6 +80,15 @@ class Speculator:
         """Cost of drafting one token relative to one target decode step (adaptive k weighs drafts with it)."""
         return 0.0
 
+    def unread(self, batch: SequenceBatch) -> float:
+        """What this speculator must read before it can draft for `batch.active` this step, in target tokens: the
+        committed tokens (or target states) it has not processed yet beyond each row's newest one (which the first
+        draft's forward reads anyway, priced with the drafts), weighed by its cost per token relative to the
+        target's. A model speculator reads lazily (nothing while adaptive k keeps drafting off), so the first
+        drafting step after a stretch without drafts, or after requests joined, reads the backlog; adaptive k
+        prices it with the drafts. 0 for speculators that read nothing (a lookup)."""
+        return 0.0
+
 
 def sample_or_argmax(scores: torch.Tensor, do_sample: bool, generator=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Draft tokens `[n]` from processed scores `[n, vocab]`, and the draft_probs they were sampled from (or None)."""

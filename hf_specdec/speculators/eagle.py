@@ -81,7 +81,16 @@ class EagleSpeculator(Speculator):
             params += target.get_output_embeddings().weight.numel()
         return params / target.num_parameters()
 
+    def unread(self, batch: SequenceBatch) -> float:
+        pending = self._pending
+        if pending is None:
+            return 0.0
+        return sum(pending.count(r) - 1 for r in self._with_states(batch.active)) * self._read_cost
+
     def begin(self, target, batch: SequenceBatch) -> None:
+        # Reading a state costs the head's fc and layer (no LM head: only a row's newest entry gets logits).
+        body = sum(p.numel() for m in (self.head.fc, self.head.layer) for p in m.parameters())
+        self._read_cost = body / target.num_parameters()
         self.head.to(device=batch.device, dtype=target.dtype)  # where the target's states arrive (its own
         # device is `meta` when offloaded to disk)
         self.head.bind(target)

@@ -81,7 +81,7 @@ class HybridSpeculator(Speculator):
     @torch.no_grad()
     def propose(self, batch: SequenceBatch, k: int) -> DraftProposal:
         lookup = self.ngram.propose(batch, k)
-        self.draft_forwards = 0
+        self.draft_forwards, self.draft_unread = 0, 0.0
         if k == 0:
             self.head.propose(batch, 0)  # keeps the head's row bookkeeping; it drafts nothing
             return lookup
@@ -91,15 +91,17 @@ class HybridSpeculator(Speculator):
         copies = [n > 0 and c >= self.min_match for n, c in zip(offered, classes)]
         head_k = 0 if all(copies) else min(k, self.head_tokens)
         policy = self._policy
+        unread = self.head.unread(batch) if head_k else 0.0  # the states the head reads before drafting
         if head_k and policy is not None and policy.packed:
             # Only where adaptive k would verify some of the head's drafts, and they beat the lookup's alone by more
             # than the head's forwards cost (at a large batch, drafts of the head's acceptance often do not).
             alternative = [n if c else head_k for n, c in zip(offered, copies)]
             kinds = [cls if c else self.head_class for cls, c in zip(classes, copies)]
-            if not policy.drafting_pays(batch.active, offered, classes, alternative, kinds, head_k):
+            if not policy.drafting_pays(batch.active, offered, classes, alternative, kinds, head_k, unread=unread):
                 head_k = 0
         drafted = self.head.propose(batch, head_k)
-        self.draft_forwards = drafted.k  # the head's forwards this step (`Step` prices them for adaptive k's check)
+        # The head's forwards this step and what it read first (`Step` prices them for adaptive k's check).
+        self.draft_forwards, self.draft_unread = drafted.k, unread if drafted.k else 0.0
         if drafted.k == 0:  # every row copies, or the head has no states yet (the first step): the lookup alone
             return lookup
         width = max(lookup.k, drafted.k)
