@@ -15,7 +15,7 @@ from hf_specdec.models import load_model
 from hf_specdec.paged_cache import ATTENTION_NAME
 from hf_specdec.train_eagle import tokenize_prompts
 from hf_specdec.train_prompts import built_in_prompts, max_prompts
-from hf_specdec.workloads import GROUNDED, OPEN_CHAT
+from hf_specdec.workloads import GROUNDED, HELD_OUT, OPEN_CHAT
 
 parser = argparse.ArgumentParser()
 parser.add_argument("heads", nargs="+", help="head directories, compared on the same target sequences")
@@ -49,17 +49,6 @@ def agreement(prompts: list[str]) -> list[float]:
             head_scores.append((predicted[0, start:] == labels[0, start + 1:]).float().mean().item())
     return [sum(s) / len(s) for s in scores]
 
-
-# Written for this script and in none of the training or benchmark sets (some subjects recur there): held out
-# from every head trained on the built-in prompts, however many of them it used.
-HELD_OUT = [
-    "Describe what a typical morning looks like for a baker in a small village.",
-    "What should I pack for a three-day hiking trip in the mountains?",
-    "Write a friendly email inviting my neighbours to a street party next Saturday.",
-    "Why do cats purr? Give a short answer.",
-    "Suggest a simple weekly exercise plan for someone who has never trained before.",
-    "Tell me a short fable about a fox and a crow, with a moral at the end.",
-]
 
 groups = {
     "trained built-in prompts": built_in_prompts(args.trained)[-6:],

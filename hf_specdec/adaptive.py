@@ -308,7 +308,7 @@ class AdaptiveK:
         # The serving engine's steps correct the step cost as they run (`measured.observe`); `None`: static only.
         self.measured = MeasuredStepCost(step_cost) if measure_steps else None
         self.returns = DraftReturns(step_cost) if check_returns else None
-        self.read_horizon = self.READ_HORIZON if price_reading else float("inf")  # inf: backlogs priced at 0
+        self.read_horizon = self.READ_HORIZON if price_reading else float("inf")  # inf: the choice ignores them
         # Drafting one token, relative to a one-token target step. A static estimate, like the step cost.
         self.draft_cost_per_token = draft_cost_per_token
         self.priors = torch.tensor(priors, dtype=torch.float64)
@@ -359,8 +359,9 @@ class AdaptiveK:
             classes: each row's confidence class for this step's proposal; `None` means class 0.
             context: tokens already in the rows' KV caches, summed (the step cost depends on it).
             unread: what the speculator must read before drafting, in target tokens (`Speculator.unread`): paid
-                once by any k > 0, for the stretch of drafting steps it starts, and priced as spread over
-                `READ_HORIZON` of them (with `price_reading`; otherwise not priced).
+                by any k > 0, priced (with `price_reading`; otherwise not) as that many tokens fed with the drafts,
+                spread over `READ_HORIZON` steps. A resume's backlog is read once for the stretch of drafting
+                steps it starts; while drafting runs it is the few states accepted since the last step, small.
         """
         # Nothing on offer (no lookup matched): k = 0 without the arithmetic, which costs a few small tensor ops.
         offers = available is None or any(a > 0 for a in available)
@@ -408,9 +409,9 @@ class AdaptiveK:
         ks, _, expected, tokens = self._choose_rows(rows, alternative, alternative_classes, context)
         if not any(ks):
             return False
+        tokens += unread / self.read_horizon / len(rows)  # the head's backlog, fed with the drafts
         cost = float(self._relative(len(rows), torch.tensor(tokens, dtype=torch.float64), context))
-        cost += self.draft_cost_per_token * drafted + self._reading(len(rows), unread / self.read_horizon, context)
-        cost = torch.tensor(cost, dtype=torch.float64)
+        cost = torch.tensor(cost + self.draft_cost_per_token * drafted, dtype=torch.float64)
         return expected / float(self._corrected(len(rows), cost)) > base
 
     def weigh(self, rows: list[int], remaining: list[int] | None) -> None:
@@ -457,17 +458,11 @@ class AdaptiveK:
         """The extra cost, in plain steps, that the model (without `returns`' correction) gives a step of `rows`
         rows feeding `tokens_per_row` tokens each on average, over `context` cached tokens, whose speculator made
         `drafted` draft positions (a model speculator's forwards; 0 for drafts that cost nothing to make) after
-        reading `unread` target tokens' worth of backlog."""
-        cost = float(self._relative(rows, torch.tensor([tokens_per_row], dtype=torch.float64), context)[0])
-        return cost - 1.0 + self.draft_cost_per_token * drafted + self._reading(rows, unread, context)
-
-    def _reading(self, rows: int, unread: float, context: float) -> float:
-        """What reading `unread` target tokens' worth (a speculator's backlog) costs, in plain steps: the step cost
-        model's price of feeding that many more tokens over the batch's rows."""
-        if unread <= 0.0:
-            return 0.0
-        cost = self._relative(rows, torch.tensor([1.0, 1.0 + unread / rows], dtype=torch.float64), context)
-        return float(cost[1] - cost[0])
+        reading `unread` target tokens' worth of backlog (the whole of it, read in that step, whether the choice
+        priced it or not: priced as that many more tokens fed over the rows)."""
+        tokens = torch.tensor([tokens_per_row + unread / rows], dtype=torch.float64)
+        cost = float(self._relative(rows, tokens, context)[0])
+        return cost - 1.0 + self.draft_cost_per_token * drafted
 
     def _corrected(self, rows: int, cost: torch.Tensor) -> torch.Tensor:
         """Relative step costs with their extra over a plain step scaled by `returns` for this batch size."""
@@ -519,8 +514,9 @@ class AdaptiveK:
         if self.packed and available is not None:  # each row feeds min(k, what it offers) drafts
             offered = torch.tensor(available, dtype=torch.float64)[:, None]
             tokens = (1 + torch.minimum(ks[None, :], offered)).mean(0)
+        # The backlog is read once, whatever k: fed with the drafts (so a step's fixed extra is counted once).
+        tokens = tokens + (ks > 0) * (unread / self.read_horizon / len(rows))
         cost = self._relative(len(rows), tokens, context) + self.draft_cost_per_token * ks
-        cost = cost + (ks > 0) * self._reading(len(rows), unread / self.read_horizon, context)  # whatever k
         cost = self._corrected(len(rows), cost)
         value = expected / cost
         best = int(torch.argmax(value))

@@ -53,3 +53,15 @@ def chat_inputs(tokenizer, prompts: list[str]):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+
+
+# Open-chat prompts written for measuring heads (`benchmarks/head_agreement.py`, `head_window.py`), in none of the
+# training or benchmark sets (some subjects recur there): held out from every head trained on the built-in prompts.
+HELD_OUT = [
+    "Describe what a typical morning looks like for a baker in a small village.",
+    "What should I pack for a three-day hiking trip in the mountains?",
+    "Write a friendly email inviting my neighbours to a street party next Saturday.",
+    "Why do cats purr? Give a short answer.",
+    "Suggest a simple weekly exercise plan for someone who has never trained before.",
+    "Tell me a short fable about a fox and a crow, with a moral at the end.",
+]

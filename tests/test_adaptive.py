@@ -450,11 +450,12 @@ def test_a_step_cost_built_from_lists_prices_as_one_from_tuples():
     assert listed == tupled and listed.at(3, 2.5, 10.0) == float(tupled(3, torch.tensor(2.5), 10.0))
 
 
-def test_a_backlog_read_before_drafting_is_priced_only_where_the_policy_prices_reading():
+def test_a_backlog_read_before_drafting_is_priced_only_where_the_policy_prices_reading(monkeypatch):
     """A model speculator that must first read a backlog (an EAGLE head's states of steps without drafts) pays for
     it with its drafts: the serving policy (`price_reading`) declines a resume at 4 rows that reads 1000 target
-    tokens' worth, drafts with a small backlog, and a policy without `price_reading` ignores it. The price checked
-    against whole steps (`priced_extra`) carries the whole backlog, the choice 1 / `READ_HORIZON` of it."""
+    tokens' worth, spread over `READ_HORIZON` steps, drafts with a small backlog, and a policy without
+    `price_reading` ignores it. The price checked against whole steps (`priced_extra`) carries the whole backlog, as
+    tokens fed with the drafts (a step's fixed extra for drafting counted once)."""
     cpu = DEFAULT_STEP_COST["cpu"]
     rows, context = list(range(4)), 1200.0
 
@@ -464,8 +465,8 @@ def test_a_backlog_read_before_drafting_is_priced_only_where_the_policy_prices_r
     assert policy(True).choose(rows, context=context, unread=10.0) > 0
     assert policy(True).choose(rows, context=context, unread=1000.0) == 0
     assert policy(False).choose(rows, context=context, unread=1000.0) == policy(False).choose(rows, context=context) > 0
+    monkeypatch.setattr(AdaptiveK, "READ_HORIZON", 10**6)  # spread over many steps, the same backlog is cheap
+    assert policy(True).choose(rows, context=context, unread=1000.0) > 0
     p = policy(True)
-    whole = p.priced_extra(4, 2.0, 1, context, 1000.0) - p.priced_extra(4, 2.0, 1, context)
-    fed = cpu.relative(4, torch.tensor([1.0, 1.0 + 1000.0 / 4], dtype=torch.float64), context)
-    assert whole == pytest.approx(float(fed[1] - fed[0])) and whole > 1.0
-    assert p._reading(4, 1000.0 / p.READ_HORIZON, context) < whole / 2
+    assert p.priced_extra(4, 2.0, 1, context, 1000.0) == pytest.approx(p.priced_extra(4, 2.0 + 1000.0 / 4, 1, context))
+    assert p.priced_extra(4, 2.0, 1, context, 1000.0) > p.priced_extra(4, 2.0, 1, context) + 1.0

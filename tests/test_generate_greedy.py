@@ -220,31 +220,3 @@ def test_repetition_penalty_per_row_prompt_lengths_after_rows_finish():
         expected = model.generate(input_ids=input_ids, **kwargs)
         assert torch.equal(model.generate(input_ids=input_ids, speculator="ngram", **kwargs), expected)
 
-
-def test_a_draft_models_unread_tokens_are_the_ones_it_feeds_before_drafting(monkeypatch):
-    """`unread` of a draft model (what the serving policy prices before a resume): the committed tokens its cache
-    lacks beyond each row's newest, weighed by its parameters against the target's: the prompts at the first step,
-    one more per row for each step without drafts, and once it drafts only what its last drafts left unfed."""
-    from hf_specdec import adaptive
-
-    choose = adaptive.AdaptiveK.choose
-
-    def off_then_on(self, rows, available=None, classes=None, context=0.0, unread=0.0):
-        choose(self, rows, available, classes, context)
-        self.chosen[-1] = 0 if len(self.chosen) <= 5 else 2
-        return self.chosen[-1]
-
-    monkeypatch.setattr(adaptive.AdaptiveK, "choose", off_then_on)
-    target, draft = make_model(), make_model(seed=0)
-    spec = hf_specdec.DraftModelSpeculator(draft)
-    seen, propose = [], spec.propose
-    spec.propose = lambda batch, k: seen.append((k, spec.unread(batch))) or propose(batch, k)
-    input_ids = torch.randint(2, 50, (2, 7), generator=torch.Generator().manual_seed(3))
-    sequences, _ = run(target, spec, input_ids, num_speculative_tokens=2)
-    assert torch.equal(sequences, target.generate(input_ids, max_new_tokens=MAX_NEW, do_sample=False))
-    ratio = draft.num_parameters() / target.num_parameters()
-    # Step i (0-based) of the 5 idle ones: the prompts' 7 tokens and i committed since, less each row's newest.
-    assert [u for _, u in seen[:6]] == pytest.approx([2 * (6 + i) * ratio for i in range(6)])
-    assert [k for k, _ in seen[:6]] == [0] * 5 + [2]
-    # Once drafting: at most the drafts it never fed (its last) and the bonus token, less the newest: 1 a row at k = 2.
-    assert max(u for _, u in seen[6:]) == pytest.approx(2 * ratio)

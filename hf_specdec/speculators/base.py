@@ -86,7 +86,10 @@ class Speculator:
         draft's forward reads anyway, priced with the drafts), weighed by its cost per token relative to the
         target's. A model speculator reads lazily (nothing while adaptive k keeps drafting off), so the first
         drafting step after a stretch without drafts, or after requests joined, reads the backlog; adaptive k
-        prices it with the drafts. 0 for speculators that read nothing (a lookup)."""
+        prices it with the drafts. 0 for speculators that read nothing (a lookup), and by default: a backlog priced
+        must stay bounded while drafting is off (an EAGLE head keeps `IDLE_WINDOW` states a row), or its price
+        would keep drafting off for good. A draft model's is not (every token since it last drafted, a newcomer's
+        whole prompt), so it is not priced."""
         return 0.0
 
 

@@ -56,13 +56,7 @@ class DraftModelSpeculator(Speculator):
         # A decode step of a small model is bound by reading its weights, so cost scales with parameter count.
         return self.model.num_parameters() / target.num_parameters()
 
-    def unread(self, batch: SequenceBatch) -> float:
-        runner = self._runner
-        behind = sum(max(0, batch.lengths[r] - runner.length(r) - 1) for r in batch.active)
-        return behind * self._read_cost
-
     def begin(self, target, batch: SequenceBatch) -> None:
-        self._read_cost = self.relative_cost(target)  # a token fed in a batch: as one of the target's
         self._num_embeddings = self.model.get_input_embeddings().num_embeddings
         self._check_prompts_readable(batch)
         self._stack = ExitStack()

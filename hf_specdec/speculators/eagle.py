@@ -85,7 +85,7 @@ class EagleSpeculator(Speculator):
         pending = self._pending
         if pending is None:
             return 0.0
-        return sum(pending.count(r) - 1 for r in self._with_states(batch.active)) * self._read_cost
+        return sum(max(0, pending.count(r) - 1) for r in self._with_states(batch.active)) * self._read_cost
 
     def begin(self, target, batch: SequenceBatch) -> None:
         # Reading a state costs the head's fc and layer (no LM head: only a row's newest entry gets logits).
