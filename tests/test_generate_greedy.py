@@ -219,4 +219,3 @@ def test_repetition_penalty_per_row_prompt_lengths_after_rows_finish():
         kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, repetition_penalty=1.8, eos_token_id=eos)
         expected = model.generate(input_ids=input_ids, **kwargs)
         assert torch.equal(model.generate(input_ids=input_ids, speculator="ngram", **kwargs), expected)
-
