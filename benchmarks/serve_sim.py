@@ -17,10 +17,15 @@ catch-ups of 3-1378 states timed in a served run).
 
     python benchmarks/serve_sim.py --configs off,ngram,ngram-unchecked,eagle,eagle-unchecked --head-forward 4
 
+Small changes of policy move which requests share which steps, and that moves the throughput by a percent or two
+either way on its own (a deterministic but chaotic system); `--seeds N` runs each configuration N times, the exact
+schedule and then arrivals moved a little (seeded), and reports the median of the per-seed ratios with their range.
+
 Configurations as `serve_replay.py`'s (`off`, a speculator, and its options: `-unchecked`, `-never`, `-flat`, ...).
 """
 
 import argparse
+import statistics
 import types
 from contextlib import ExitStack
 
@@ -43,7 +48,8 @@ class Clock:
         return self.now
 
 
-def simulate(model, tokenizer, name: str, requests, rate: float, costs: argparse.Namespace, max_batch_size: int):
+def simulate(model, tokenizer, name: str, requests, rate: float, costs: argparse.Namespace, max_batch_size: int,
+             seed: int = 0):
     engine = configured(model, tokenizer, name, len(requests), max_batch_size)  # serve_replay's options
     spec, policy = name.split("-")[0], engine.step.policy
     off = spec == "off"
@@ -85,6 +91,9 @@ def simulate(model, tokenizer, name: str, requests, rate: float, costs: argparse
         stack.callback(engine.speculator.end)
         stack.callback(setattr, step_module, "time", __import__("time"))
         arrivals = [i / rate for i in range(len(requests))]
+        if seed:  # each arrival moved by up to a tenth of the gap between arrivals, either way
+            g = torch.Generator().manual_seed(seed)
+            arrivals = sorted(max(0.0, a + (float(torch.rand((), generator=g)) - 0.5) * 0.2 / rate) for a in arrivals)
         pending = [Request(list(p), n) for p, n in requests]
         done_at, first_at, submitted = {}, {}, 0
         while len(done_at) < len(pending):
@@ -125,18 +134,27 @@ def main() -> None:
                           ("head-token", 0.0), ("draft-knee", 1.0)):
         parser.add_argument(f"--{name}", type=float, default=default, help=f"ms (default {default})")
     parser.add_argument("--verbose", action="store_true", help="each request's arrival, tokens and end")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="runs per configuration: the exact schedule, then arrivals each moved by up to a tenth "
+                             "of their gap (seeded); reported: the median of the per-seed ratios")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(DEFAULT_MODEL)
     requests = workload(tokenizer, args.requests)
     reference, speeds = None, {}
-    for name in args.configs.split(","):
-        speed, answers, line = simulate(model, tokenizer, name, requests, args.rate, args, args.max_batch_size)
-        reference = answers if reference is None else reference
-        speeds[name] = speed
-        print(line + ("" if answers == reference else "  ANSWERS DIFFER"), flush=True)
-    first = next(iter(speeds.values()))
-    print(" | ".join(f"{n} {s / first:.3f}x" for n, s in speeds.items()))
+    configs = args.configs.split(",")
+    for seed in range(args.seeds):
+        for name in configs:
+            speed, answers, line = simulate(model, tokenizer, name, requests, args.rate, args, args.max_batch_size,
+                                            seed)
+            reference = answers if reference is None else reference
+            speeds.setdefault(name, []).append(speed)
+            print(f"seed {seed}: " * (args.seeds > 1) + line + ("" if answers == reference else "  ANSWERS DIFFER"),
+                  flush=True)
+    first = speeds[configs[0]]
+    ratios = {n: [a / b for a, b in zip(s, first)] for n, s in speeds.items()}
+    print(" | ".join(f"{n} {statistics.median(r):.3f}x" + (f" ({min(r):.3f}-{max(r):.3f})" if len(r) > 1 else "")
+                     for n, r in ratios.items()))
 
 
 if __name__ == "__main__":

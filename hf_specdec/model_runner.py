@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -119,13 +120,16 @@ class ModelRunner(CacheRows):
 
     def forward(self, seq_ids: list[int], input_ids: torch.Tensor, num_tokens: list[int], num_logits: int,
                 output_hidden_states: bool | tuple[int, ...] = False, tree=None, logit_counts: list[int] | None = None,
-                **model_kwargs):
+                packed_states: bool = False, **model_kwargs):
         """Appends `num_tokens[i]` tokens to row `seq_ids[i]` and returns the model output.
 
         Args:
             input_ids: `[rows, q]` right-aligned tokens (row i's are its last `num_tokens[i]` columns).
             num_logits: how many trailing positions need logits.
             output_hidden_states: True, or the indices of the entries the caller reads (the others may be None).
+            packed_states: a packed step leaves the entries asked for as its `[1, T, hidden]` stream, with
+                `out.state_index` (`[rows, q]`, the stream position of each padded column) to pick from it
+                (`committed_hidden_states`), instead of padding them to `[rows, q, hidden]`.
             tree (`TreeAttention`, *optional*): the step feeds draft-tree nodes (see `paged_cache.TreeAttention`).
             logit_counts: row i needs only its last `logit_counts[i]` positions (at most `num_logits`): they come
                 left-aligned, columns past them repeating its last. A packed step then runs the LM head over those
@@ -188,7 +192,7 @@ class ModelRunner(CacheRows):
             return _to(out, caller)
         if layout is not None:
             layers = output_hidden_states if isinstance(output_hidden_states, tuple) else None
-            _unpack_output(out, layout, keep, rows, num_logits, layers, expand)
+            _unpack_output(out, layout, keep, rows, num_logits, layers, expand, packed_states)
         logits = getattr(out, "logits", None)
         if logits is not None and logits.shape[1] > num_logits:  # the model ignored logits_to_keep (Whisper)
             out.logits = logits = logits[:, -num_logits:]
@@ -208,12 +212,13 @@ def packs(model) -> bool:
 
 
 def _unpack_output(out, layout, keep: torch.Tensor, rows: int, num_logits: int, layers=None,
-                   expand: torch.Tensor | None = None) -> None:
+                   expand: torch.Tensor | None = None, packed_states: bool = False) -> None:
     """A packed forward's logits at the `keep` positions of the stream (or the whole stream's, where the model
     ignored `logits_to_keep`) to `[rows, num_logits, vocab]` (through `expand`, the kept position of each output
     entry, when given), and its hidden states `[1, T, hidden]` to the padded `[rows, q, hidden]` (padding repeats the
     row's first token), as the padded layout returns them: those at `layers` only, when given (the others become
-    None; a newcomer's prompt makes every row as wide as it)."""
+    None; a newcomer's prompt makes every row as wide as it). `packed_states`: those stay packed, and
+    `out.state_index` says where each padded column's state is in the stream."""
     logits = getattr(out, "logits", None)
     if logits is not None:
         if logits.shape[1] != keep.numel():
@@ -222,6 +227,11 @@ def _unpack_output(out, layout, keep: torch.Tensor, rows: int, num_logits: int, 
             logits = logits[0].index_select(0, expand.to(logits.device))
         out.logits = logits.view(rows, num_logits, logits.shape[-1])
     if getattr(out, "hidden_states", None) is not None:
+        if packed_states:
+            out.state_index = layout.unpack_index.view(rows, -1)
+            out.hidden_states = tuple(h if layers is None or i in layers else None
+                                      for i, h in enumerate(out.hidden_states))
+            return
         out.hidden_states = tuple(
             h[0].index_select(0, layout.unpack_index.to(h.device)).view(rows, -1, h.shape[-1])
             if layers is None or i in layers else None for i, h in enumerate(out.hidden_states))
@@ -269,36 +279,64 @@ class TargetHiddenStates:
     Attributes:
         states: `[rows, width, features]` right-aligned: row i's states are its last `num_states[i]` columns and
             belong to positions `start_positions[i], start_positions[i] + 1, ...` of that row. `features` is the
-            concatenation, in the order asked for, of the requested `output_hidden_states` entries.
+            concatenation, in the order asked for, of the requested `output_hidden_states` entries. With `ragged`,
+            `[sum(num_states), features]` instead: the rows' states one after another, no padding (a packed step
+            where a newcomer's prompt would make every row as wide as it).
         num_states: states per row, on the host.
         start_positions: position of each row's first state, on the host.
         rows: the batch rows, in the order of `states`.
+        ragged: `states` holds the rows one after another (read them through `row` and `newest`).
     """
 
     states: torch.Tensor
     num_states: list[int]
     start_positions: list[int]
     rows: list[int]
+    ragged: bool = False
+
+    def __post_init__(self):
+        self._starts = list(itertools.accumulate(self.num_states, initial=0)) if self.ragged else None
+
+    def row(self, i: int) -> torch.Tensor:
+        """`[num_states[i], features]`: the i-th row's states, oldest first (a view)."""
+        if not self.ragged:
+            return self.states[i, self.states.shape[1] - self.num_states[i]:]
+        return self.states[self._starts[i]:self._starts[i + 1]]
+
+    def newest(self) -> torch.Tensor:
+        """`[rows, features]`: each row's newest state (any value for a row with none)."""
+        if not self.ragged:
+            return self.states[:, -1]
+        if not len(self.states):
+            return self.states.new_zeros(len(self.rows), self.states.shape[-1])
+        return self.states[torch.tensor([max(0, end - 1) for end in self._starts[1:]], device=self.states.device)]
 
 
 def committed_hidden_states(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...], rows: list[int],
-                            num_fed: list[int], start_positions: list[int],
-                            num_committed: list[int]) -> TargetHiddenStates:
+                            num_fed: list[int], start_positions: list[int], num_committed: list[int],
+                            state_index: torch.Tensor | None = None) -> TargetHiddenStates:
     """Keeps, per row, the hidden states of the first `num_committed[i]` fed tokens (the rest were rejected drafts).
 
     Args:
         hidden_states: a model output's `hidden_states`, each `[rows, q, hidden]`, fed right-aligned (row i's tokens
-            are its last `num_fed[i]` columns). Index i is the input to decoder layer i; the last entry is the final
-            hidden state after the model's norm (transformers' convention).
+            are its last `num_fed[i]` columns); or, with `state_index`, a packed step's `[1, T, hidden]` stream.
+            Index i is the input to decoder layer i; the last entry is the final hidden state after the model's norm
+            (transformers' convention).
         layers: which entries to keep, concatenated in this order along the last dimension.
+        state_index: `[rows, q]` the stream position of each padded column (`ModelRunner.forward(...,
+            packed_states=True)`): the states are then picked from the stream, ragged, with no padding made.
     """
     states = torch.cat([hidden_states[i] for i in layers], dim=-1) if len(layers) > 1 else hidden_states[layers[0]]
-    q = states.shape[1]
+    q = states.shape[1] if state_index is None else state_index.shape[1]
     width = max(max(num_committed), 1)
     device = states.device
     fed = torch.tensor(num_fed, device=device)
     keep = torch.tensor(num_committed, device=device)
     offset = torch.arange(width, device=device)[None, :] - (width - keep)[:, None]  # [rows, width]; < 0 is padding
     cols = (q - fed)[:, None] + offset.clamp(min=0)
+    if state_index is not None:  # only the committed entries, row after row: no [rows, width, features] tensor
+        stream = state_index.to(device).gather(1, cols)[offset >= 0]
+        return TargetHiddenStates(states[0].index_select(0, stream), list(num_committed), list(start_positions),
+                                  list(rows), ragged=True)
     picked = states[torch.arange(len(rows), device=device)[:, None], cols]
     return TargetHiddenStates(picked, list(num_committed), list(start_positions), list(rows))

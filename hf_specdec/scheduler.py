@@ -349,9 +349,7 @@ class Scheduler:
                 self.prefix_cache.store(self.target.cache, row, prompt)
             elif row in index:
                 i = index[row]
-                n = states.num_states[i]
-                self.prefix_cache.store(self.target.cache, row, prompt, states.states[i, states.states.shape[1] - n:],
-                                        states.start_positions[i])
+                self.prefix_cache.store(self.target.cache, row, prompt, states.row(i), states.start_positions[i])
 
     def _write_prompt(self, request: Request) -> None:
         batch, row = self.batch, request.slot

@@ -90,7 +90,7 @@ class Step:
         # its drafts (columns past a row's own drafts repeat its last; nothing reads them). A packed step computes
         # them only where a row needs them.
         out = target.forward(rows, input_ids, num_fed, num_logits=k + 1, logit_counts=[n + 1 for n in counts],
-                             output_hidden_states=self._hidden_layers(wants_states))
+                             output_hidden_states=self._hidden_layers(wants_states), packed_states=wants_states)
         logits = out.logits
         masked = constrained.mask(logits) if constrained is not None else logits
         history = end[:, None] + torch.arange(k + 1, device=end.device)  # [rows, k + 1] history length per position
@@ -129,7 +129,8 @@ class Step:
                 for row in [r for r in rows if r in self.prefix_states]:
                     self.speculator.observe_hidden_states(self.prefix_states.pop(row))
             self.last_states = committed_hidden_states(
-                out.hidden_states, self.speculator.hidden_state_layers, rows, num_fed, cached, num_committed)
+                out.hidden_states, self.speculator.hidden_state_layers, rows, num_fed, cached, num_committed,
+                getattr(out, "state_index", None))
             self.speculator.observe_hidden_states(self.last_states)
         self.speculator.commit(batch, num_accepted)
         metrics.record_step(num_drafted, num_accepted)

@@ -69,6 +69,34 @@ def test_packed_steps_give_the_padded_logits_and_hidden_states(arch, monkeypatch
         torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
 
 
+def test_committed_states_picked_from_the_packed_stream_equal_the_padded_ones():
+    """A packed step leaves the hidden states a speculator reads as its stream (`packed_states=True`); the
+    committed ones are picked from it row after row (`TargetHiddenStates.ragged`), never padded to the widest row
+    (a newcomer's prompt): each row's states, its newest, and the padded path's, equal."""
+    model = make_model("llama")
+    layers = (1, 2)
+    with torch.no_grad(), paged_attention(model):
+        states = {}
+        for packed_states in (False, True):
+            runner = _three_rows(model, True)
+            states[packed_states] = []
+            for counts, ids in _steps(seed=3, rows=3, vocab=model.config.vocab_size, joins=True):
+                out = runner.forward([0, 1, 2], ids, counts, num_logits=1, output_hidden_states=layers,
+                                     packed_states=packed_states)
+                assert (getattr(out, "state_index", None) is not None) == packed_states
+                committed = [max(0, n - 1 - (i % 2)) for i, n in enumerate(counts)]  # a rejected draft or two
+                states[packed_states].append(model_runner.committed_hidden_states(
+                    out.hidden_states, layers, [0, 1, 2], counts, [0, 0, 0], committed,
+                    getattr(out, "state_index", None)))
+    for padded, ragged in zip(states[False], states[True]):
+        assert ragged.ragged and not padded.ragged
+        assert ragged.states.shape[0] == sum(padded.num_states)  # no padding made
+        for i in range(3):
+            torch.testing.assert_close(ragged.row(i), padded.row(i), atol=1e-10, rtol=1e-10)
+        has = torch.tensor(padded.num_states) > 0
+        torch.testing.assert_close(ragged.newest()[has], padded.newest()[has], atol=1e-10, rtol=1e-10)
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_a_row_per_token_gives_the_padded_logits_and_hidden_states(arch, monkeypatch):
     """Token rows (every token of a packed step its own attention row, one query over its row's context up to

@@ -371,12 +371,11 @@ class _PendingStates:
     def add(self, hidden: TargetHiddenStates) -> None:
         """Appends a step's states; a row's continue where its held ones end (rows may hold none yet)."""
         self._like = hidden.states
-        width = hidden.states.shape[1]
         for i, (row, n, start) in enumerate(zip(hidden.rows, hidden.num_states, hidden.start_positions)):
             if row not in self._start:
                 self._start[row], self._chunks[row], self._count[row] = start, [], 0
             if n:
-                self._chunks[row].append(hidden.states[i, width - n:])
+                self._chunks[row].append(hidden.row(i))
                 self._count[row] += n
 
     def take(self, rows: list[int]) -> tuple[torch.Tensor, list[int], list[int]]:

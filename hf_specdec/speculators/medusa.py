@@ -93,7 +93,7 @@ class FinalStateSpeculator(Speculator):
         device = self._states.device
         rows = torch.tensor(hidden.rows, device=device)
         fresh = torch.tensor(hidden.num_states, device=device) > 0  # a row with none keeps the state it had
-        self._states[rows] = torch.where(fresh[:, None], hidden.states[:, -1].to(self._states.dtype),
+        self._states[rows] = torch.where(fresh[:, None], hidden.newest().to(self._states.dtype),
                                          self._states[rows])
         self._known[rows] |= fresh
         self._seen = True
