@@ -41,7 +41,7 @@ def main() -> None:
                 out = runner.forward(list(range(rows)), ids, counts, num_logits=1, output_hidden_states=layers,
                                      packed_states=packed_states)
                 states = committed_hidden_states(out.hidden_states, layers, list(range(rows)), counts,
-                                                 [context] * rows, committed, getattr(out, "state_index", None))
+                                                 [context] * rows, committed, getattr(out, "states_packed", False))
                 times[packed_states].append(time.perf_counter() - start)
                 assert states.row(rows - 1).shape[0] == prompt - 1
                 for row in range(rows):

@@ -127,9 +127,9 @@ class ModelRunner(CacheRows):
             input_ids: `[rows, q]` right-aligned tokens (row i's are its last `num_tokens[i]` columns).
             num_logits: how many trailing positions need logits.
             output_hidden_states: True, or the indices of the entries the caller reads (the others may be None).
-            packed_states: a packed step leaves the entries asked for as its `[1, T, hidden]` stream, with
-                `out.state_index` (`[rows, q]`, the stream position of each padded column) to pick from it
-                (`committed_hidden_states`), instead of padding them to `[rows, q, hidden]`.
+            packed_states: a packed step leaves the entries asked for as its `[1, T, hidden]` stream (row i's
+                `num_tokens[i]` tokens one after another, rows in order) and sets `out.states_packed`, for
+                `committed_hidden_states` to pick from, instead of padding them to `[rows, q, hidden]`.
             tree (`TreeAttention`, *optional*): the step feeds draft-tree nodes (see `paged_cache.TreeAttention`).
             logit_counts: row i needs only its last `logit_counts[i]` positions (at most `num_logits`): they come
                 left-aligned, columns past them repeating its last. A packed step then runs the LM head over those
@@ -217,8 +217,8 @@ def _unpack_output(out, layout, keep: torch.Tensor, rows: int, num_logits: int, 
     ignored `logits_to_keep`) to `[rows, num_logits, vocab]` (through `expand`, the kept position of each output
     entry, when given), and its hidden states `[1, T, hidden]` to the padded `[rows, q, hidden]` (padding repeats the
     row's first token), as the padded layout returns them: those at `layers` only, when given (the others become
-    None; a newcomer's prompt makes every row as wide as it). `packed_states`: those stay packed, and
-    `out.state_index` says where each padded column's state is in the stream."""
+    None; a newcomer's prompt makes every row as wide as it). `packed_states`: those stay packed
+    (`out.states_packed`)."""
     logits = getattr(out, "logits", None)
     if logits is not None:
         if logits.shape[1] != keep.numel():
@@ -228,7 +228,7 @@ def _unpack_output(out, layout, keep: torch.Tensor, rows: int, num_logits: int, 
         out.logits = logits.view(rows, num_logits, logits.shape[-1])
     if getattr(out, "hidden_states", None) is not None:
         if packed_states:
-            out.state_index = layout.unpack_index.view(rows, -1)
+            out.states_packed = True
             out.hidden_states = tuple(h if layers is None or i in layers else None
                                       for i, h in enumerate(out.hidden_states))
             return
@@ -314,29 +314,34 @@ class TargetHiddenStates:
 
 def committed_hidden_states(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...], rows: list[int],
                             num_fed: list[int], start_positions: list[int], num_committed: list[int],
-                            state_index: torch.Tensor | None = None) -> TargetHiddenStates:
+                            packed: bool = False) -> TargetHiddenStates:
     """Keeps, per row, the hidden states of the first `num_committed[i]` fed tokens (the rest were rejected drafts).
 
     Args:
         hidden_states: a model output's `hidden_states`, each `[rows, q, hidden]`, fed right-aligned (row i's tokens
-            are its last `num_fed[i]` columns); or, with `state_index`, a packed step's `[1, T, hidden]` stream.
+            are its last `num_fed[i]` columns); or, with `packed`, a packed step's `[1, T, hidden]` stream.
             Index i is the input to decoder layer i; the last entry is the final hidden state after the model's norm
             (transformers' convention).
         layers: which entries to keep, concatenated in this order along the last dimension.
-        state_index: `[rows, q]` the stream position of each padded column (`ModelRunner.forward(...,
-            packed_states=True)`): the states are then picked from the stream, ragged, with no padding made.
+        packed: `hidden_states` are a packed step's stream (`ModelRunner.forward(..., packed_states=True)`): row
+            i's fed tokens one after another from position `sum(num_fed[:i])`. The committed states are then
+            picked from it, ragged, with no padding made, at positions worked out on the host (no device read).
     """
+    if packed:  # only the committed entries, row after row: no [rows, width, features] tensor
+        keep = torch.tensor(num_committed)
+        first = torch.tensor(list(itertools.accumulate(num_fed, initial=0))[:-1])  # each row's first in the stream
+        stream = torch.repeat_interleave(first - (keep.cumsum(0) - keep), keep) + torch.arange(int(keep.sum()))
+        stream = stream.to(hidden_states[layers[0]].device)
+        picked = [hidden_states[i][0].index_select(0, stream) for i in layers]
+        return TargetHiddenStates(torch.cat(picked, dim=-1) if len(picked) > 1 else picked[0], list(num_committed),
+                                  list(start_positions), list(rows), ragged=True)
     states = torch.cat([hidden_states[i] for i in layers], dim=-1) if len(layers) > 1 else hidden_states[layers[0]]
-    q = states.shape[1] if state_index is None else state_index.shape[1]
+    q = states.shape[1]
     width = max(max(num_committed), 1)
     device = states.device
     fed = torch.tensor(num_fed, device=device)
     keep = torch.tensor(num_committed, device=device)
     offset = torch.arange(width, device=device)[None, :] - (width - keep)[:, None]  # [rows, width]; < 0 is padding
     cols = (q - fed)[:, None] + offset.clamp(min=0)
-    if state_index is not None:  # only the committed entries, row after row: no [rows, width, features] tensor
-        stream = state_index.to(device).gather(1, cols)[offset >= 0]
-        return TargetHiddenStates(states[0].index_select(0, stream), list(num_committed), list(start_positions),
-                                  list(rows), ragged=True)
     picked = states[torch.arange(len(rows), device=device)[:, None], cols]
     return TargetHiddenStates(picked, list(num_committed), list(start_positions), list(rows))

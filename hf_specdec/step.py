@@ -130,7 +130,7 @@ class Step:
                     self.speculator.observe_hidden_states(self.prefix_states.pop(row))
             self.last_states = committed_hidden_states(
                 out.hidden_states, self.speculator.hidden_state_layers, rows, num_fed, cached, num_committed,
-                getattr(out, "state_index", None))
+                getattr(out, "states_packed", False))
             self.speculator.observe_hidden_states(self.last_states)
         self.speculator.commit(batch, num_accepted)
         metrics.record_step(num_drafted, num_accepted)
@@ -328,8 +328,9 @@ class Step:
                                 draft.token_ids[:, :k], PAD_ID)
         probs = draft.probs[:, :k] if draft.probs is not None else None
         return DraftProposal(token_ids, num_tokens, probs), classes, counts
+
     def _hidden_layers(self, wants_states: bool):
-        # Only the entries the speculator reads come back (a packed step's states are unpacked per entry).
+        # Only the entries the speculator reads come back (a packed step's stay its stream: `packed_states`).
         return tuple(self.speculator.hidden_state_layers) if wants_states else False
 
     def _no_drafts(self, batch, limits) -> DraftProposal:

@@ -83,11 +83,11 @@ def test_committed_states_picked_from_the_packed_stream_equal_the_padded_ones():
             for counts, ids in _steps(seed=3, rows=3, vocab=model.config.vocab_size, joins=True):
                 out = runner.forward([0, 1, 2], ids, counts, num_logits=1, output_hidden_states=layers,
                                      packed_states=packed_states)
-                assert (getattr(out, "state_index", None) is not None) == packed_states
+                assert getattr(out, "states_packed", False) == packed_states
                 committed = [max(0, n - 1 - (i % 2)) for i, n in enumerate(counts)]  # a rejected draft or two
                 states[packed_states].append(model_runner.committed_hidden_states(
                     out.hidden_states, layers, [0, 1, 2], counts, [0, 0, 0], committed,
-                    getattr(out, "state_index", None)))
+                    getattr(out, "states_packed", False)))
     for padded, ragged in zip(states[False], states[True]):
         assert ragged.ragged and not padded.ragged
         assert ragged.states.shape[0] == sum(padded.num_states)  # no padding made

@@ -57,7 +57,9 @@ class Speculator:
 
     def observe_hidden_states(self, hidden) -> None:
         """Called after each verify, before `commit`, when `needs_hidden_states`: the target's hidden states at
-        `hidden_state_layers` for each active row's newly committed tokens (a `model_runner.TargetHiddenStates`)."""
+        `hidden_state_layers` for each active row's newly committed tokens (a `model_runner.TargetHiddenStates`).
+        Read a row's states with `hidden.row(i)` and the newest of each with `hidden.newest()`: after a packed step
+        `hidden.states` is ragged (`[sum(num_states), features]`, rows one after another), not `[rows, width, ...]`."""
 
     def commit(self, batch: SequenceBatch, num_accepted: list[int]) -> None:
         """Called after verification with the accepted drafts per active row; `batch.lengths` is already updated."""

@@ -379,8 +379,8 @@ class _PendingStates:
                 self._count[row] += n
 
     def take(self, rows: list[int]) -> tuple[torch.Tensor, list[int], list[int]]:
-        """Removes `rows`' states and returns them as `TargetHiddenStates` holds them: `[rows, width, features]`
-        right-aligned (width: the most any of them has; padding is zeros), the counts and start positions."""
+        """Removes `rows`' states and returns them padded, `[rows, width, features]` right-aligned (width: the most
+        any of them has; padding is zeros), with the counts and start positions."""
         counts = [self._count.pop(r) for r in rows]
         starts = [self._start.pop(r) for r in rows]
         chunks = [c for r in rows for c in self._chunks.pop(r)]

@@ -89,7 +89,7 @@ class FinalStateSpeculator(Speculator):
         self._known[torch.tensor(rows, device=self._known.device)] = False
 
     def observe_hidden_states(self, hidden) -> None:
-        """Keeps each row's newest committed state (the last column: states arrive right-aligned)."""
+        """Keeps each row's newest committed state (`TargetHiddenStates.newest`)."""
         device = self._states.device
         rows = torch.tensor(hidden.rows, device=device)
         fresh = torch.tensor(hidden.num_states, device=device) > 0  # a row with none keeps the state it had
