@@ -348,6 +348,12 @@ class AdaptiveK:
         prior = (self.priors * scale).clamp(max=_MAX_RATE)
         return (accepted + self.strength * prior) / (tried + self.strength)
 
+    @property
+    def reads_backlog(self) -> bool:
+        """Whether a model speculator's backlog (`Speculator.unread`) enters this policy at all: priced in the
+        choice (`price_reading`) or in the whole-step check (`returns`). Otherwise the step need not count it."""
+        return self.read_horizon != float("inf") or self.returns is not None
+
     def choose(self, rows: list[int], available: list[int] | None = None, classes: list[int] | None = None,
                context: float = 0.0, unread: float = 0.0) -> int:
         """The k for this step's rows.

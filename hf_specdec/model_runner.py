@@ -309,7 +309,7 @@ class TargetHiddenStates:
             return self.states[:, -1]
         if not len(self.states):
             return self.states.new_zeros(len(self.rows), self.states.shape[-1])
-        return self.states[torch.tensor([max(0, end - 1) for end in self._starts[1:]], device=self.states.device)]
+        return self.states[(torch.tensor(self._starts[1:], device=self.states.device) - 1).clamp(min=0)]
 
 
 def committed_hidden_states(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...], rows: list[int],

@@ -304,7 +304,7 @@ class Step:
             if self.policy is not None:
                 # A model speculator reads its backlog (states or tokens of idle steps, newcomers' prompts) before
                 # its first draft: the policy prices that with the drafts.
-                unread = self.speculator.unread(batch)
+                unread = self.speculator.unread(batch) if self.policy.reads_backlog else 0.0
                 k = self.policy.choose(batch.active, context=context, unread=unread)
             else:
                 k, unread = self.k, 0.0

@@ -462,6 +462,7 @@ def test_a_backlog_read_before_drafting_is_priced_only_where_the_policy_prices_r
     def policy(price_reading):
         return AdaptiveK(num_rows=4, max_k=4, step_cost=cpu, priors=(0.8,), packed=True, price_reading=price_reading)
 
+    assert policy(True).reads_backlog and not policy(False).reads_backlog  # one call's steps need not count it
     assert policy(True).choose(rows, context=context, unread=10.0) > 0
     assert policy(True).choose(rows, context=context, unread=1000.0) == 0
     assert policy(False).choose(rows, context=context, unread=1000.0) == policy(False).choose(rows, context=context) > 0

@@ -91,7 +91,8 @@ class HybridSpeculator(Speculator):
         copies = [n > 0 and c >= self.min_match for n, c in zip(offered, classes)]
         head_k = 0 if all(copies) else min(k, self.head_tokens)
         policy = self._policy
-        unread = self.head.unread(batch) if head_k else 0.0  # the states the head reads before drafting
+        # The states the head reads before drafting, where the policy counts them.
+        unread = self.head.unread(batch) if head_k and policy is not None and policy.reads_backlog else 0.0
         if head_k and policy is not None and policy.packed:
             # Only where adaptive k would verify some of the head's drafts, and they beat the lookup's alone by more
             # than the head's forwards cost (at a large batch, drafts of the head's acceptance often do not).
