@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_check_bundle import install, pack, receive  # noqa: E402
+from gpu_check_bundle import BUNDLE_DIR, SERVE_PACKED, SERVE_PART_BYTES, install, pack, receive  # noqa: E402
 
 STAGE_NAMES = ("install", "tests", "kernels", "step_cost", "train", "bench")
 # Seconds per stage, caps rather than plans: the first run (H200, 2026-11-26, docs/gpu_h200) took install 39, tests
@@ -54,12 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", default=",".join(STAGE_NAMES), help="comma-separated subset, run in order")
     parser.add_argument("--pack", action="store_true", help="write the GPU machine's bundle (wheels and the embedded "
                         "model, in parts of at most 40 MiB) into .gpu_check/ and exit")
+    parser.add_argument("--pack-serve", action="store_true", help="write the serving path's smaller bundle (the "
+                        "model's loaders, the serving extra's wheels and the embedded model) into .gpu_serve/ for "
+                        "benchmarks/gpu_serve_run.sh, and exit")
     parser.add_argument("--receive", action="append", default=[], metavar="PART", help="keep a bundle part on this "
                         "machine (outside the working tree) before the check")
     parser.add_argument("--no-check", action="store_true", help="with --receive: only keep the part")
     args = parser.parse_args(argv)
-    if args.pack:
-        parts = pack()
+    if args.pack or args.pack_serve:
+        parts = (pack(BUNDLE_DIR.parent / ".gpu_serve", SERVE_PART_BYTES, SERVE_PACKED) if args.pack_serve
+                 else pack())
         print("\n".join(str(p) for p in parts))
         print(f"{len(parts)} parts: send each with the device tool (see docs/benchmarks.md, section GPU)")
         return 0

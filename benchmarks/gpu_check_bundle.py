@@ -27,6 +27,11 @@ BUNDLE_DIR = REPO / ".gpu_check"  # ignored through .git/info/exclude, so it tra
 STAGING = Path(os.environ.get("HF_SPECDEC_GPU_CHECK_STAGING", "/tmp/hf_specdec_gpu_check"))
 PART_BYTES = 40 << 20  # a part plus the working tree (about 13 MiB) stays under a call's 64 MiB
 PACKED = ("transformers", "gguf", "torchao", "bitsandbytes")  # pinned to this machine's versions
+# The serving path alone (`gpu_serve_run.sh`): the model's loaders and the serving extra's stack, which the device
+# image lacks; no quantization packages, so the bundle is three parts (two receive-only calls and the run).
+SERVE_PACKED = ("transformers", "gguf", "fastapi", "starlette", "uvicorn", "pydantic", "pydantic_core",
+                "annotated-types", "typing-inspection", "annotated-doc", "opentelemetry-api", "typing_extensions")
+SERVE_PART_BYTES = 38 << 20
 EMBEDDED = "smollm2-135m-instruct"
 # The device image's Python (3.12, x86-64 manylinux); pip matches each manylinux tag exactly.
 PLATFORM_ARGS = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp"] + [
@@ -36,16 +41,17 @@ PLATFORM_ARGS = ["--only-binary=:all:", "--python-version", "3.12", "--implement
 PART_NAME = re.compile(r"bundle-(?P<digest>[0-9a-f]{12})\.part-(?P<index>\d+)-of-(?P<count>\d+)$")
 
 
-def pack(out: Path = BUNDLE_DIR, part_bytes: int = PART_BYTES) -> list[Path]:
-    """Downloads the wheels for the device's Python, adds the embedded model's GGUF file, and writes the bundle as
-    parts `bundle-DIGEST.part-I-of-N` into `out` (emptied first). Returns the parts."""
+def pack(out: Path = BUNDLE_DIR, part_bytes: int = PART_BYTES, packed: tuple[str, ...] = PACKED) -> list[Path]:
+    """Downloads the wheels of `packed` (at this machine's versions) for the device's Python, adds the embedded
+    model's GGUF file, and writes the bundle as parts `bundle-DIGEST.part-I-of-N` into `out` (emptied first).
+    Returns the parts."""
     from hf_specdec.models import EMBEDDED_MODELS, fetch_embedded
 
     _exclude_from_git(out)
     with tempfile.TemporaryDirectory(prefix="gpu_check_pack_") as tmp:
         root = Path(tmp) / "bundle"
         (root / "wheels").mkdir(parents=True)
-        pins = [f"{name}=={metadata.version(name)}" for name in PACKED]
+        pins = [f"{name}=={metadata.version(name)}" for name in packed]
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", *PLATFORM_ARGS, "-d",
                         str(root / "wheels"), *pins], check=True)
         model_dir = root / "models" / EMBEDDED

@@ -252,3 +252,21 @@ def test_quantized_draft_on_cuda_is_lossless(quantization):
     out = target.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
                           speculator=draft, num_speculative_tokens=4)
     assert torch.equal(out, plain)
+
+
+def test_pack_serve_bundles_the_serving_extra_and_the_models_loaders(monkeypatch):
+    import re
+    import tomllib
+
+    calls = []
+    monkeypatch.setattr(gpu_check, "pack", lambda *args: calls.append(args) or [])
+    assert gpu_check.main(["--pack-serve"]) == 0
+    out, part_bytes, packed = calls[0]
+    assert out.name == ".gpu_serve" and part_bytes == gpu_check_bundle.SERVE_PART_BYTES
+    extras = tomllib.loads((BENCHMARKS.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    needed = {re.split(r"[<>=!~ ;\[]", req, maxsplit=1)[0] for req in extras["serve"]} | {"transformers", "gguf"}
+    assert needed <= set(packed)
+    assert "bitsandbytes" not in packed  # the three-part bundle: the quantization wheels stay out
+    calls.clear()
+    assert gpu_check.main(["--pack"]) == 0
+    assert calls == [()]
