@@ -485,7 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "first (default 8192; 0 for none)")
     srv.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
                      help="run a few synthetic requests before serving, so kernels compile then and not inside the "
-                     "first clients' requests (default: on for CUDA, off elsewhere)")
+                     "first clients' requests (default: on for CUDA; elsewhere one short request, which allocates the "
+                     "KV pools before serving; --no-warm-up: none)")
     srv.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     srv.add_argument("--no-calibrate", action="store_true", help="skip measuring this host's costs at start")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -174,7 +174,7 @@ def test_serving_checks_what_drafts_cost_per_batch_size(tokenizer, speculator):
     # A draft model with the target's weights, priced as a small one: its drafts are accepted and look cheap, so
     # adaptive k keeps drafting.
     spec = {"ngram": "ngram", "draft": served_model()}[speculator]
-    engine = ServingEngine(model, tokenizer, spec, num_speculative_tokens=4, max_batch_size=3)
+    engine = ServingEngine(model, tokenizer, spec, num_speculative_tokens=4, max_batch_size=3, warmup=False)
     policy, step = engine.step.policy, engine.step
     if speculator == "draft":
         # Priced as a small draft over a flat curve, from the first step (the fitted costs wait for 16 steps)
@@ -296,12 +296,28 @@ def test_warm_up_fits_a_short_context(tokenizer):
         engine.shutdown()
 
 
-def test_warm_up_is_on_by_default_only_on_cuda(tokenizer):
-    engine = ServingEngine(served_model(), tokenizer, "ngram", num_speculative_tokens=2, max_batch_size=2)
-    assert engine.warmup is False  # the model is on the CPU: nothing compiles there
+def test_full_warm_up_is_on_by_default_only_on_cuda_and_a_short_one_elsewhere(tokenizer):
+    """On the CPU the default is one short request before serving: the KV pools (the target's and the
+    speculator's) exist when `start` returns, and nothing else is kept. `warmup=False` runs none."""
+    model = served_model()
+    engine = ServingEngine(model, tokenizer, "ngram", num_speculative_tokens=2, max_batch_size=2)
+    assert engine.warmup is False and engine.short_warmup  # the model is on the CPU: nothing compiles there
+    assert not engine.target.cache.key_pools
     engine.start()
     try:
-        assert engine.warmup_report is None
+        report = engine.warmup_report
+        assert report["kind"] == "short" and report["steps"] >= 2 and report["draft_tokens"] > 0, report
+        assert engine.target.cache.key_pools  # allocated before the first client's request
+        assert engine.metrics.num_steps == 0 and engine.counters["requests"] == 0 and no_blocks_held(engine)
+        assert engine.step.policy.measured.steps == 0 and not engine.step.policy.chosen
+        served_equal_solo(engine, model, [(repeating(6 + 3 * i, seed=40 + i), 8 + 3 * i) for i in range(3)])
+    finally:
+        engine.shutdown()
+    engine = ServingEngine(model, tokenizer, "ngram", num_speculative_tokens=2, max_batch_size=2, warmup=False)
+    assert not engine.warmup and not engine.short_warmup
+    engine.start()
+    try:
+        assert engine.warmup_report is None and not engine.target.cache.key_pools
     finally:
         engine.shutdown()
 
@@ -790,7 +806,7 @@ def test_grammar_requests_join_a_running_batch_exactly():
 
 def test_a_failing_step_fails_its_requests_and_the_server_runs_on(tokenizer):
     model = served_model(eos=None)
-    engine = ServingEngine(model, tokenizer, "ngram", max_batch_size=2)
+    engine = ServingEngine(model, tokenizer, "ngram", max_batch_size=2, warmup=False)
     original, calls = engine.scheduler.step_fn.__call__, []
 
     class Failing:

@@ -150,7 +150,10 @@ class ServingEngine:
             grow then rather than inside the first clients' requests; `start` returns once they are done. Nothing
             they do is kept: metrics, adaptive k's statistics and the prefix cache start empty. Default: on where
             the model runs on CUDA (where the Triton kernels compile a variant per query-length bucket: on an H200
-            the first speculative call of a fresh process took 9 s against 0.9 s warm), off elsewhere.
+            the first speculative call of a fresh process took 9 s against 0.9 s warm); elsewhere one short request
+            instead (`warmup_report["kind"] == "short"`), which allocates the KV pools and pays the first forward's
+            one-off costs before `start` returns (on a CPU they made a server's first request take seconds more
+            than the next ones). `False`: neither.
     """
 
     def __init__(self, model, tokenizer, speculator="ngram", num_speculative_tokens: int | None = None,
@@ -202,6 +205,7 @@ class ServingEngine:
             raise ValueError(f"prefix_cache_tokens must be >= 0 (0 for none), got {prefix_cache_tokens}")
         self._build(block_size, max_num_blocks, schedule, calibration, kv_region_tokens, prefix_cache_tokens)
         self.warmup = self.batch.device.type == "cuda" if warmup is None else bool(warmup)
+        self.short_warmup = warmup is None and not self.warmup  # one request: pools and first-call costs
         self.warmup_report: dict | None = None  # what the warm-up ran: steps, draft tokens, seconds
         self._ready = threading.Event()
 
@@ -413,8 +417,8 @@ class ServingEngine:
                 stack.enter_context(host_linear(self.model, self.speculator, self.calibration))
                 self.speculator.begin(self.model, self.batch)
                 stack.callback(self.speculator.end)
-                if self.warmup:
-                    self._warm_up()
+                if self.warmup or self.short_warmup:
+                    self._warm_up(short=not self.warmup)
                 self._ready.set()
                 while True:
                     with self._lock:
@@ -447,7 +451,7 @@ class ServingEngine:
             for stream in streams:
                 stream._put(RuntimeError(f"the engine failed: {type(error).__name__}: {error}"))
 
-    def _warm_up(self) -> None:
+    def _warm_up(self, short: bool = False) -> None:
         """Synthetic requests through the real step before any client's, so that every variant of the Triton kernels
         a request can launch is compiled now (`kernels/variants.py` lists what makes a variant): four groups, one per
         combination of top-k and top-p that a sampled batch can need (the sampling kernel's variants), alternately
@@ -457,7 +461,8 @@ class ServingEngine:
         row alone, and one sampled row without drafts. A prompt that repeats itself gives n-gram lookup something
         to propose; k is constant (adaptive k would draft nothing on its static priors) and nothing is stored for
         prefix reuse. Afterwards the metrics start again from zero and adaptive k's statistics were never touched.
-        Groups larger than the batch queue as any requests would."""
+        Groups larger than the batch queue as any requests would. `short`: the row alone only (the KV pools, the
+        speculator's own included, are allocated at their first write, and the first forward's one-off costs paid)."""
         start = time.perf_counter()
         policy, prefix_cache = self.step.policy, self.scheduler.prefix_cache
         self.step.policy, self.scheduler.prefix_cache = None, None
@@ -465,13 +470,15 @@ class ServingEngine:
         prompt = self._warmup_prompt()[:max(2, self.max_model_len - self.k - 4)]  # with its tokens, within the context
         greedy = SamplingParams()
         groups = []
-        for i, (top_k, top_p) in enumerate(((0, 1.0), (20, 1.0), (0, 0.9), (20, 0.9))):
+        for i, (top_k, top_p) in enumerate(() if short else ((0, 1.0), (20, 1.0), (0, 0.9), (20, 0.9))):
             sampled = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, seed=0 if i % 2 == 0 else None)
             groups.append([Request(prompt[:max(2, len(prompt) - j)], j + 2 if j else self.k + 4,
                                    greedy if j % 2 == 0 else sampled) for j in range(max(2, self.k + 1))])
         # One row alone; then a sampled row of one token, whose only step has no drafts (a speculator with draft
         # probabilities verifies its drafts in another variant than a step without any).
-        groups += [[Request(list(prompt), self.k + 2)], [Request(list(prompt), 1, SamplingParams(temperature=1.0))]]
+        groups += [[Request(list(prompt), self.k + 2)]]
+        if not short:
+            groups += [[Request(list(prompt), 1, SamplingParams(temperature=1.0))]]
         steps = 0
         try:
             for group in groups:
@@ -495,7 +502,8 @@ class ServingEngine:
         finally:
             self.step.policy, self.scheduler.prefix_cache = policy, prefix_cache
             self.speculator.bind_policy(policy)
-        self.warmup_report = {"steps": steps, "draft_tokens": self.metrics.num_draft_tokens,
+        self.warmup_report = {"kind": "short" if short else "full", "steps": steps,
+                              "draft_tokens": self.metrics.num_draft_tokens,
                               "accepted_tokens": self.metrics.num_accepted_tokens,
                               "seconds": round(time.perf_counter() - start, 3)}
         self.metrics = self.scheduler.metrics = SpeculativeMetrics()
