@@ -168,11 +168,11 @@ class SpeculativeEngine:
         first_col = width - lengths
         cols = first_col[:, None] + mask.long().cumsum(-1) - 1
         cols = torch.where(mask.bool(), cols, buffer.shape[1] - 1)  # padding goes to a scratch column
-        buffer.scatter_(1, cols, input_ids)
+        buffer.scatter_(1, cols, input_ids.long())  # int32 ids, say, as plain generate takes them
         buffer[:, -1] = pad_token_id
         vocab = self.model.config.get_text_config().vocab_size
         return SequenceBatch(buffer, first_col, lengths.tolist(), list(range(rows)), width, do_sample,
-                             LogitsProcessing(logits_processor), vocab)
+                             LogitsProcessing(logits_processor, rows), vocab)
 
     @staticmethod
     def _sequences(input_ids, batch, num_generated, pad_token_id):

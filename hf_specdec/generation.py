@@ -7,10 +7,12 @@ stopping criteria) and then hands over to our engine through its documented `cus
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass
 
 from transformers import GenerationMixin, PreTrainedModel
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import LogitsProcessorList, PrefixConstrainedLogitsProcessor
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -154,6 +156,14 @@ def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=N
             raise ValueError("assistant_tokenizer= needs tokenizer= too, so the two can be compared")
         check_tokenizers_match(tokenizer, assistant_tokenizer)
     stop_strings = kwargs.pop("stop_strings", None)
+    config = kwargs.get("generation_config") or self.generation_config
+    if getattr(config, "token_healing", False) or kwargs.get("token_healing"):
+        raise ValueError("token_healing is not supported with speculator=; drop it (or call generate without "
+                         "speculator=)")
+    if stop_strings is None and getattr(config, "stop_strings", None):  # set in a GenerationConfig, not by keyword
+        stop_strings = config.stop_strings
+        kwargs["generation_config"] = copy.deepcopy(config)
+        kwargs["generation_config"].stop_strings = None  # ours matches them (transformers' would want tokenizer=)
     if stop_strings is not None:  # transformers builds this criterion only for its own decoding methods
         if tokenizer is None:
             raise ValueError("stop_strings= needs tokenizer= so the strings can be matched against tokens")
@@ -185,6 +195,12 @@ def _decode(model, speculator, k, schedule, step_cost, input_ids, logits_process
     if config.num_beams > 1:
         raise ValueError(f"speculative decoding does not support beam search (num_beams={config.num_beams}); "
                          "use num_beams=1")
+    # A custom decoding function skips transformers' own dispatch on the mode: other modes would silently decode
+    # greedily here.
+    mode = config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        raise ValueError(f"speculative decoding runs greedy search or sampling, not {mode.value} (set by "
+                         "penalty_alpha, dola_layers, ...); drop those options or call generate without speculator=")
     requested = [name for name in _UNSUPPORTED_OUTPUTS if getattr(config, name, False)]
     if requested:
         raise NotImplementedError(f"{', '.join(requested)} are not supported with speculator= yet; drop them")

@@ -3,7 +3,9 @@
 transformers calls a processor with `input_ids` `[batch, cur_len]`: every row at the same length. In a speculative
 step row i's position j has history `prompt_i + generated_i + drafts_i[:j]`, and rows differ. We group positions by
 history length (laid out as transformers lays out a batch: left-padded prompt, then generated tokens) and call the
-processors once per group, so a processor sees exactly the `input_ids` plain `generate` would have given it.
+processors once per group, so a processor sees exactly the `input_ids` plain `generate` would have given it: a
+processor of the user's own (which may index rows) gets the whole batch, each row at its batch index, and only the
+group's rows of its result are kept.
 Processors that never read `input_ids` (the sampling warpers) run once over all positions; when they are only
 temperature, top-k and top-p and the kernel backend is triton (CUDA by default), one kernel applies them to every
 position without sorting (`hf_specdec.kernels.sampling`).
@@ -48,8 +50,9 @@ class LogitsProcessing:
         processors (`LogitsProcessorList`, *optional*): as built by `generate`.
     """
 
-    def __init__(self, processors: LogitsProcessorList | None):
+    def __init__(self, processors: LogitsProcessorList | None, batch_size: int | None = None):
         self.processors = LogitsProcessorList(processors or [])
+        self.batch_size = batch_size  # rows of the call's batch: what a processor's row index refers to
         for p in self.processors:
             if isinstance(p, _REFUSED):
                 raise ValueError(
@@ -62,6 +65,9 @@ class LogitsProcessing:
                                  "decoding cannot replay; pass the constraint as grammar=hf_specdec.Grammar."
                                  "json_schema(...) / .regex(...) / .ebnf(...) instead")
         self._unchecked = [p for p in self.processors if not type(p).__module__.startswith("transformers.")]
+        # A processor of the user's own may index rows (a bias per request, say): it is called with the whole
+        # batch, each row at its batch index, as plain `generate` calls it (transformers' own are row-wise).
+        self._whole_batch = bool(self._unchecked)
         self.history_free = all(isinstance(p, _HISTORY_FREE) for p in self.processors)
         self.sampling_params = _sampling_params(self.processors)
         self._param_tensors: dict = {}
@@ -87,13 +93,41 @@ class LogitsProcessing:
                 return apply_sampling_params(scores, *self._params(len(scores), scores.device), backend=backend)
         if self.history_free:
             return self.processors(token_ids[rows, :1], scores)
+        own_buffer = batch_rows is None  # `token_ids` is the batch's buffer, row for row
         batch_rows = rows if batch_rows is None else batch_rows
         out = scores.clone()
         lens = history_lens.tolist()
         for length in sorted(set(lens)):
-            idx = torch.tensor([t for t, n in enumerate(lens) if n == length], device=scores.device)
-            out[idx] = self._call(token_ids[rows[idx], :length], scores[idx], batch_rows[idx])
+            group = [t for t, n in enumerate(lens) if n == length]
+            if not self._whole_batch:
+                idx = torch.tensor(group, device=scores.device)
+                out[idx] = self._call(token_ids[rows[idx], :length], scores[idx], batch_rows[idx])
+                continue
+            owners = batch_rows.tolist()
+            while group:  # one entry per batch row a call (a draft tree's siblings share a length)
+                seen, now, later = set(), [], []
+                for t in group:
+                    (later if owners[t] in seen else now).append(t)
+                    seen.add(owners[t])
+                idx = torch.tensor(now, device=scores.device)
+                out[idx] = self._call_whole(token_ids, rows[idx], length, scores[idx], batch_rows[idx], own_buffer)
+                group = later
         return out
+
+    def _call_whole(self, token_ids, rows, length, scores, batch_rows, own_buffer: bool) -> torch.Tensor:
+        """The processors called as plain `generate` calls them: `[batch, length]` ids and `[batch, vocab]` scores
+        with these entries at their batch rows (the other rows hold their own tokens up to `length`, or zeros);
+        returns these entries' results."""
+        size = self.batch_size or int(batch_rows.max()) + 1
+        if own_buffer and token_ids.shape[0] == size:
+            ids = token_ids[:, :length].clone()
+        else:
+            ids = token_ids.new_zeros((size, length))
+            ids[batch_rows] = token_ids[rows, :length]
+        full = scores.new_zeros((size, scores.shape[-1]))
+        full[batch_rows] = scores
+        out = self._guarded(ids, full) if self._unchecked else self.processors(ids, full)
+        return out[batch_rows]
 
     def _guarded(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         # A processor from outside transformers is watched on its first call: one whose attributes change when

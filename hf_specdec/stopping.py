@@ -43,7 +43,10 @@ class StopRules:
         return num_emit, finished
 
     def _apply_custom(self, token_ids, rows, end_cols, num_emit, finished, scores):
-        # Per emitted position, rows are grouped by history length so each criterion sees rectangular input_ids.
+        # Per emitted position, rows are grouped by history length so each criterion sees rectangular input_ids:
+        # the whole batch's, as plain `generate` passes them (a criterion may index rows, or read row 0 only), with
+        # the group's rows at their batch index; only theirs of the answer count. A criterion may answer one bool
+        # for the batch (a Python bool or a 0-d tensor), as plain `generate` allows.
         emit = num_emit.tolist()
         ends = end_cols.tolist()
         stopped = [False] * len(emit)
@@ -54,9 +57,13 @@ class StopRules:
                     by_length.setdefault(ends[i] + j + 1, []).append(i)
             for length, members in by_length.items():
                 idx = torch.tensor(members, device=rows.device)
+                owners = rows[idx]
+                full = scores.new_zeros((token_ids.shape[0], scores.shape[-1]))
+                full[owners] = scores[idx, j]
                 hit = torch.zeros(len(members), dtype=torch.bool, device=rows.device)
                 for criterion in self.custom:
-                    hit |= criterion(token_ids[rows[idx], :length], scores[idx, j]).to(rows.device)
+                    answer = torch.as_tensor(criterion(token_ids[:, :length], full), dtype=torch.bool)
+                    hit |= answer.to(rows.device).expand(token_ids.shape[0])[owners]
                 for i, stop in zip(members, hit.tolist()):
                     if stop:
                         stopped[i], emit[i] = True, j + 1

@@ -94,8 +94,9 @@ class Grammar:
 
     @classmethod
     def from_response_format(cls, response_format: dict | None) -> Grammar | None:
-        """The grammar an OpenAI-style `response_format` asks for: `{"type": "json_object"}`,
-        `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`, or `{"type": "text"}` (`None`)."""
+        """The grammar an OpenAI-style `response_format` asks for: `{"type": "json_object"}` (a JSON object, any
+        keys), `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`, or `{"type": "text"}`
+        (`None`)."""
         if response_format is None:
             return None
         if not isinstance(response_format, dict) or "type" not in response_format:
@@ -103,8 +104,8 @@ class Grammar:
         kind = response_format["type"]
         if kind == "text":
             return None
-        if kind == "json_object":
-            return cls.json()
+        if kind == "json_object":  # OpenAI's JSON mode promises an object, not any JSON value
+            return cls.json_schema({"type": "object"})
         if kind == "json_schema":
             spec = response_format.get("json_schema")
             if not isinstance(spec, dict) or "schema" not in spec:

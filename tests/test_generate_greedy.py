@@ -118,6 +118,113 @@ def test_custom_stopping_criteria_match_generate():
     assert torch.equal(sequences, expected)
 
 
+class StopAfterPerRow:
+    """Row i stops once it has `limits[i]` new tokens: a criterion that indexes rows, as a per-request budget does."""
+
+    def __init__(self, width, limits):
+        self.width, self.limits = width, limits
+
+    def __call__(self, input_ids, scores, **kwargs):
+        new = input_ids.shape[1] - self.width
+        return torch.tensor([new >= self.limits[i] for i in range(input_ids.shape[0])])
+
+
+class FavourPerRow:
+    """Row i's favourite token gets a bonus on some lengths: a processor that indexes rows."""
+
+    def __init__(self, favourites):
+        self.favourites = favourites
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        for i in range(input_ids.shape[0]):
+            scores[i, self.favourites[i]] += 4.0 * (input_ids.shape[1] % 3 == 0)
+        return scores
+
+
+class StopOnTokenInRowZero:
+    """The common tutorial form: one Python bool for the whole batch."""
+
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return bool(input_ids[0, -1] == self.token)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "same_draft"])
+def test_row_indexed_processors_and_criteria_see_their_rows(kind):
+    """Rows advance unevenly under speculation and finished rows leave the batch; a processor or criterion of the
+    user's own still gets the whole batch with each row at its index, so per-row logic acts on the right row."""
+    from transformers import LogitsProcessorList, StoppingCriteriaList
+
+    target = make_model("llama")
+    input_ids, mask = ragged_batch(rows=3, width=12, seed=7)
+    kwargs = dict(logits_processor=LogitsProcessorList([FavourPerRow([5, 6, 7])]),
+                  stopping_criteria=StoppingCriteriaList([StopAfterPerRow(12, [3, 9, 17])]), eos_token_id=1)
+    expected = target.generate(input_ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, **kwargs)
+    sequences, metrics = run(target, speculators("llama")[kind](target), input_ids, mask,
+                             speculative_schedule="constant", **kwargs)
+    assert torch.equal(sequences, expected)
+    assert metrics.num_accepted_tokens > 0
+    # the budgets took effect: rows stopped after 3, 9 and 17 new tokens (then padding)
+    assert [int((row[12:] != 0).sum()) for row in expected] == [3, 9, 17]
+
+
+def test_stopping_criterion_answering_one_bool():
+    from transformers import StoppingCriteriaList
+
+    target = make_model("llama")
+    input_ids = repetitive_prompt(width=16, seed=2)
+    free_run = target.generate(input_ids, max_new_tokens=MAX_NEW, do_sample=False)
+    criteria = StoppingCriteriaList([StopOnTokenInRowZero(int(free_run[0, 16 + 6]))])
+    expected = target.generate(input_ids, max_new_tokens=MAX_NEW, do_sample=False, stopping_criteria=criteria)
+    sequences, _ = run(target, make_model("llama", seed=0), input_ids, stopping_criteria=criteria,
+                       speculative_schedule="constant")
+    assert torch.equal(sequences, expected) and sequences.shape[1] <= 16 + 7
+
+
+def test_stop_strings_from_a_generation_config():
+    """stop_strings set in a GenerationConfig (the call's, or the model's own) work as the keyword does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    from conftest import VOCAB
+
+    # one byte-level character per id (stop-string matching needs a byte-level tokenizer)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for char in sorted(pre_tokenizers.ByteLevel.alphabet())[:VOCAB - len(vocab)]:
+        vocab[char] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>")
+    target = make_model("llama")
+    input_ids = repetitive_prompt(width=16, seed=2)
+    free_run = target.generate(input_ids, max_new_tokens=MAX_NEW, do_sample=False)
+    stop = tokenizer.decode(free_run[0, 16 + 5:16 + 7])
+    config = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False, stop_strings=[stop], eos_token_id=1,
+                              pad_token_id=0)
+    expected = target.generate(input_ids, generation_config=config, tokenizer=tokenizer)
+    out = target.generate(input_ids, generation_config=config, tokenizer=tokenizer, speculator="ngram")
+    assert torch.equal(out, expected) and out.shape[1] < 16 + MAX_NEW
+    assert config.stop_strings == [stop]  # the caller's config is left as it was
+
+
+@pytest.mark.parametrize("options", [dict(penalty_alpha=0.6, top_k=4), dict(dola_layers="high")])
+def test_other_decoding_modes_are_refused(options):
+    target = make_model("llama")
+    with pytest.raises(ValueError, match="greedy search or sampling"):
+        target.generate(repetitive_prompt(width=16), max_new_tokens=4, speculator="ngram", **options)
+
+
+def test_int32_input_ids():
+    target = make_model("llama")
+    input_ids = repetitive_prompt(width=16)
+    expected = target.generate(input_ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(target.generate(input_ids.int(), max_new_tokens=8, do_sample=False, speculator="ngram"),
+                       expected)
+
+
 def test_streamer_receives_accepted_tokens():
     from transformers.generation.streamers import BaseStreamer
 

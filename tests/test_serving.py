@@ -568,6 +568,12 @@ def test_models_health_metrics(server):
     ({"prompt": "w1", "frobnicate": 1}, "frobnicate"),
     ({"prompt": "w1 " * 100, "max_tokens": 100}, "max_tokens"),
     ({"prompt": "w1", "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"prompt": "w1", "logprobs": 0}, "logprobs"),  # 0 asks OpenAI for the chosen tokens' logprobs
+    ({"prompt": "w1", "stream": True, "stream_options": [1]}, "stream_options"),
+    ({"prompt": "w1", "stream": True, "stream_options": {"include_usage": "no"}}, "stream_options"),
+    ({"prompt": "w1", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ({"prompt": ["w1"] * 5, "n": 3}, "n"),  # 15 sequences: more than 4 slots and 8 queued can ever take
+    ({"prompt": ["w1"] * 13}, "prompt"),
 ])
 def test_bad_requests_get_400_naming_the_field(server, body, param):
     import httpx
@@ -581,6 +587,52 @@ def test_bad_requests_get_400_naming_the_field(server, body, param):
     assert httpx.post(server.url + "/v1/completions", json={"model": "other", "prompt": "w1"}).status_code == 404
     ok = server.client().completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3, temperature=0)
     assert ok.usage.completion_tokens >= 1
+    # nothing the refused request asked for runs on
+    assert server.engine.num_running == 0 and server.engine.num_waiting == 0 and no_blocks_held(server.engine)
+
+
+def test_neutral_values_some_sdks_send_are_taken(server):
+    import httpx
+
+    for extra in ({"logit_bias": {}}, {"tools": []}, {"logprobs": False}, {"presence_penalty": 0}):
+        response = httpx.post(server.url + "/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 2, **extra})
+        assert response.status_code == 200, (extra, response.text)
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "wizard", "content": "w5"},
+    {"role": "user", "content": "w5", "name": "alice"},
+    {"role": "assistant", "content": "w5", "tool_calls": [{"id": "x"}]},
+])
+def test_chat_messages_the_template_would_drop_are_refused(server, message):
+    import httpx
+
+    response = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": [message]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages", response.text
+
+
+def test_chat_roles_developer_and_null_fields(server, tokenizer):
+    """`developer` is sent as `system`; fields an SDK echoes back empty (refusal, tool_calls) are taken."""
+    client = server.client()
+    messages = [{"role": "developer", "content": "w7 w8"}, {"role": "user", "content": "w5 w6"}]
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    same = client.chat.completions.create(model="tiny", messages=[{"role": "system", "content": "w7 w8"},
+                                                                  messages[1]], max_tokens=6, temperature=0)
+    assert out.choices[0].message.content == same.choices[0].message.content
+    echoed = [*messages, {"role": "assistant", "content": "w9", "refusal": None, "tool_calls": []},
+              {"role": "user", "content": "w5"}]
+    assert client.chat.completions.create(model="tiny", messages=echoed, max_tokens=2).choices
+
+
+def test_model_route_and_openai_error_shapes(server):
+    import httpx
+
+    assert server.client().models.retrieve("tiny").id == "tiny"
+    missing = httpx.get(server.url + "/v1/models/other")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    for response in (httpx.get(server.url + "/v1/nothing"), httpx.get(server.url + "/v1/chat/completions")):
+        assert response.status_code in (404, 405) and "message" in response.json()["error"], response.text
 
 
 def test_json_mode(server, tokenizer):
@@ -610,6 +662,34 @@ def test_disconnect_mid_stream_frees_every_block(server):
         time.sleep(0.05)
     assert "hf_specdec:kv_cache_blocks_in_use 0" in metrics
     assert no_blocks_held(server.engine)
+
+
+def test_disconnect_while_waiting_for_a_whole_answer_cancels_it(server):
+    """A non-streamed request whose client goes away is cancelled while it generates (a delta every step must not
+    hide the disconnect), and its blocks are freed."""
+    import httpx
+
+    engine = server.engine
+    prompt = next(p for p in (repeating(6, seed) for seed in range(50)) if EOS not in solo(server.model, p, 100))
+    step = engine.scheduler.step
+
+    def slow():  # steps slow enough that the answer takes seconds
+        time.sleep(0.05)
+        return step()
+
+    engine.scheduler.step = slow
+    try:
+        before = engine.counters["cancelled"]
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 100,
+                                                             "temperature": 0}, timeout=0.3)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (engine.counters["cancelled"] == before or engine.num_running):
+            time.sleep(0.05)
+        assert engine.counters["cancelled"] == before + 1 and engine.num_running == 0
+        assert no_blocks_held(engine)
+    finally:
+        engine.scheduler.step = step
 
 
 def test_load_leaves_nothing_behind(server):

@@ -318,12 +318,32 @@ def test_no_matcher_or_block_is_left_after_a_call(tokenizer, monkeypatch):
 
 
 def test_response_format():
-    assert Grammar.from_response_format({"type": "json_object"}) == Grammar.json()
+    # JSON mode is an object (OpenAI's promise: clients index the answer by key), not any JSON value
+    assert Grammar.from_response_format({"type": "json_object"}) == Grammar.json_schema({"type": "object"})
     assert Grammar.from_response_format({"type": "text"}) is None
     spec = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
     assert Grammar.from_response_format(spec) == Grammar.json_schema(SCHEMA)
     with pytest.raises(ValueError, match="json_schema"):
         Grammar.from_response_format({"type": "json_schema"})
+
+
+def test_json_mode_answers_are_objects(tokenizer):
+    """OpenAI's JSON mode (`response_format` json_object) promises an object: sampled answers start with "{" and
+    those that finish parse to a dict (any JSON value would let a random model answer `1`, `"a"` or `[]`)."""
+    import json
+
+    model = constrained_model()
+    input_ids, mask = prompts(rows=8, seed=2)
+    torch.manual_seed(0)
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=40, do_sample=True, pad_token_id=0,
+                         speculator="ngram", grammar=Grammar.from_response_format({"type": "json_object"}),
+                         tokenizer=tokenizer)
+    for row in out[:, input_ids.shape[1]:].tolist():
+        ended = EOS in row
+        text = "".join(tokenizer.convert_ids_to_tokens(row[:row.index(EOS)] if ended else row))
+        assert text.lstrip().startswith("{"), text
+        if ended:
+            assert isinstance(json.loads(text), dict), text
 
 
 # --- sampling: the exact constrained distribution -------------------------------------------------------------

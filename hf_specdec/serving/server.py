@@ -23,10 +23,18 @@ _COMPLETIONS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "presence_pen
                           "suffix", "logit_bias"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "presence_penalty",
                    "frequency_penalty", "tools", "tool_choice", "logit_bias"}
-# Accepted only at their neutral values.
+# Accepted only at their neutral values (compared by type too: `0 == False` in Python, and `logprobs: 0` asks
+# OpenAI's completions for the chosen tokens' log probabilities). Empty `logit_bias` and `tools` are what some SDKs
+# send by default.
 _NEUTRAL = {"echo": (False, None), "logprobs": (False, None), "top_logprobs": (0, None), "best_of": (1, None),
             "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None), "suffix": (None, ""),
-            "logit_bias": (None,), "tools": (None,), "tool_choice": (None, "none")}
+            "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none")}
+# Chat roles a template understands; `developer` (OpenAI's newer name for system instructions) is sent as `system`.
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def _is_neutral(value, neutral: tuple) -> bool:
+    return any(value == n and type(value) is type(n) for n in neutral)
 
 
 def create_app(engine: ServingEngine, model_name: str, api_key: str | None = None, shutdown_grace_s: float = 10.0):
@@ -43,6 +51,8 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
         yield
         await asyncio.to_thread(engine.shutdown, shutdown_grace_s)
 
+    from starlette.exceptions import HTTPException
+
     app = FastAPI(title="hf_specdec", lifespan=lifespan)
     created = int(time.time())
 
@@ -50,15 +60,34 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
         return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
                             status_code=status)
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
-            if not secrets.compare_digest(token.encode(), api_key.encode()):
-                return error(401, "missing or wrong API key: send 'Authorization: Bearer KEY' with the server's "
-                             "--api-key", "authentication_error", code="invalid_api_key")
-        return await call_next(request)
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, problem: HTTPException):  # unknown route, wrong method: OpenAI's shape
+        kind = "invalid_request_error" if problem.status_code < 500 else "server_error"
+        return error(problem.status_code, f"{request.method} {request.url.path}: {problem.detail}", kind)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, problem: Exception):
+        return error(500, f"internal error: {type(problem).__name__}: {problem}", "server_error")
+
+    class Authenticate:
+        """The API key check on `/v1/*`, as plain ASGI middleware: Starlette's `BaseHTTPMiddleware` would wrap the
+        requests' `receive`, and a handler could then no longer see its client disconnect."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send):
+            if api_key and scope["type"] == "http" and scope["path"].startswith("/v1"):
+                given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+                token = given[7:] if given.lower().startswith("bearer ") else ""
+                if not secrets.compare_digest(token.encode(), api_key.encode()):
+                    refusal = error(401, "missing or wrong API key: send 'Authorization: Bearer KEY' with the "
+                                    "server's --api-key", "authentication_error", code="invalid_api_key")
+                    await refusal(scope, receive, send)
+                    return
+            await self.inner(scope, receive, send)
+
+    app.add_middleware(Authenticate)
 
     @app.get("/health")
     async def health():
@@ -66,10 +95,19 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
             return error(503, "the engine is not running", "server_error")
         return {"status": "ok"}
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "hf_specdec"}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "hf_specdec"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            return error(404, f"the model {model_id!r} does not exist; this server serves {model_name!r}",
+                         "invalid_request_error", "model", "model_not_found")
+        return model_card()
 
     @app.get("/metrics")
     async def metrics():
@@ -101,23 +139,22 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
                     streams.append(engine.submit(prompt, parsed["max_tokens"], sampling, parsed["stop"],
                                                  parsed["grammar"], loop=loop))
         except RequestError as bad:
-            for stream in streams:
-                stream.cancel()
+            cancel_unfinished(streams)
             return error(400, str(bad), "invalid_request_error", bad.param)
         except QueueFullError as full:
-            for stream in streams:
-                stream.cancel()
+            cancel_unfinished(streams)
             return error(503, str(full), "server_error", code="queue_full")
         except RuntimeError as down:
-            for stream in streams:
-                stream.cancel()
+            cancel_unfinished(streams)
             return error(503, str(down), "server_error")
+        except BaseException:
+            cancel_unfinished(streams)
+            raise
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         prompt_tokens = sum(len(p) for p in parsed["prompts"])
-        if parsed["stream"]:
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(stream_events(streams, rid, chat, model_name, include_usage, prompt_tokens),
-                                     media_type="text/event-stream")
+        if parsed["stream"]:  # the generator cancels what is unfinished when it ends or the client goes
+            return StreamingResponse(stream_events(streams, rid, chat, model_name, parsed["include_usage"],
+                                                   prompt_tokens), media_type="text/event-stream")
         try:
             results = await asyncio.gather(*(collect(s, request) for s in streams))
         except RequestError as bad:
@@ -125,9 +162,7 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
         except RuntimeError as failed:
             return error(500, str(failed), "server_error")
         finally:
-            for stream in streams:
-                if stream.request.finish_reason is None:
-                    stream.cancel()
+            cancel_unfinished(streams)
         if any(reason is None for _, reason in results):  # the client went away
             return error(499, "client disconnected", "invalid_request_error")
         choices = [choice(i, text, reason, chat) for i, (text, reason) in enumerate(results)]
@@ -146,6 +181,12 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
     return app
 
 
+def cancel_unfinished(streams) -> None:
+    for stream in streams:
+        if stream.request.finish_reason is None:
+            stream.cancel()
+
+
 async def collect(stream, request) -> tuple[str, str | None]:
     """Waits for a stream's end; `(text, finish_reason)`, the reason `None` if the client disconnected first."""
     async for delta in _watch(stream, request):
@@ -154,20 +195,34 @@ async def collect(stream, request) -> tuple[str, str | None]:
     return stream.text, None
 
 
-async def _watch(stream, request):
-    """The stream's deltas; ends early (cancelling the request) when the HTTP client disconnects."""
+async def _watch(stream, request, every_s: float = 0.5):
+    """The stream's deltas; ends early (cancelling the request) when the HTTP client disconnects, which is checked
+    at least every `every_s` seconds: while waiting for a delta, and between deltas (a request generating gives one
+    every step, so a check only after a quiet spell would never come)."""
     iterator = stream.__aiter__()
+    checked = time.monotonic()
+
+    async def gone() -> bool:
+        nonlocal checked
+        checked = time.monotonic()
+        if await request.is_disconnected():
+            stream.cancel()
+            return True
+        return False
+
     while True:
         step = asyncio.ensure_future(iterator.__anext__())
         while not step.done():
-            done, _ = await asyncio.wait({step}, timeout=0.5)
-            if not done and await request.is_disconnected():
+            done, _ = await asyncio.wait({step}, timeout=every_s)
+            if not done and await gone():
                 step.cancel()
-                stream.cancel()
                 return
         try:
-            yield step.result()
+            delta = step.result()
         except StopAsyncIteration:
+            return
+        yield delta
+        if delta.finish_reason is None and time.monotonic() - checked >= every_s and await gone():
             return
 
 
@@ -248,7 +303,7 @@ def parse_request(body: dict, chat: bool, engine: ServingEngine) -> dict:
     if unknown:
         raise RequestError(f"unsupported field {unknown[0]!r}; supported: {sorted(known)}", unknown[0])
     for name, neutral in _NEUTRAL.items():
-        if name in body and body[name] not in neutral:
+        if name in body and not _is_neutral(body[name], neutral):
             raise RequestError(f"{name}={body[name]!r} is not supported by this server; drop it", name)
     tokenizer = engine.tokenizer
     if chat:
@@ -261,10 +316,14 @@ def parse_request(body: dict, chat: bool, engine: ServingEngine) -> dict:
         raise RequestError(f"{param} must be a positive integer, got {max_tokens!r}", param)
     for prompt in prompts:
         room = engine.max_model_len - len(prompt)
+        if max_tokens is None and room < 1:
+            field = "messages" if chat else "prompt"
+            raise RequestError(f"this model's context is {engine.max_model_len} tokens and the prompt has "
+                               f"{len(prompt)}, which leaves no room for an answer; shorten the prompt", field)
         if (max_tokens or 1) > room:
             raise RequestError(
                 f"this model's context is {engine.max_model_len} tokens, but the prompt has {len(prompt)} and "
-                f"{param} asks for {max_tokens or 1} more; shorten the prompt or lower {param}", param)
+                f"{param} asks for {max_tokens} more; shorten the prompt or lower {param}", param)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0:
@@ -282,6 +341,12 @@ def parse_request(body: dict, chat: bool, engine: ServingEngine) -> dict:
         n = 1
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 16:
         raise RequestError(f"n must be an integer from 1 to 16, got {n!r}", "n")
+    capacity = engine.max_queue + engine.max_batch_size  # an idle server's free slots and its queue
+    if len(prompts) * n > capacity:  # more than the server can ever take at once: no retry would help
+        field = "n" if n > 1 else "prompt"
+        raise RequestError(f"{len(prompts)} prompt(s) x n={n} make {len(prompts) * n} sequences, more than this "
+                           f"server takes at once ({capacity}: --max-batch-size plus --max-queue); send fewer per "
+                           "request", field)
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -291,6 +356,14 @@ def parse_request(body: dict, chat: bool, engine: ServingEngine) -> dict:
     stream = body.get("stream", False)
     if not isinstance(stream, bool) and stream is not None:
         raise RequestError(f"stream must be true or false, got {stream!r}", "stream")
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise RequestError("stream_options is only allowed with stream: true", "stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage"} or not isinstance(
+                options.get("include_usage", False), bool):
+            raise RequestError(f"stream_options must be an object with at most include_usage (true or false), got "
+                               f"{options!r}", "stream_options")
     grammar = None
     if body.get("response_format") is not None:
         from ..structured import Grammar
@@ -300,6 +373,7 @@ def parse_request(body: dict, chat: bool, engine: ServingEngine) -> dict:
         except (ValueError, TypeError) as bad:
             raise RequestError(f"response_format: {bad}", "response_format") from None
     return {"prompts": prompts, "max_tokens": max_tokens, "n": n, "stop": stop, "stream": bool(stream),
+            "include_usage": bool(options and options.get("include_usage")),
             "grammar": grammar, "sampling": SamplingParams(temperature, top_p, top_k, seed)}
 
 
@@ -319,6 +393,12 @@ def chat_prompt(messages, tokenizer) -> list[int]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise RequestError(f"messages[{i}] must be an object with a 'role' string", "messages")
+        if message["role"] not in _ROLES:
+            raise RequestError(f"messages[{i}].role {message['role']!r} is not supported; use one of "
+                               f"{sorted(_ROLES)}", "messages")
+        extra = sorted(k for k, v in message.items() if k not in ("role", "content") and v not in (None, [], ""))
+        if extra:  # a name, tool calls, ...: the template would drop them without a word
+            raise RequestError(f"messages[{i}].{extra[0]} is not supported by this server; drop it", "messages")
         content = message.get("content")
         if isinstance(content, list):  # content parts: only text
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -327,7 +407,7 @@ def chat_prompt(messages, tokenizer) -> list[int]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        plain.append({"role": message["role"], "content": content})
+        plain.append({"role": _ROLES[message["role"]], "content": content})
     try:
         ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True)
     except Exception as bad:  # noqa: BLE001 - the template's own complaint (say, roles out of order)
