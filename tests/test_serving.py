@@ -448,15 +448,24 @@ def test_stop_strings_end_the_text_before_them(tokenizer):
     reference = tokenizer.decode(solo(model, prompt, 20), skip_special_tokens=True)
     words = reference.split()
     stop = " ".join(words[3:5])
-    engine = ServingEngine(model, tokenizer, "ngram", max_batch_size=2).start()
+    # A draft identical to the target, 4 drafts every step: all accepted, so the step that completes the stop
+    # string also emits tokens after it.
+    engine = ServingEngine(model, tokenizer, served_model(eos=None), num_speculative_tokens=4, schedule="constant",
+                           max_batch_size=2).start()
     try:
         stream = engine.submit(prompt, 20, stop=[stop])
         deltas = list(stream)
+        accepted = engine.metrics.num_accepted_tokens
     finally:
         engine.shutdown()
     text = "".join(d.text for d in deltas)
     assert text == reference[: reference.index(stop)]
     assert deltas[-1].finish_reason == "stop"
+    # usage counts the tokens up to the one completing the stop string, whatever else the step emitted
+    full = solo(model, prompt, 20)
+    needed = next(n for n in range(1, 21) if stop in tokenizer.decode(full[:n], skip_special_tokens=True))
+    assert stream.request.num_generated == needed and stream.request.output_ids == full[:needed]
+    assert sum(len(d.token_ids) for d in deltas) == needed and accepted > 0
 
 
 # --- the HTTP server, through the official client ---------------------------------------------------------------

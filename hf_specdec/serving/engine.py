@@ -551,6 +551,13 @@ class ServingEngine:
         reason = request.finish_reason if finished else None
         hit = _find_stop(text, stream.stop, stream._sent)
         if hit is not None:  # a stop string: the text ends before it, and so does the request
+            end = hit + min(len(s) for s in stream.stop if text.startswith(s, hit))
+            excess = _tokens_past(self.tokenizer, request.output_ids, len(tokens), end)
+            if excess:  # tokens a step emitted after the one completing the stop string are not the answer's
+                del request.output_ids[len(request.output_ids) - excess:]
+                request.num_generated -= excess
+                tokens = tokens[:len(tokens) - excess]
+                self.counters["generation_tokens"] -= excess
             text, reason = text[:hit], "stop"
             if not finished:
                 self.scheduler.cancel(request)
@@ -567,6 +574,15 @@ class ServingEngine:
                 self._streams.pop(request.request_id, None)
         if delta or tokens or finished:
             stream._put(Delta(tokens, delta, reason))
+
+
+def _tokens_past(tokenizer, output_ids: list[int], new: int, end: int) -> int:
+    """How many of the last `new` tokens come after the one whose text reaches character `end` (the end of a stop
+    string): usage counts a request's tokens up to and including that one, whatever the step emitted after it."""
+    for n in range(len(output_ids) - new + 1, len(output_ids)):
+        if len(tokenizer.decode(output_ids[:n], skip_special_tokens=True)) >= end:
+            return len(output_ids) - n
+    return 0
 
 
 def _find_stop(text: str, stops: tuple[str, ...], sent: int) -> int | None:
