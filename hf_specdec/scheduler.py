@@ -134,20 +134,14 @@ class RowSampling:
     def verify_arguments(self, rows: list[int], k: int) -> dict:
         rows_t = torch.tensor(rows, device=self.device)
         arguments = {"is_greedy": self.greedy[rows_t]}
-        seeded = [i for i, r in enumerate(rows) if self.settings[r] is not None and self.settings[r].seed is not None]
-        if seeded:  # only rows with a seed loop here; the others draw from the global generator at once
-            uniforms = torch.rand((len(rows), k), dtype=torch.float64, device=self.device)
-            seeds = torch.randint(0, 2**31 - 1, (len(rows),), device=self.device)
-            for i in seeded:
-                row = rows[i]
-                stream = (self.settings[row].seed * 1_000_003 + self.num_generated[row]) % (2**63 - 1)
-                generator = torch.Generator().manual_seed(stream)
-                # The same draws whatever the step's width (set by the other rows): the seed first, then a fixed
-                # block of uniforms, of which this step reads the first k.
-                seeds[i] = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
-                block = torch.rand(max(k, 64), dtype=torch.float64, generator=generator)
-                uniforms[i] = block[:k].to(self.device)
-            arguments.update(uniforms=uniforms, seeds=seeds)
+        # A sampled row with a seed draws each token from its own stream (seed, position): its output is the same
+        # whatever the drafts, k, speculator or company (`verify.sample_by_position`).
+        seeded = [i for i, r in enumerate(rows) if self.settings[r] is not None and self.settings[r].seed is not None
+                  and not self.settings[r].greedy]
+        if seeded:
+            streams = [(self.settings[rows[i]].seed * 1_000_003 + self.num_generated[rows[i]]) % (2**63 - 1)
+                       for i in seeded]
+            arguments["seeded"] = (seeded, streams)
         return arguments
 
 

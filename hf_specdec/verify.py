@@ -23,7 +23,8 @@ from .types import PAD_ID, DraftProposal, DraftTree, VerifyResult
 
 def verify(target_logits: torch.Tensor, draft: DraftProposal, do_sample: bool,
            generator: torch.Generator | None = None, backend: str = "auto", is_greedy: torch.Tensor | None = None,
-           uniforms: torch.Tensor | None = None, seeds: torch.Tensor | None = None) -> VerifyResult:
+           uniforms: torch.Tensor | None = None, seeds: torch.Tensor | None = None,
+           seeded: tuple[list[int], list[int]] | None = None) -> VerifyResult:
     """Verifies a ragged batch of drafts against processed target logits.
 
     Args:
@@ -35,6 +36,8 @@ def verify(target_logits: torch.Tensor, draft: DraftProposal, do_sample: bool,
         backend: kernel backend, `"auto"`, `"torch"` or `"triton"` (see `hf_specdec.kernels`).
         is_greedy: `[rows]` bool, with `do_sample`: rows that decode greedily in a batch that also samples.
         uniforms, seeds: the random draws per row (`rejection_sample`), for rows that must not depend on the batch.
+        seeded: `(rows, streams)`: these sampled rows draw each token from their own stream, `streams[i] + j` for
+            the token after `j` drafts (`sample_by_position`), so their output does not depend on the drafts.
     """
     # Greedy needs only the argmax, which the logits give exactly (softmax could merge near-ties in float32).
     target_probs = torch.softmax(target_logits, dim=-1) if do_sample else target_logits
@@ -45,7 +48,47 @@ def verify(target_logits: torch.Tensor, draft: DraftProposal, do_sample: bool,
         draft.token_ids, draft.num_tokens, target_probs, draft.probs,
         is_greedy=not do_sample if is_greedy is None or not do_sample else is_greedy, uniforms=uniforms,
         seeds=seeds, generator=generator, backend=backend)
+    if seeded is not None and seeded[0]:
+        rows = torch.tensor(seeded[0], device=output.device)
+        picked, accepted = sample_by_position(target_probs[rows], draft.token_ids[rows], draft.num_tokens[rows],
+                                              seeded[1])
+        output, num_accepted = output.index_copy(0, rows, picked), num_accepted.index_copy(0, rows, accepted)
     return VerifyResult(output, num_accepted)
+
+
+def sample_by_position(target_probs: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
+                       streams: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verification that makes a row's tokens a function of its seed and their positions alone.
+
+    The token after `j` drafts is the target's sample drawn with the noise of stream `streams[i] + j`: the winner of
+    an exponential race, `argmax(p / E)` with `E ~ Exp(1)` per vocabulary entry (the winner is `v` with probability
+    `p(v)`). A draft is accepted when it equals that sample; at the first that does not, the sample is the emitted
+    token. Every emitted token is thus the target's own sample at its position, whatever was drafted (any drafts,
+    from any distribution, or none), so the output is exactly the target's distribution and a seeded request
+    repeats itself whatever k, speculator or company its steps had. The price: a draft is accepted with probability
+    `p(d)`, not `min(1, p(d) / q(d))`.
+
+    Args:
+        target_probs: `[rows, k + 1, vocab]` the processed target distributions.
+        draft_ids: `[rows, k]`; num_drafts: `[rows]`.
+        streams: per row, the stream of its first position (positions after it add 1).
+    Returns:
+        `(output, num_accepted)` as `rejection_sample` returns them.
+    """
+    rows, width, vocab = target_probs.shape
+    noise = torch.empty(rows, width, vocab, dtype=torch.float32)
+    for i, stream in enumerate(streams):
+        for j in range(width):
+            generator = torch.Generator().manual_seed((stream + j) % (2**63 - 1))
+            noise[i, j].exponential_(generator=generator)
+    picks = (target_probs.float() / noise.to(target_probs.device)).argmax(-1)  # [rows, k + 1]
+    k = width - 1
+    positions = torch.arange(width, device=picks.device)
+    in_draft = positions[None, :k] < num_drafts[:, None]
+    matches = (draft_ids == picks[:, :k]) & in_draft
+    num_accepted = matches.long().cumprod(-1).sum(-1)
+    output = torch.where(positions[None, :] <= num_accepted[:, None], picks, PAD_ID)
+    return output, num_accepted
 
 
 def verify_tree(target_logits: torch.Tensor, tree: DraftTree, do_sample: bool, max_depth: int, generator: torch.Generator | None = None) -> tuple[VerifyResult, torch.Tensor]:

@@ -322,10 +322,12 @@ def test_full_warm_up_is_on_by_default_only_on_cuda_and_a_short_one_elsewhere(to
         engine.shutdown()
 
 
-def test_sampled_row_beside_greedy_rows_keeps_the_target_distribution(tokenizer):
+@pytest.mark.parametrize("seeded", [False, True])
+def test_sampled_row_beside_greedy_rows_keeps_the_target_distribution(tokenizer, seeded):
     """Two tokens sampled at temperature 0.7 from a prompt, with greedy requests in the same steps: the empirical
     distribution of the pair matches the target's exact one (total variation; the same check fails for the argmax
-    distribution a broken greedy/sampled split would give)."""
+    distribution a broken greedy/sampled split would give). `seeded`: each request with its own seed, verified by
+    position (`verify.sample_by_position`), with a draft model's sampled drafts."""
     model = served_model(eos=None)
     prompt = repeating(6, seed=1)
     with torch.no_grad():
@@ -336,13 +338,14 @@ def test_sampled_row_beside_greedy_rows_keeps_the_target_distribution(tokenizer)
             second = torch.softmax(model(torch.tensor([prompt + [a]])).logits[0, -1] / 0.7, -1)
             for b, p in enumerate(second.tolist()):
                 exact[(a, b)] = float(first[a]) * p
-    engine = ServingEngine(model, tokenizer, "ngram", num_speculative_tokens=3, max_batch_size=4,
-                           schedule="constant").start()
+    engine = ServingEngine(model, tokenizer, served_model(seed=3, eos=None) if seeded else "ngram",
+                           num_speculative_tokens=3, max_batch_size=4, schedule="constant").start()
     try:
         counts = collections.Counter()
         trials = 1500
         for t in range(trials // 3):
-            batch = [engine.submit(prompt, 2, SamplingParams(temperature=0.7)) for _ in range(3)]
+            batch = [engine.submit(prompt, 2, SamplingParams(temperature=0.7, seed=3 * t + i if seeded else None))
+                     for i in range(3)]
             greedy = engine.submit(repeating(8, seed=t % 5), 3)
             for stream in batch:
                 for _ in stream:
@@ -378,6 +381,42 @@ def test_seeded_request_reproduces_whatever_runs_beside_it(tokenizer):
         engine.shutdown()
     assert alone == crowded
     assert other_seed != alone
+
+
+@pytest.mark.parametrize("speculator", ["ngram", "draft", "eagle"])
+def test_seeded_output_does_not_depend_on_the_drafts(tokenizer, tmp_path, speculator):
+    """A seeded sampled request gives the same tokens with speculation off, with this speculator drafting a constant
+    k, and with adaptive k beside other requests: each token is its stream's sample at its position."""
+    from hf_specdec import EagleSpeculator
+
+    model = served_model(eos=None)
+    prompt, sampling = repeating(7, seed=4), SamplingParams(0.9, top_p=0.95, seed=77)
+
+    def run(spec, k, schedule, company=0):
+        engine = ServingEngine(model, tokenizer, spec, num_speculative_tokens=k, max_batch_size=4,
+                               schedule=schedule).start()
+        try:
+            others = [engine.submit(repeating(9, seed=s), 20, SamplingParams(1.0)) for s in range(company)]
+            out = engine.generate(prompt, max_tokens=16, sampling=sampling).request.output_ids
+            for stream in others:
+                for _ in stream:
+                    pass
+            return out, engine.metrics.num_draft_tokens
+        finally:
+            engine.shutdown()
+
+    def make():
+        if speculator == "eagle":
+            from test_eagle import convert
+
+            return EagleSpeculator.from_pretrained(convert(tmp_path, model, 1))
+        return {"ngram": "ngram", "draft": served_model(seed=3, eos=None)}[speculator]
+
+    off, _ = run("ngram", 0, "constant")
+    drafted, num_drafts = run(make(), 3, "constant")
+    crowded, _ = run(make(), 4, "adaptive", company=3)
+    assert num_drafts > 0
+    assert drafted == off and crowded == off
 
 
 def test_bad_requests_are_refused_and_the_rest_run_on(tokenizer):
