@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextGenerationPipeline
 from transformers.pipelines import PIPELINE_REGISTRY
@@ -12,6 +14,8 @@ from .quantization import load_draft
 from .speculators.base import Speculator
 from .speculators.draft_model import DraftModelSpeculator
 from .structured import Grammar
+
+logger = logging.getLogger(__name__)
 from .tokenizers import check_tokenizers_match
 
 TASK = "speculative-text-generation"
@@ -94,53 +98,90 @@ class SpeculativeTextGenerationPipeline(TextGenerationPipeline):
 
     def __call__(self, text_inputs, **kwargs):
         """As `text-generation`; given many prompts (a list, a dataset, a generator) and `batch_size=N`, runs them
-        with continuous batching: N requests in flight, each slot refilled as soon as its request finishes."""
+        with continuous batching: N requests in flight, each slot refilled as soon as its request finishes. Options
+        continuous batching does not take (a repetition penalty, stop strings, ... given to the call or set in the
+        generation config) run the stock pipeline's batches instead, with speculation: the output is the same, and
+        nothing is dropped."""
         batch_size = kwargs.get("batch_size")
         if batch_size and batch_size > 1 and _many(text_inputs):
-            kwargs.pop("batch_size")
-            results = self._continuous(text_inputs, batch_size, kwargs)
-            return list(results) if isinstance(text_inputs, (list, tuple)) else results
+            plan = self._continuous_plan({k: v for k, v in kwargs.items() if k != "batch_size"})
+            if isinstance(plan, dict):
+                kwargs.pop("batch_size")
+                results = self._continuous(text_inputs, batch_size, plan)
+                return list(results) if isinstance(text_inputs, (list, tuple)) else results
+            logger.info(f"speculative-text-generation: {', '.join(plan)} not taken by continuous batching; running "
+                        f"batches of {batch_size} as the text-generation pipeline does")
         return super().__call__(text_inputs, **kwargs)
 
-    def _continuous(self, inputs, batch_size: int, kwargs: dict):
+    # What continuous batching takes from the call and the generation config; the rest must be unset (or as the
+    # model's own config has it, for the token ids), else the stock batches run.
+    _CONTINUOUS = {"max_new_tokens", "do_sample", "temperature", "top_p", "top_k"}
+    _BOOKKEEPING = {"transformers_version", "_from_model_config", "use_cache", "bos_token_id", "pad_token_id",
+                    "max_length", "eos_token_id"}
+
+    def _continuous_plan(self, kwargs: dict):
+        """The settings of a continuous run, or the names of the options it cannot honour."""
+        from transformers import GenerationConfig
+
+        preprocess_params, forward_params, postprocess_params = self._sanitize_parameters(**kwargs)
+        options = self._prepare_generate_kwargs(dict(forward_params))
+        config = options.pop("generation_config", None) or self.model.generation_config
+        values = {name: options.pop(name) if name in options else getattr(config, name, None)
+                  for name in self._CONTINUOUS}
+        k, grammar = options.pop("num_speculative_tokens", None), options.pop("grammar", None)
+        options.pop("tokenizer", None)
+        unsupported = sorted(name for name, value in options.items() if value is not None)
+        defaults, own = GenerationConfig(), self.model.generation_config
+        for name, value in config.to_diff_dict().items():
+            if name in self._CONTINUOUS or name in options:
+                continue
+            if name in self._BOOKKEEPING and (name != "eos_token_id" or value == own.eos_token_id):
+                continue
+            default = getattr(defaults, name, None)
+            if value != default and (value or default):  # False, None, 0 and [] all leave an option off
+                unsupported.append(f"generation_config.{name}")
+        if unsupported:
+            return unsupported
+        return {"preprocess": preprocess_params, "postprocess": postprocess_params, "k": k, "grammar": grammar,
+                **values}
+
+    def _continuous(self, inputs, batch_size: int, plan: dict):
+        from transformers.pipelines.base import is_valid_message
+        from transformers.pipelines.text_generation import Chat
+
         from .scheduler import SamplingParams
         from .serving.engine import ServingEngine
         from .serving.offline import generate_stream
 
-        preprocess_params, forward_params, postprocess_params = self._sanitize_parameters(**kwargs)
-        # The call's generate arguments with the pipeline's defaults, as a one-at-a-time call would get them; what is
-        # still unset comes from the model's generation config.
-        options = self._prepare_generate_kwargs(dict(forward_params))
-        config = options.pop("generation_config", None) or self.model.generation_config
+        preprocess_params, postprocess_params = plan["preprocess"], plan["postprocess"]
+        max_new_tokens = plan["max_new_tokens"] or 256
+        top_p, top_k = plan["top_p"], plan["top_k"]
 
-        def setting(name: str):
-            return options.pop(name) if name in options else getattr(config, name, None)
+        # Request i is seeded `base + i`, `base` drawn from the global generator before anything runs: under
+        # torch.manual_seed the run repeats whatever shares its steps (a seeded request's tokens depend on its seed
+        # alone, `verify.sample_by_position`).
+        base = int(torch.randint(0, 2**31 - 1, (1,))) if plan["do_sample"] else None
 
-        max_new_tokens = setting("max_new_tokens") or 256
-        do_sample = setting("do_sample")
-        temperature, top_p, top_k = setting("temperature"), setting("top_p"), setting("top_k")
-        k = options.pop("num_speculative_tokens", None)
-        grammar = options.pop("grammar", None)
-        options.pop("tokenizer", None)
-        options = {name: value for name, value in options.items() if value is not None}
-        if options:
-            raise ValueError(f"{sorted(options)} are not supported when batch_size= runs the prompts with "
-                             "continuous batching (supported: max_new_tokens, do_sample, temperature, top_p, top_k, "
-                             "num_speculative_tokens, grammar, response_format); drop them or leave out batch_size=")
-        sampling = SamplingParams(temperature or 1.0, top_p if top_p is not None else 1.0, top_k or 0) \
-            if do_sample else None
-        engine = ServingEngine(self.model, self.tokenizer, self.speculator, num_speculative_tokens=k,
+        def sampling(index: int):
+            if base is None:
+                return None
+            return SamplingParams(plan["temperature"] or 1.0, top_p if top_p is not None else 1.0, top_k or 0,
+                                  base + index)
+
+        engine = ServingEngine(self.model, self.tokenizer, self.speculator, num_speculative_tokens=plan["k"],
                                max_batch_size=batch_size, max_queue=2 * batch_size).start()
         prepared: list = []
 
         def prompts():
             for item in inputs:
+                if isinstance(item, (list, tuple)) and item and is_valid_message(item[0]):
+                    item = Chat(item)  # a chat, as the stock pipeline wraps it
                 model_inputs = self.preprocess(item, **preprocess_params)
                 prepared.append(model_inputs)
                 yield model_inputs["input_ids"][0].tolist()
 
         try:
-            for stream in generate_stream(engine, prompts(), max_new_tokens, sampling, grammar):
+            for stream in generate_stream(engine, prompts(), max_new_tokens, sampling, plan["grammar"]):
                 model_inputs = prepared.pop(0)
                 ids = model_inputs["input_ids"]
                 sequence = torch.cat([ids[0], torch.tensor(stream.request.output_ids, dtype=ids.dtype)])

@@ -896,8 +896,27 @@ def test_pipeline_runs_a_dataset_with_continuous_batching():
     produced = ours((p for p in prompts), batch_size=3, max_new_tokens=9, do_sample=False)
     assert not isinstance(produced, list)  # a generator in, results streamed out in order
     assert list(produced) == expected
-    with pytest.raises(ValueError, match="repetition_penalty.*continuous batching"):
-        ours(prompts, batch_size=2, max_new_tokens=4, repetition_penalty=1.3)
+    assert isinstance(ours._continuous_plan(dict(max_new_tokens=9, do_sample=False)), dict)  # it ran continuously
+    assert ours._continuous_plan(dict(max_new_tokens=9, repetition_penalty=1.3)) == ["repetition_penalty"]
+    # Chats, as the stock pipeline takes them
+    chats = [[{"role": "user", "content": p}] for p in prompts[:4]]
+    assert ours(chats, batch_size=2, max_new_tokens=6, do_sample=False) == [
+        stock(c, max_new_tokens=6, do_sample=False) for c in chats]
+    # Options continuous batching does not take, by keyword or in a generation config: the stock batches run, with
+    # speculation, and the option takes effect
+    penalised = ours(prompts, batch_size=2, max_new_tokens=6, do_sample=False, repetition_penalty=1.3)
+    assert penalised == [stock(p, max_new_tokens=6, do_sample=False, repetition_penalty=1.3) for p in prompts]
+    assert penalised != [stock(p, max_new_tokens=6, do_sample=False) for p in prompts]
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, suppress_tokens=[4, 5, 6, 7, 8, 9, 10])
+    assert ours(prompts, batch_size=2, generation_config=config) == [
+        stock(p, generation_config=config) for p in prompts]
+    # Sampling repeats under torch.manual_seed (each request seeded from the global generator, in input order)
+    torch.manual_seed(3)
+    first = ours(prompts, batch_size=3, max_new_tokens=6, do_sample=True, temperature=1.0)
+    torch.manual_seed(3)
+    assert ours(prompts, batch_size=2, max_new_tokens=6, do_sample=True, temperature=1.0) == first
 
 
 def test_grammar_requests_join_a_running_batch_exactly():
