@@ -59,10 +59,14 @@ def resolve_speculator(speculator) -> Speculator:
             return NgramSpeculator()
         if speculator == "grammar":
             return GrammarSpeculator()
+        heads = ""
+        if speculator.lower() in ("eagle", "eagle3", "medusa", "mlp", "hybrid"):
+            heads = ("; a head is a speculator object: hf_specdec.EagleSpeculator.from_pretrained(path), e.g. the "
+                     "shipped one for SmolLM2, hf_specdec.trained_head('smollm2-135m-instruct')")
         raise ValueError(
             f"speculator={speculator!r} is not a known speculator name; pass 'ngram', 'grammar' (with grammar=), "
             "a draft PreTrainedModel "
-            "(load one with AutoModelForCausalLM.from_pretrained) or an hf_specdec.Speculator"
+            f"(load one with AutoModelForCausalLM.from_pretrained) or an hf_specdec.Speculator{heads}"
         )
     raise TypeError(
         f"speculator= must be a draft PreTrainedModel, 'ngram' or an hf_specdec.Speculator, "
