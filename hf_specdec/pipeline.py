@@ -120,30 +120,36 @@ class SpeculativeTextGenerationPipeline(TextGenerationPipeline):
                     "max_length", "eos_token_id"}
 
     def _continuous_plan(self, kwargs: dict):
-        """The settings of a continuous run, or the names of the options it cannot honour."""
+        """The settings of a continuous run, or the names of the options it cannot honour. The settings are those
+        `generate` would use: the call's, then the model's generation config, then transformers' defaults (top-k 50
+        when sampling, say); anything else that differs from a plain call's is an option continuous batching does
+        not take."""
         from transformers import GenerationConfig
 
         preprocess_params, forward_params, postprocess_params = self._sanitize_parameters(**kwargs)
         options = self._prepare_generate_kwargs(dict(forward_params))
-        config = options.pop("generation_config", None) or self.model.generation_config
-        values = {name: options.pop(name) if name in options else getattr(config, name, None)
-                  for name in self._CONTINUOUS}
         k, grammar = options.pop("num_speculative_tokens", None), options.pop("grammar", None)
         options.pop("tokenizer", None)
-        unsupported = sorted(name for name, value in options.items() if value is not None)
-        defaults, own = GenerationConfig(), self.model.generation_config
-        for name, value in config.to_diff_dict().items():
-            if name in self._CONTINUOUS or name in options:
+        user_config = options.pop("generation_config", None)
+        config, rest = self.model._prepare_generation_config(user_config, **options)
+        unsupported = sorted(name for name, value in rest.items() if value is not None)
+        own = self.model.generation_config
+        plain = GenerationConfig()  # transformers' defaults alone: the model's own settings count as options too
+        plain.update(**own._get_default_generation_params(), defaults_only=True)
+        for name, value in config.to_dict().items():
+            if name in self._CONTINUOUS or name in self._BOOKKEEPING and name != "eos_token_id":
                 continue
-            if name in self._BOOKKEEPING and (name != "eos_token_id" or value == own.eos_token_id):
+            if name == "eos_token_id" and value == own.eos_token_id:
                 continue
-            default = getattr(defaults, name, None)
+            default = getattr(plain, name, None)
             if value != default and (value or default):  # False, None, 0 and [] all leave an option off
-                unsupported.append(f"generation_config.{name}")
+                unsupported.append(name)
+        if config.max_new_tokens is None:
+            unsupported.append("max_length")  # a length counted with the prompt: the stock batches honour it
         if unsupported:
-            return unsupported
+            return sorted(set(unsupported))
         return {"preprocess": preprocess_params, "postprocess": postprocess_params, "k": k, "grammar": grammar,
-                **values}
+                **{name: getattr(config, name) for name in self._CONTINUOUS}}
 
     def _continuous(self, inputs, batch_size: int, plan: dict):
         from transformers.pipelines.base import is_valid_message
@@ -169,7 +175,7 @@ class SpeculativeTextGenerationPipeline(TextGenerationPipeline):
                                   base + index)
 
         engine = ServingEngine(self.model, self.tokenizer, self.speculator, num_speculative_tokens=plan["k"],
-                               max_batch_size=batch_size, max_queue=2 * batch_size).start()
+                               max_batch_size=batch_size, max_queue=2 * batch_size, warmup=False).start()
         prepared: list = []
 
         def prompts():

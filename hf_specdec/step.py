@@ -96,9 +96,12 @@ class Step:
         history = end[:, None] + torch.arange(k + 1, device=end.device)  # [rows, k + 1] history length per position
         scores = batch.processing(batch.token_ids, rows_t.repeat_interleave(k + 1), history.reshape(-1),
                                   masked.reshape(-1, logits.shape[-1])).view(logits.shape)
+        sampling = _row_sampling(batch, rows, k)
         if constrained is not None and batch.do_sample:
+            if "seeded" in sampling:  # a seeded row samples the target itself at a forbidden draft's position
+                sampling["seeded_logits"] = scores
             scores = constrained.residual(scores)
-        result = target.agree(verify(scores, draft, batch.do_sample, **_row_sampling(batch, rows, k)))
+        result = target.agree(verify(scores, draft, batch.do_sample, **sampling))
 
         output = result.output_token_ids
         batch.token_ids[rows_t[:, None], end[:, None] + torch.arange(k + 1, device=end.device)] = torch.where(

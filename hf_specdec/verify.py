@@ -24,7 +24,8 @@ from .types import PAD_ID, DraftProposal, DraftTree, VerifyResult
 def verify(target_logits: torch.Tensor, draft: DraftProposal, do_sample: bool,
            generator: torch.Generator | None = None, backend: str = "auto", is_greedy: torch.Tensor | None = None,
            uniforms: torch.Tensor | None = None, seeds: torch.Tensor | None = None,
-           seeded: tuple[list[int], list[int]] | None = None) -> VerifyResult:
+           seeded: tuple[list[int], list[int]] | None = None,
+           seeded_logits: torch.Tensor | None = None) -> VerifyResult:
     """Verifies a ragged batch of drafts against processed target logits.
 
     Args:
@@ -38,6 +39,8 @@ def verify(target_logits: torch.Tensor, draft: DraftProposal, do_sample: bool,
         uniforms, seeds: the random draws per row (`rejection_sample`), for rows that must not depend on the batch.
         seeded: `(rows, streams)`: these sampled rows draw each token from their own stream, `streams[i] + j` for
             the token after `j` drafts (`sample_by_position`), so their output does not depend on the drafts.
+        seeded_logits: what those rows sample from, when `target_logits` was rewritten for rejection sampling (a
+            grammar's residual at a forbidden draft).
     """
     # Greedy needs only the argmax, which the logits give exactly (softmax could merge near-ties in float32).
     target_probs = torch.softmax(target_logits, dim=-1) if do_sample else target_logits
@@ -50,8 +53,8 @@ def verify(target_logits: torch.Tensor, draft: DraftProposal, do_sample: bool,
         seeds=seeds, generator=generator, backend=backend)
     if seeded is not None and seeded[0]:
         rows = torch.tensor(seeded[0], device=output.device)
-        picked, accepted = sample_by_position(target_probs[rows], draft.token_ids[rows], draft.num_tokens[rows],
-                                              seeded[1])
+        probs = target_probs[rows] if seeded_logits is None else torch.softmax(seeded_logits[rows], dim=-1)
+        picked, accepted = sample_by_position(probs, draft.token_ids[rows], draft.num_tokens[rows], seeded[1])
         output, num_accepted = output.index_copy(0, rows, picked), num_accepted.index_copy(0, rows, accepted)
     return VerifyResult(output, num_accepted)
 
@@ -60,13 +63,14 @@ def sample_by_position(target_probs: torch.Tensor, draft_ids: torch.Tensor, num_
                        streams: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Verification that makes a row's tokens a function of its seed and their positions alone.
 
-    The token after `j` drafts is the target's sample drawn with the noise of stream `streams[i] + j`: the winner of
-    an exponential race, `argmax(p / E)` with `E ~ Exp(1)` per vocabulary entry (the winner is `v` with probability
-    `p(v)`). A draft is accepted when it equals that sample; at the first that does not, the sample is the emitted
-    token. Every emitted token is thus the target's own sample at its position, whatever was drafted (any drafts,
-    from any distribution, or none), so the output is exactly the target's distribution and a seeded request
-    repeats itself whatever k, speculator or company its steps had. The price: a draft is accepted with probability
-    `p(d)`, not `min(1, p(d) / q(d))`.
+    The token after `j` drafts is the target's sample drawn with the uniform of stream `streams[i] + j`, by the
+    inverse of the cumulative distribution (vocabulary order; the winner is `v` with probability `p(v)`, and a token
+    of probability 0 never wins). A draft is accepted when it equals that sample; at the first that does not, the
+    sample is the emitted token. Every emitted token is thus the target's own sample at its position, whatever was
+    drafted (any drafts, from any distribution, or none), so the output is exactly the target's distribution and a
+    seeded request repeats itself whatever k, speculator or company its steps had. The price: a draft is accepted
+    with probability `p(d)`, not `min(1, p(d) / q(d))`. One uniform per position, from a counter hash of the
+    stream (`_stream_uniform`): nothing vocabulary-sized is drawn.
 
     Args:
         target_probs: `[rows, k + 1, vocab]` the processed target distributions.
@@ -76,19 +80,31 @@ def sample_by_position(target_probs: torch.Tensor, draft_ids: torch.Tensor, num_
         `(output, num_accepted)` as `rejection_sample` returns them.
     """
     rows, width, vocab = target_probs.shape
-    noise = torch.empty(rows, width, vocab, dtype=torch.float32)
-    for i, stream in enumerate(streams):
-        for j in range(width):
-            generator = torch.Generator().manual_seed((stream + j) % (2**63 - 1))
-            noise[i, j].exponential_(generator=generator)
-    picks = (target_probs.float() / noise.to(target_probs.device)).argmax(-1)  # [rows, k + 1]
+    device = target_probs.device
+    uniforms = torch.tensor([[_stream_uniform(stream + j) for j in range(width)] for stream in streams],
+                            dtype=torch.float64, device=device)
+    probs = target_probs.double()
+    cdf = probs.cumsum(-1)
+    picks = torch.searchsorted(cdf, (uniforms * cdf[..., -1])[..., None], right=True).squeeze(-1)
+    # rounding may land past the last token with mass: take that one
+    last = torch.where(probs > 0, torch.arange(vocab, device=device), -1).amax(-1)
+    picks = torch.minimum(picks, last)
     k = width - 1
-    positions = torch.arange(width, device=picks.device)
+    positions = torch.arange(width, device=device)
     in_draft = positions[None, :k] < num_drafts[:, None]
     matches = (draft_ids == picks[:, :k]) & in_draft
     num_accepted = matches.long().cumprod(-1).sum(-1)
     output = torch.where(positions[None, :] <= num_accepted[:, None], picks, PAD_ID)
     return output, num_accepted
+
+
+def _stream_uniform(counter: int) -> float:
+    """A uniform in [0, 1) that depends on `counter` alone (splitmix64's output function, top 53 bits)."""
+    z = (counter * 0x9E3779B97F4A7C15 + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    z ^= z >> 31
+    return (z >> 11) / float(1 << 53)
 
 
 def verify_tree(target_logits: torch.Tensor, tree: DraftTree, do_sample: bool, max_depth: int, generator: torch.Generator | None = None) -> tuple[VerifyResult, torch.Tensor]:

@@ -882,8 +882,49 @@ def test_generate_batch_refills_slots_and_equals_generate():
     assert first == again  # each prompt draws from its own seeded stream, whatever shares its steps
 
 
+def test_usage_at_a_stop_string_ending_in_a_character_cut_between_tokens():
+    """A stop string whose last character's bytes span tokens: the count includes every one of its tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_specdec.serving.engine import _tokens_past
+
+    vocab = {"<pad>": 0, "a": 1, "b": 2, "x": 3, "\u00c3": 4, "\u00a9": 5}  # "é" is bytes c3 a9
+    backend = Tokenizer(models.BPE(vocab, []))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>")
+    output = [1, 2, 4, 5, 3]
+    assert tokenizer.decode(output) == "ab\u00e9x" and "\ufffd" in tokenizer.decode(output[:3])
+    assert _tokens_past(tokenizer, output, 3, 2, "\u00e9") == 1  # "x" only: both bytes of the é are kept
+
+
+def test_seeded_grammar_request_does_not_depend_on_the_drafts():
+    """A seeded JSON-schema request sampled with a draft model's sampled drafts (some of them forbidden by the
+    schema: the target's residual would be drawn there by rejection sampling) equals the same request with
+    speculation off."""
+    pytest.importorskip("xgrammar")
+    from hf_specdec import Grammar
+    from test_structured import SCHEMA, constrained_model, piece_tokenizer
+
+    tokenizer, model = piece_tokenizer(), constrained_model()
+
+    def run(spec, k):
+        engine = ServingEngine(model, tokenizer, spec, num_speculative_tokens=k, max_batch_size=2,
+                               schedule="constant").start()
+        try:
+            outs = [engine.generate(repeating(6, seed=50 + i), max_tokens=30, grammar=Grammar.json_schema(SCHEMA),
+                                    sampling=SamplingParams(1.0, seed=11 + i)).request.output_ids for i in range(4)]
+            return outs, engine.metrics.num_draft_tokens
+        finally:
+            engine.shutdown()
+
+    off, _ = run("ngram", 0)
+    drafted, num_drafts = run(constrained_model(seed=3), 3)
+    assert num_drafts > 0 and drafted == off
+
+
 def test_pipeline_runs_a_dataset_with_continuous_batching():
-    from transformers import pipeline
+    from transformers import GenerationConfig, pipeline
 
     from conftest import make_tokenizer, word_prompt
 
@@ -898,6 +939,15 @@ def test_pipeline_runs_a_dataset_with_continuous_batching():
     assert list(produced) == expected
     assert isinstance(ours._continuous_plan(dict(max_new_tokens=9, do_sample=False)), dict)  # it ran continuously
     assert ours._continuous_plan(dict(max_new_tokens=9, repetition_penalty=1.3)) == ["repetition_penalty"]
+    # the settings generate would use: transformers' top-k 50 when sampling, the model's own options counted too
+    assert ours._continuous_plan(dict(max_new_tokens=9, do_sample=True))["top_k"] == 50
+    model.generation_config.repetition_penalty = 1.2
+    try:
+        assert ours._continuous_plan(dict(max_new_tokens=9)) == ["repetition_penalty"]
+        assert ours._continuous_plan(dict(generation_config=GenerationConfig(max_new_tokens=9))) == [
+            "repetition_penalty"]
+    finally:
+        model.generation_config.repetition_penalty = None
     # Chats, as the stock pipeline takes them
     chats = [[{"role": "user", "content": p}] for p in prompts[:4]]
     assert ours(chats, batch_size=2, max_new_tokens=6, do_sample=False) == [
@@ -907,8 +957,6 @@ def test_pipeline_runs_a_dataset_with_continuous_batching():
     penalised = ours(prompts, batch_size=2, max_new_tokens=6, do_sample=False, repetition_penalty=1.3)
     assert penalised == [stock(p, max_new_tokens=6, do_sample=False, repetition_penalty=1.3) for p in prompts]
     assert penalised != [stock(p, max_new_tokens=6, do_sample=False) for p in prompts]
-    from transformers import GenerationConfig
-
     config = GenerationConfig(max_new_tokens=6, do_sample=False, suppress_tokens=[4, 5, 6, 7, 8, 9, 10])
     assert ours(prompts, batch_size=2, generation_config=config) == [
         stock(p, generation_config=config) for p in prompts]

@@ -476,7 +476,7 @@ class ServingEngine:
                                    greedy if j % 2 == 0 else sampled) for j in range(max(2, self.k + 1))])
         # One row alone; then a sampled row of one token, whose only step has no drafts (a speculator with draft
         # probabilities verifies its drafts in another variant than a step without any).
-        groups += [[Request(list(prompt), self.k + 2)]]
+        groups += [[Request(list(prompt[:16]) if short else list(prompt), self.k + 2)]]  # short: fits small pools
         if not short:
             groups += [[Request(list(prompt), 1, SamplingParams(temperature=1.0))]]
         steps = 0
@@ -552,7 +552,7 @@ class ServingEngine:
         hit = _find_stop(text, stream.stop, stream._sent)
         if hit is not None:  # a stop string: the text ends before it, and so does the request
             end = hit + min(len(s) for s in stream.stop if text.startswith(s, hit))
-            excess = _tokens_past(self.tokenizer, request.output_ids, len(tokens), end)
+            excess = _tokens_past(self.tokenizer, request.output_ids, len(tokens), hit, text[hit:end])
             if excess:  # tokens a step emitted after the one completing the stop string are not the answer's
                 del request.output_ids[len(request.output_ids) - excess:]
                 request.num_generated -= excess
@@ -576,11 +576,12 @@ class ServingEngine:
             stream._put(Delta(tokens, delta, reason))
 
 
-def _tokens_past(tokenizer, output_ids: list[int], new: int, end: int) -> int:
-    """How many of the last `new` tokens come after the one whose text reaches character `end` (the end of a stop
-    string): usage counts a request's tokens up to and including that one, whatever the step emitted after it."""
+def _tokens_past(tokenizer, output_ids: list[int], new: int, hit: int, stop: str) -> int:
+    """How many of the last `new` tokens come after the one that completes the stop string `stop` (found at character
+    `hit`): usage counts a request's tokens up to and including that one, whatever the step emitted after it. The
+    prefix must spell the stop string itself (a character cut between tokens decodes to a replacement mark)."""
     for n in range(len(output_ids) - new + 1, len(output_ids)):
-        if len(tokenizer.decode(output_ids[:n], skip_special_tokens=True)) >= end:
+        if tokenizer.decode(output_ids[:n], skip_special_tokens=True)[hit:hit + len(stop)] == stop:
             return len(output_ids) - n
     return 0
 

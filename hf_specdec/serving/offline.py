@@ -54,7 +54,8 @@ def generate_batch(model, inputs: Iterable[list[int]], speculator="ngram", max_n
         return SamplingParams(temperature, top_p, top_k, None if seed is None else seed + index)
 
     engine = ServingEngine(model, tokenizer, speculator, num_speculative_tokens=num_speculative_tokens,
-                           max_batch_size=max_batch_size, max_queue=2 * max_batch_size).start()
+                           max_batch_size=max_batch_size, max_queue=2 * max_batch_size,
+                           warmup=False).start()  # one batch job: no client waits on its first request
     try:
         return [list(s.request.output_ids) for s in generate_stream(engine, inputs, max_new_tokens, sampling, grammar)]
     finally:

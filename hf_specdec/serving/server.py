@@ -73,8 +73,8 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
         """The API key check on `/v1/*`, as plain ASGI middleware: Starlette's `BaseHTTPMiddleware` would wrap the
         requests' `receive`, and a handler could then no longer see its client disconnect."""
 
-        def __init__(self, inner):
-            self.inner = inner
+        def __init__(self, app):  # older Starlette builds middleware as cls(app=...)
+            self.inner = app
 
         async def __call__(self, scope, receive, send):
             if api_key and scope["type"] == "http" and scope["path"].startswith("/v1"):
