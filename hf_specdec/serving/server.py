@@ -8,6 +8,7 @@ the field, 401 for a missing or wrong API key, 404 for an unknown model, 503 whe
 
 import asyncio
 import json
+import logging
 import os
 import secrets
 import time
@@ -15,6 +16,8 @@ import uuid
 
 from ..scheduler import SamplingParams
 from .engine import QueueFullError, RequestError, ServingEngine
+
+logger = logging.getLogger(__name__)
 
 # Fields of OpenAI's API this server takes; anything else with a non-default value is refused (400), never ignored.
 _IGNORED = {"model", "user", "stream_options", "metadata", "store", "service_tier", "parallel_tool_calls"}
@@ -66,8 +69,10 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
         return error(problem.status_code, f"{request.method} {request.url.path}: {problem.detail}", kind)
 
     @app.exception_handler(Exception)
-    async def server_error(request: Request, problem: Exception):
-        return error(500, f"internal error: {type(problem).__name__}: {problem}", "server_error")
+    async def server_error(request: Request, problem: Exception):  # the details go to the log, not the client
+        logger.error(f"{request.method} {request.url.path} failed", exc_info=problem)
+        return error(500, f"internal server error ({type(problem).__name__}); the server's log has the details",
+                     "server_error")
 
     class Authenticate:
         """The API key check on `/v1/*`, as plain ASGI middleware: Starlette's `BaseHTTPMiddleware` would wrap the
