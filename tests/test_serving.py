@@ -673,6 +673,32 @@ def test_chat_roles_developer_and_null_fields(server, tokenizer):
     assert client.chat.completions.create(model="tiny", messages=echoed, max_tokens=2).choices
 
 
+def test_chat_template_switches(server, tokenizer):
+    """`continue_final_message` continues the assistant's last message (vLLM's field), `add_generation_prompt` and
+    `chat_template_kwargs` reach the template; bad values are refused naming the field."""
+    import httpx
+
+    messages = [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w7 w8"}]
+    prompt = tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=True)
+    prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+    out = httpx.post(server.url + "/v1/chat/completions", json={
+        "model": "tiny", "messages": messages, "continue_final_message": True, "max_tokens": 6, "temperature": 0,
+        "chat_template_kwargs": {"unused_variable": 1}}).json()
+    assert out["usage"]["prompt_tokens"] == len(prompt)
+    assert out["choices"][0]["message"]["content"] == tokenizer.decode(solo(server.model, list(prompt), 6),
+                                                                       skip_special_tokens=True)
+    for extra, param in (({"continue_final_message": "yes"}, "continue_final_message"),
+                         ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+                         ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+                         ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs")):
+        response = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": messages,
+                                                                          **extra})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, (extra, response.text)
+    last_user = httpx.post(server.url + "/v1/chat/completions", json={
+        "model": "tiny", "messages": messages[:1], "continue_final_message": True})
+    assert last_user.status_code == 400 and last_user.json()["error"]["param"] == "continue_final_message"
+
+
 def test_model_route_and_openai_error_shapes(server):
     import httpx
 

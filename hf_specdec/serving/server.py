@@ -25,7 +25,9 @@ _COMMON = {"max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed", 
 _COMPLETIONS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "presence_penalty", "frequency_penalty",
                           "suffix", "logit_bias"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "presence_penalty",
-                   "frequency_penalty", "tools", "tool_choice", "logit_bias"}
+                   "frequency_penalty", "tools", "tool_choice", "logit_bias",
+                   # the chat template's own switches, as vLLM's server takes them
+                   "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
 # Accepted only at their neutral values (compared by type too: `0 == False` in Python, and `logprobs: 0` asks
 # OpenAI's completions for the chosen tokens' log probabilities). Empty `logit_bias` and `tools` are what some SDKs
 # send by default.
@@ -312,7 +314,7 @@ def parse_request(body: dict, chat: bool, engine: ServingEngine) -> dict:
             raise RequestError(f"{name}={body[name]!r} is not supported by this server; drop it", name)
     tokenizer = engine.tokenizer
     if chat:
-        prompts = [chat_prompt(body.get("messages"), tokenizer)]
+        prompts = [chat_prompt(body.get("messages"), tokenizer, **_template_options(body))]
     else:
         prompts = completion_prompts(body.get("prompt"), tokenizer)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens", 16)
@@ -391,7 +393,27 @@ def _number(body: dict, name: str, default: float, low: float, high: float) -> f
     return float(value)
 
 
-def chat_prompt(messages, tokenizer) -> list[int]:
+def _template_options(body: dict) -> dict:
+    """`add_generation_prompt` (default true), `continue_final_message` (default false: the answer continues the
+    last message, an assistant's, instead of starting a new turn) and `chat_template_kwargs` (the template's own
+    variables), checked."""
+    add = body.get("add_generation_prompt", True)
+    cont = body.get("continue_final_message", False)
+    extra = body.get("chat_template_kwargs")
+    for name, value in (("add_generation_prompt", add), ("continue_final_message", cont)):
+        if not isinstance(value, bool):
+            raise RequestError(f"{name} must be true or false, got {value!r}", name)
+    if cont and add and "add_generation_prompt" in body:
+        raise RequestError("continue_final_message and add_generation_prompt cannot both be true",
+                           "continue_final_message")
+    if extra is not None and (not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra)):
+        raise RequestError("chat_template_kwargs must be an object of the template's variables",
+                           "chat_template_kwargs")
+    return {"add_generation_prompt": add and not cont, "continue_final_message": cont, "template_kwargs": extra}
+
+
+def chat_prompt(messages, tokenizer, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                template_kwargs: dict | None = None) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list of {'role': ..., 'content': ...} objects", "messages")
     plain = []
@@ -413,8 +435,17 @@ def chat_prompt(messages, tokenizer) -> list[int]:
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string or a list of text parts", "messages")
         plain.append({"role": _ROLES[message["role"]], "content": content})
+    if continue_final_message and plain[-1]["role"] != "assistant":
+        raise RequestError("continue_final_message needs the last message to be the assistant's",
+                           "continue_final_message")
+    reserved = {"add_generation_prompt", "continue_final_message", "tokenize", "conversation", "messages"}
+    if template_kwargs and reserved & set(template_kwargs):
+        raise RequestError(f"chat_template_kwargs cannot set {sorted(reserved & set(template_kwargs))}",
+                           "chat_template_kwargs")
     try:
-        ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message, tokenize=True,
+                                            **(template_kwargs or {}))
     except Exception as bad:  # noqa: BLE001 - the template's own complaint (say, roles out of order)
         raise RequestError(f"messages: the chat template refused them ({bad})", "messages") from None
     if hasattr(ids, "keys"):
