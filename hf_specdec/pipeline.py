@@ -127,6 +127,10 @@ class SpeculativeTextGenerationPipeline(TextGenerationPipeline):
         from transformers import GenerationConfig
 
         preprocess_params, forward_params, postprocess_params = self._sanitize_parameters(**kwargs)
+        # what the pipeline was built with, under the call's own (as `Pipeline.__call__` merges them)
+        preprocess_params = {**self._preprocess_params, **preprocess_params}
+        forward_params = {**self._forward_params, **forward_params}
+        postprocess_params = {**self._postprocess_params, **postprocess_params}
         options = self._prepare_generate_kwargs(dict(forward_params))
         k, grammar = options.pop("num_speculative_tokens", None), options.pop("grammar", None)
         options.pop("tokenizer", None)

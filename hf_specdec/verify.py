@@ -79,16 +79,15 @@ def sample_by_position(target_probs: torch.Tensor, draft_ids: torch.Tensor, num_
     Returns:
         `(output, num_accepted)` as `rejection_sample` returns them.
     """
-    rows, width, vocab = target_probs.shape
+    rows, width, _ = target_probs.shape
     device = target_probs.device
     uniforms = torch.tensor([[_stream_uniform(stream + j) for j in range(width)] for stream in streams],
                             dtype=torch.float64, device=device)
-    probs = target_probs.double()
-    cdf = probs.cumsum(-1)
-    picks = torch.searchsorted(cdf, (uniforms * cdf[..., -1])[..., None], right=True).squeeze(-1)
-    # rounding may land past the last token with mass: take that one
-    last = torch.where(probs > 0, torch.arange(vocab, device=device), -1).amax(-1)
-    picks = torch.minimum(picks, last)
+    cdf = target_probs.double().cumsum(-1)
+    total = cdf[..., -1:].contiguous()
+    picks = torch.searchsorted(cdf, uniforms[..., None] * total, right=True)
+    # rounding may land past the last token with mass: take that one (the first whose cumulative sum is the total)
+    picks = torch.minimum(picks, torch.searchsorted(cdf, total)).squeeze(-1)
     k = width - 1
     positions = torch.arange(width, device=device)
     in_draft = positions[None, :k] < num_drafts[:, None]

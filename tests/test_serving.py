@@ -687,7 +687,10 @@ def test_chat_template_switches(server, tokenizer):
     assert out["usage"]["prompt_tokens"] == len(prompt)
     assert out["choices"][0]["message"]["content"] == tokenizer.decode(solo(server.model, list(prompt), 6),
                                                                        skip_special_tokens=True)
-    for extra, param in (({"continue_final_message": "yes"}, "continue_final_message"),
+    for extra, param in (({"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "chat_template_kwargs"),
+                         ({"chat_template_kwargs": {"tools": [{"type": "function"}]}}, "chat_template_kwargs"),
+                         ({"chat_template_kwargs": {"return_tensors": "pt"}}, "chat_template_kwargs"),
+                         ({"continue_final_message": "yes"}, "continue_final_message"),
                          ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
                          ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
                          ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs")):
@@ -817,8 +820,36 @@ def test_api_key(tokenizer):
 
         assert httpx.get(srv.url + "/v1/models").status_code == 401
         assert [m.id for m in srv.client(api_key="sesame").models.list()] == ["tiny"]
+        # every route but the probe and the scraper needs the key
+        assert httpx.get(srv.url + "/health").status_code == 200 and httpx.get(srv.url + "/metrics").status_code == 200
+        assert httpx.get(srv.url + "/docs").status_code == 401
     finally:
         srv.stop()
+
+
+def test_api_key_holds_under_a_mount_prefix(tokenizer):
+    """`create_app` mounted under a prefix (a root path): its routes still need the key."""
+    import asyncio
+
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    from hf_specdec.serving.server import create_app
+
+    engine = ServingEngine(served_model(), tokenizer, "ngram", max_batch_size=2).start()
+    outer = Starlette(routes=[Mount("/api", app=create_app(engine, "tiny", "sesame"))])
+
+    async def ask():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=outer), base_url="http://test") as client:
+            refused = await client.get("/api/v1/models")
+            allowed = await client.get("/api/v1/models", headers={"Authorization": "Bearer sesame"})
+            return refused.status_code, allowed.status_code
+
+    try:
+        assert asyncio.run(ask()) == (401, 200)
+    finally:
+        engine.shutdown()
 
 
 def test_queue_full_gets_503(tokenizer):
@@ -991,6 +1022,25 @@ def test_pipeline_runs_a_dataset_with_continuous_batching():
     first = ours(prompts, batch_size=3, max_new_tokens=6, do_sample=True, temperature=1.0)
     torch.manual_seed(3)
     assert ours(prompts, batch_size=2, max_new_tokens=6, do_sample=True, temperature=1.0) == first
+
+
+def test_pipeline_options_given_at_construction_reach_continuous_batching():
+    """Options the pipeline was built with (`return_full_text`, `num_speculative_tokens`) hold with batch_size as
+    they do one prompt at a time."""
+    from transformers import pipeline
+
+    from conftest import make_tokenizer, word_prompt
+
+    model, tokenizer = served_model(), make_tokenizer()
+    model.generation_config.eos_token_id = None
+    stock = pipeline("text-generation", model=make_model("llama"), tokenizer=tokenizer, return_full_text=False)
+    ours = pipeline("speculative-text-generation", model=model, tokenizer=tokenizer, assistant="ngram",
+                    return_full_text=False, num_speculative_tokens=2)
+    prompts = [word_prompt(i, 5 + i) for i in range(4)]
+    plan = ours._continuous_plan(dict(max_new_tokens=6, do_sample=False))
+    assert isinstance(plan, dict) and plan["k"] == 2 and plan["postprocess"].get("return_type") is not None
+    assert ours(prompts, batch_size=2, max_new_tokens=6, do_sample=False) == [
+        stock(p, max_new_tokens=6, do_sample=False) for p in prompts]
 
 
 def test_grammar_requests_join_a_running_batch_exactly():

@@ -7,6 +7,7 @@ the field, 401 for a missing or wrong API key, 404 for an unknown model, 503 whe
 
 
 import asyncio
+import inspect
 import json
 import logging
 import os
@@ -36,6 +37,8 @@ _NEUTRAL = {"echo": (False, None), "logprobs": (False, None), "top_logprobs": (0
             "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none")}
 # Chat roles a template understands; `developer` (OpenAI's newer name for system instructions) is sent as `system`.
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# Routes answered without the API key (a load balancer's probe, a metrics scraper); everything else needs it.
+_OPEN_PATHS = ("/health", "/metrics")
 
 
 def _is_neutral(value, neutral: tuple) -> bool:
@@ -44,7 +47,7 @@ def _is_neutral(value, neutral: tuple) -> bool:
 
 def create_app(engine: ServingEngine, model_name: str, api_key: str | None = None, shutdown_grace_s: float = 10.0):
     """The FastAPI app serving `engine` as `model_name`. `api_key`: required as `Authorization: Bearer KEY` on
-    `/v1/*` when set."""
+    every route but `/health` and `/metrics` when set."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
@@ -77,14 +80,17 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
                      "server_error")
 
     class Authenticate:
-        """The API key check on `/v1/*`, as plain ASGI middleware: Starlette's `BaseHTTPMiddleware` would wrap the
+        """The API key check on every route but `/health` and `/metrics`, as plain ASGI middleware: Starlette's `BaseHTTPMiddleware` would wrap the
         requests' `receive`, and a handler could then no longer see its client disconnect."""
 
         def __init__(self, app):  # older Starlette builds middleware as cls(app=...)
             self.inner = app
 
         async def __call__(self, scope, receive, send):
-            if api_key and scope["type"] == "http" and scope["path"].startswith("/v1"):
+            path, root = scope.get("path", ""), scope.get("root_path", "")
+            if root and path.startswith(root):  # mounted under a prefix: the routes are what follows it
+                path = path[len(root):]
+            if api_key and scope["type"] == "http" and path not in _OPEN_PATHS:
                 given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
                 token = given[7:] if given.lower().startswith("bearer ") else ""
                 if not secrets.compare_digest(token.encode(), api_key.encode()):
@@ -438,7 +444,10 @@ def chat_prompt(messages, tokenizer, add_generation_prompt: bool = True, continu
     if continue_final_message and plain[-1]["role"] != "assistant":
         raise RequestError("continue_final_message needs the last message to be the assistant's",
                            "continue_final_message")
-    reserved = {"add_generation_prompt", "continue_final_message", "tokenize", "conversation", "messages"}
+    # Only the template's own variables: none of apply_chat_template's parameters (a template of the client's, tools
+    # the server refuses, tensors back, ...)
+    reserved = {name for name, parameter in inspect.signature(tokenizer.apply_chat_template).parameters.items()
+                if parameter.kind is not parameter.VAR_KEYWORD} | {"messages", "conversation"}
     if template_kwargs and reserved & set(template_kwargs):
         raise RequestError(f"chat_template_kwargs cannot set {sorted(reserved & set(template_kwargs))}",
                            "chat_template_kwargs")
