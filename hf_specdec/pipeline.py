@@ -14,9 +14,9 @@ from .quantization import load_draft
 from .speculators.base import Speculator
 from .speculators.draft_model import DraftModelSpeculator
 from .structured import Grammar
+from .tokenizers import check_tokenizers_match
 
 logger = logging.getLogger(__name__)
-from .tokenizers import check_tokenizers_match
 
 TASK = "speculative-text-generation"
 
@@ -141,9 +141,9 @@ class SpeculativeTextGenerationPipeline(TextGenerationPipeline):
         plain = GenerationConfig()  # transformers' defaults alone: the model's own settings count as options too
         plain.update(**own._get_default_generation_params(), defaults_only=True)
         for name, value in config.to_dict().items():
-            if name in self._CONTINUOUS or name in self._BOOKKEEPING and name != "eos_token_id":
+            if name in self._CONTINUOUS or (name in self._BOOKKEEPING and name != "eos_token_id"):
                 continue
-            if name == "eos_token_id" and value == own.eos_token_id:
+            if name == "eos_token_id" and value == own.eos_token_id:  # the engine stops on the model's own
                 continue
             default = getattr(plain, name, None)
             if value != default and (value or default):  # False, None, 0 and [] all leave an option off

@@ -23,7 +23,6 @@ from .types import PAD_ID, DraftProposal, DraftTree, VerifyResult
 
 def verify(target_logits: torch.Tensor, draft: DraftProposal, do_sample: bool,
            generator: torch.Generator | None = None, backend: str = "auto", is_greedy: torch.Tensor | None = None,
-           uniforms: torch.Tensor | None = None, seeds: torch.Tensor | None = None,
            seeded: tuple[list[int], list[int]] | None = None,
            seeded_logits: torch.Tensor | None = None) -> VerifyResult:
     """Verifies a ragged batch of drafts against processed target logits.
@@ -36,7 +35,6 @@ def verify(target_logits: torch.Tensor, draft: DraftProposal, do_sample: bool,
         generator: random generator; the global one when `None` (so `torch.manual_seed` makes runs reproducible).
         backend: kernel backend, `"auto"`, `"torch"` or `"triton"` (see `hf_specdec.kernels`).
         is_greedy: `[rows]` bool, with `do_sample`: rows that decode greedily in a batch that also samples.
-        uniforms, seeds: the random draws per row (`rejection_sample`), for rows that must not depend on the batch.
         seeded: `(rows, streams)`: these sampled rows draw each token from their own stream, `streams[i] + j` for
             the token after `j` drafts (`sample_by_position`), so their output does not depend on the drafts.
         seeded_logits: what those rows sample from, when `target_logits` was rewritten for rejection sampling (a
@@ -49,8 +47,8 @@ def verify(target_logits: torch.Tensor, draft: DraftProposal, do_sample: bool,
         target_probs = torch.where(is_greedy[:, None, None], point, target_probs)
     output, num_accepted = rejection_sample(
         draft.token_ids, draft.num_tokens, target_probs, draft.probs,
-        is_greedy=not do_sample if is_greedy is None or not do_sample else is_greedy, uniforms=uniforms,
-        seeds=seeds, generator=generator, backend=backend)
+        is_greedy=not do_sample if is_greedy is None or not do_sample else is_greedy, generator=generator,
+        backend=backend)
     if seeded is not None and seeded[0]:
         rows = torch.tensor(seeded[0], device=output.device)
         probs = target_probs[rows] if seeded_logits is None else torch.softmax(seeded_logits[rows], dim=-1)

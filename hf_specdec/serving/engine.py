@@ -455,12 +455,13 @@ class ServingEngine:
         """Synthetic requests through the real step before any client's, so that every variant of the Triton kernels
         a request can launch is compiled now (`kernels/variants.py` lists what makes a variant): four groups, one per
         combination of top-k and top-p that a sampled batch can need (the sampling kernel's variants), alternately
-        seeded and not (the verify kernel's draws), each of greedy and sampled rows whose prompts differ in length
-        (a packed prefill) and that join a running batch (its first row, which emits k + 4 tokens), where row j > 0
-        may emit j + 2 tokens (every draft count up to k verified in one packed step, fewer as rows finish); then one
-        row alone, and one sampled row without drafts. A prompt that repeats itself gives n-gram lookup something
-        to propose; k is constant (adaptive k would draft nothing on its static priors) and nothing is stored for
-        prefix reuse. Afterwards the metrics start again from zero and adaptive k's statistics were never touched.
+        seeded and not (seeded rows sample by position, `verify.sample_by_position`), each of greedy and sampled
+        rows whose prompts differ in length (a packed prefill) and that join a running batch (its first row, which
+        emits k + 4 tokens), where row j > 0 may emit j + 2 tokens (every draft count up to k verified in one
+        packed step, fewer as rows finish); then one row alone, and one sampled row without drafts. A prompt that
+        repeats itself gives n-gram lookup something to propose; k is constant (adaptive k would draft nothing on
+        its static priors) and nothing is stored for prefix reuse. Afterwards the metrics start again from zero and
+        adaptive k's statistics were never touched.
         Groups larger than the batch queue as any requests would. `short`: the row alone only (the KV pools, the
         speculator's own included, are allocated at their first write, and the first forward's one-off costs paid)."""
         start = time.perf_counter()

@@ -80,8 +80,9 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
                      "server_error")
 
     class Authenticate:
-        """The API key check on every route but `/health` and `/metrics`, as plain ASGI middleware: Starlette's `BaseHTTPMiddleware` would wrap the
-        requests' `receive`, and a handler could then no longer see its client disconnect."""
+        """The API key check on every route but `/health` and `/metrics`, as plain ASGI middleware: Starlette's
+        `BaseHTTPMiddleware` would wrap the requests' `receive`, and a handler could then no longer see its client
+        disconnect."""
 
         def __init__(self, app):  # older Starlette builds middleware as cls(app=...)
             self.inner = app
