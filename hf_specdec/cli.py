@@ -302,7 +302,8 @@ def cmd_serve(args) -> int:
                            max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                            max_model_len=args.max_model_len, schedule=args.schedule,
                            calibration=not args.no_calibrate, kv_region_tokens=args.kv_region_tokens,
-                           prefix_cache_tokens=args.prefix_cache_tokens, warmup=args.warm_up)
+                           prefix_cache_tokens=args.prefix_cache_tokens, warmup=args.warm_up,
+                           prefill_chunk_tokens=args.prefill_chunk_tokens)
     name = args.served_model_name or args.model
     print(f"hf-specdec serve: {name} with speculator {args.speculator!r} on http://{args.host}:{args.port}/v1",
           file=sys.stderr)
@@ -483,6 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prompt tokens whose keys and values are kept after their requests end, so that a request "
                      "starting with a stored prefix (whole KV blocks) feeds only the rest; least recently used go "
                      "first (default 8192; 0 for none)")
+    srv.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                     help="feed a longer prompt this many tokens a step (chunked prefill), so running requests keep "
+                     "streaming while it is read (default 256 on a CPU, 2048 on a GPU; 0: whole prompts)")
     srv.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
                      help="run a few synthetic requests before serving, so kernels compile then and not inside the "
                      "first clients' requests (default: on for CUDA; elsewhere one short request, which allocates the "

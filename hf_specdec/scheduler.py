@@ -12,6 +12,11 @@ feeds the prompts and verifies drafts proposed from them, as a one-call `generat
 running batch when the target takes packed steps (a newcomer's prompt then costs the others nothing in width) and
 the speculator can join them there (`Speculator.joins_in_verify`: it proposes nothing for a row whose target states
 have not arrived yet, as the EAGLE, Medusa and MLP heads do): their prompts go into the others' verify.
+
+With `prefill_chunk`, a long prompt is fed in pieces (chunked prefill): each step feeds at most that many prompt
+tokens of rows still reading theirs, in a forward of their own next to the others' step, until what is left fits
+one piece and the row joins as above. The others keep getting a token every step instead of stalling for the whole
+prompt, and a request arriving meanwhile starts without waiting for it.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ import torch
 
 from .kernels.sampling import apply_sampling_params
 from .metrics import SpeculativeMetrics
-from .model_runner import TargetHiddenStates
-from .types import SequenceBatch
+from .model_runner import TargetHiddenStates, committed_hidden_states
+from .types import SequenceBatch, gather_right_aligned
 
 
 @dataclass
@@ -163,11 +168,16 @@ class Scheduler:
             values of the longest prompt prefix seen before, and store their prompt's blocks after their first step.
         weigh_rows (`bool`): while no request waits, adaptive k weighs each row's tokens by the tokens it has left
             (`AdaptiveK.weigh`), so drafts go to the rows the remaining work waits for.
+        prefill_chunk (`int`, *optional*): the most prompt tokens a step feeds for rows whose prompts are longer
+            (chunked prefill, see the module docstring); `None`: every prompt whole in its row's first step.
     """
 
     def __init__(self, batch: SequenceBatch, target, step, stop, pad_token_id: int,
                  metrics: SpeculativeMetrics | None = None, max_num_blocks: int | None = None,
-                 collect_tokens: bool = True, prefix_cache=None, weigh_rows: bool = False):
+                 collect_tokens: bool = True, prefix_cache=None, weigh_rows: bool = False,
+                 prefill_chunk: int | None = None):
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 (None: whole prompts), got {prefill_chunk}")
         self.batch = batch
         self.target = target
         self.step_fn = step
@@ -179,10 +189,13 @@ class Scheduler:
         self.collect_tokens = collect_tokens
         self.prefix_cache = prefix_cache
         self.weigh_rows = weigh_rows
+        self.prefill_chunk = prefill_chunk
+        self.num_prefill_chunks = 0  # chunked-prefill forwards run
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
         self.free_slots = list(range(len(batch.lengths)))[::-1]
         self._fresh: set[int] = set()  # rows admitted but not yet fed
+        self._arrival: dict[int, None] = {}  # running rows in order of admission
         self._reserved: dict[int, int] = {}  # row -> worst-case KV blocks
         self._refused: list[Request] = []
 
@@ -225,8 +238,11 @@ class Scheduler:
         if not self.running:
             return events
         batch, step = self.batch, self.step_fn
-        everyone = sorted(self.running)
-        joining = sorted(self._fresh)
+        chunked = self._feed_chunks()  # rows still reading a long prompt: a piece of it, and no step this time
+        everyone = [r for r in sorted(self.running) if r not in chunked]
+        if not everyone:
+            return events
+        joining = [r for r in sorted(self._fresh) if r not in chunked]
         # Rows joining a running batch are fed on their own first, or with the others (see the module docstring).
         mixed = self.target.packed and step.tree_nodes is None and step.speculator.joins_in_verify
         rows = joining if joining and len(joining) < len(everyone) and not mixed else everyone
@@ -265,6 +281,64 @@ class Scheduler:
         request.cancelled = True
 
     # --- internals ---------------------------------------------------------------------------------------------
+
+    def _feed_chunks(self) -> set[int]:
+        """Chunked prefill: feeds the next piece of every prompt longer than what is left of `prefill_chunk` (in
+        order of arrival, up to `prefill_chunk` tokens in all) to the target's cache, in one forward, and the
+        target's states there to a speculator that reads them. Returns the rows it fed (or left waiting for their
+        turn): they sit this step out. A row whose rest fits joins the step as any newcomer does."""
+        limit = self.prefill_chunk
+        if limit is None or not self._fresh:
+            return set()
+        target, batch = self.target, self.batch
+        pending = {row: batch.lengths[row] - target.length(row) for row in self._fresh}
+        long = [row for row in self._arrival if row in pending and pending[row] > limit]
+        if not long:
+            return set()
+        block = getattr(getattr(target, "cache", None), "manager", None)
+        block = block.block_size if block is not None else 1
+        rows, amounts, budget = [], [], limit
+        for row in long:
+            # Whole KV blocks where the budget allows (the prefix cache stores whole blocks), and never the last
+            # prompt token: its logits are the row's first verify.
+            amount = min(budget, pending[row] - 1)
+            if amount >= block:
+                amount -= amount % block
+            if amount < 1:
+                break
+            rows.append(row)
+            amounts.append(amount)
+            budget -= amount
+        if rows:
+            self._feed(rows, amounts)
+        return set(long)
+
+    def _feed(self, rows: list[int], amounts: list[int]) -> None:
+        batch, target, speculator = self.batch, self.target, self.speculator
+        cached = [target.length(r) for r in rows]
+        rows_t = torch.tensor(rows, device=batch.device)
+        input_ids = gather_right_aligned(
+            batch.token_ids, rows_t, batch.first_col[rows_t] + torch.tensor(cached, device=batch.device),
+            torch.tensor(amounts, device=batch.device), max(amounts))
+        wants_states = speculator.needs_hidden_states
+        layers = tuple(speculator.hidden_state_layers) if wants_states else False
+        out = target.forward(rows, input_ids, amounts, num_logits=1, output_hidden_states=layers,
+                             packed_states=wants_states)
+        self.num_prefill_chunks += 1
+        states = None
+        if wants_states:
+            for row in [r for r in rows if r in self.step_fn.prefix_states]:  # a stored prefix's states come first
+                speculator.observe_hidden_states(self.step_fn.prefix_states.pop(row))
+            states = committed_hidden_states(out.hidden_states, speculator.hidden_state_layers, rows, amounts,
+                                             cached, amounts, getattr(out, "states_packed", False))
+            speculator.observe_hidden_states(states)
+        if self.prefix_cache is not None:  # each piece's whole blocks, as they are fed
+            for i, row in enumerate(rows):
+                prompt = self.running[row].prompt_ids
+                if prompt is None:
+                    continue
+                features = () if states is None else (states.row(i), states.start_positions[i])
+                self.prefix_cache.store(target.cache, row, prompt, *features)
 
     def _ended_by_rule(self, new: list[int]) -> bool:
         eos = self.stop.eos_token_ids
@@ -357,6 +431,7 @@ class Scheduler:
         row = request.slot
         self.running[row] = request
         self._fresh.add(row)
+        self._arrival[row] = None
         self._reserved[row] = need if need is not None else 0
         self.target.add_sequence(row)
         if self.batch.sampling is not None:
@@ -379,6 +454,7 @@ class Scheduler:
             self.running.pop(row)
             self._reserved.pop(row, None)
             self._fresh.discard(row)
+            self._arrival.pop(row, None)
             self.free_slots.append(row)
         self.speculator.release(rows)
         if self.step_fn.constraints is not None:

@@ -601,7 +601,7 @@ def test_models_health_metrics(server):
     text = httpx.get(server.url + "/metrics").text
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_blocks_in_use",
                  "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
-                 "generation_tokens_per_second"):
+                 "generation_tokens_per_second", "prefill_chunks_total"):
         assert f"hf_specdec:{name}" in text
 
 

@@ -36,6 +36,9 @@ from ..types import SequenceBatch
 
 
 DEFAULT_PREFIX_CACHE_TOKENS = 8192
+# Prompt tokens a step feeds at most for prompts longer than that (chunked prefill), by device type: a piece costs
+# the running rows about as much as a few of their steps on a CPU, and little beyond a step's fixed cost on a GPU.
+DEFAULT_PREFILL_CHUNK_TOKENS = {"cpu": 256, "cuda": 2048}
 
 
 class QueueFullError(RuntimeError):
@@ -154,13 +157,19 @@ class ServingEngine:
             instead (`warmup_report["kind"] == "short"`), which allocates the KV pools and pays the first forward's
             one-off costs before `start` returns (on a CPU they made a server's first request take seconds more
             than the next ones). `False`: neither.
+        prefill_chunk_tokens (`int`, *optional*): a prompt longer than this is fed this many tokens a step
+            (chunked prefill), each piece in a forward next to the running requests' step, so they keep streaming
+            while it is read and requests arriving meanwhile start at once; the request itself waits a little
+            longer for its first token. Default: 256 on a CPU, 2048 elsewhere; 0: every prompt whole in one step
+            (a long one stalls every running request until it is read).
     """
 
     def __init__(self, model, tokenizer, speculator="ngram", num_speculative_tokens: int | None = None,
                  max_batch_size: int = 8, max_queue: int = 64, max_model_len: int | None = None,
                  schedule: str = "adaptive", block_size: int = 16, max_num_blocks: int | None = None,
                  calibration: bool = True, kv_region_tokens: int | None = None,
-                 prefix_cache_tokens: int | None = None, warmup: bool | None = None):
+                 prefix_cache_tokens: int | None = None, warmup: bool | None = None,
+                 prefill_chunk_tokens: int | None = None):
         if max_batch_size < 1 or max_queue < 0:
             raise ValueError(f"max_batch_size must be >= 1 and max_queue >= 0, got {max_batch_size}, {max_queue}")
         if schedule not in ("adaptive", "constant"):
@@ -203,7 +212,12 @@ class ServingEngine:
                              "cap's accounting); pass kv_region_tokens=0 to cap the pool")
         if prefix_cache_tokens is not None and prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens must be >= 0 (0 for none), got {prefix_cache_tokens}")
+        if prefill_chunk_tokens is not None and prefill_chunk_tokens < 0:
+            raise ValueError(f"prefill_chunk_tokens must be >= 0 (0: whole prompts), got {prefill_chunk_tokens}")
         self._build(block_size, max_num_blocks, schedule, calibration, kv_region_tokens, prefix_cache_tokens)
+        if prefill_chunk_tokens is None:
+            prefill_chunk_tokens = DEFAULT_PREFILL_CHUNK_TOKENS.get(self.batch.device.type, 2048)
+        self.scheduler.prefill_chunk = prefill_chunk_tokens or None
         self.warmup = self.batch.device.type == "cuda" if warmup is None else bool(warmup)
         self.short_warmup = warmup is None and not self.warmup  # one request: pools and first-call costs
         self.warmup_report: dict | None = None  # what the warm-up ran: steps, draft tokens, seconds
@@ -508,6 +522,7 @@ class ServingEngine:
                               "accepted_tokens": self.metrics.num_accepted_tokens,
                               "seconds": round(time.perf_counter() - start, 3)}
         self.metrics = self.scheduler.metrics = SpeculativeMetrics()
+        self.scheduler.num_prefill_chunks = 0
         logger.info(f"hf_specdec serving engine warmed up: {self.warmup_report}")
 
     def _warmup_prompt(self) -> list[int]:

@@ -509,6 +509,8 @@ def prometheus_text(engine: ServingEngine) -> str:
         "Drafts with at least position + 1 tokens accepted.",
         [(f'{{position="{i}"}}', n) for i, n in enumerate(list(m.accepted_per_position))])
     add("num_steps_total", "counter", "Verify steps (target forwards).", [("", m.num_steps)])
+    add("prefill_chunks_total", "counter", "Pieces of long prompts fed on their own (chunked prefill).",
+        [("", engine.scheduler.num_prefill_chunks)])
     cache = engine.prefix_cache
     add("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
         [("", cache.num_queried_tokens if cache is not None else 0)])
