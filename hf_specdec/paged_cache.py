@@ -16,6 +16,7 @@ context and the attention is masked SDPA. Both follow `hf_specdec.kernels.paged_
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
@@ -231,6 +232,54 @@ def token_rows_pay(counts: list[int], num_context: int = 0, kv_width: int = 0, s
 
 
 @dataclass
+class ContextGroup:
+    """Rows whose contexts the PyTorch path gathers and attends to together, padded to the longest of them only
+    (`context_groups`).
+
+    Attributes:
+        rows: `[n]` the rows (indices into the step's rows, in order).
+        slots: `[n, num_context]` flat pool slots of each row's positions `0 .. num_context - 1` (scratch past its
+            length).
+        view: `(first slot, slots per row)` where the rows lie in consecutive regions of the pool (read in place, as
+            `StepPlan.context_view`), else `None`.
+    """
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    view: tuple[int, int] | None = None
+
+    def to(self, device) -> ContextGroup:
+        return ContextGroup(self.rows.to(device), self.slots.to(device), self.view)
+
+
+# A second context group costs, in every layer, its own gather, selections and attention call; padding costs about
+# 7 us per context token (summed over rows) of a SmolLM2 forward on a 2-core CPU. By `benchmarks/context_groups.py`
+# two groups were 1.06-1.08x faster where they saved 1200-1750 padded tokens (8 or 4 rows), 1.3-7.8x where they saved
+# 4000-58000, and 1.01x at 1600 saved out of 8000 (a fifth: the rule keeps one group there).
+CONTEXT_SPLIT_MIN = 1024
+
+
+def context_groups(context_lens: list[int]) -> tuple[list[int], int] | None:
+    """Where gathering the rows' contexts in two groups, each padded to its own longest, saves a quarter of the
+    padded context and at least `CONTEXT_SPLIT_MIN` tokens (a long prompt's row beside rows of short chats; rows all
+    about as long stay one group): `(short_rows, short_context)`, the rows whose contexts fit in `short_context`
+    (the others form the second group). `None` where one padded group is as good."""
+    lengths = sorted(context_lens)
+    rows, longest = len(lengths), lengths[-1]
+    whole = rows * longest
+    best, cut = whole, None
+    for n in range(1, rows):  # the n shortest padded to the n-th length, the rest to the longest
+        if lengths[n] == lengths[n - 1]:
+            continue
+        cost = n * lengths[n - 1] + (rows - n) * longest
+        if cost < best:
+            best, cut = cost, lengths[n - 1]
+    if cut is None or whole - best < max(whole / 4, CONTEXT_SPLIT_MIN):
+        return None
+    return [i for i, c in enumerate(context_lens) if c <= cut], cut
+
+
+@dataclass
 class StepPlan:
     """Where one forward's tokens go and what each query may see.
 
@@ -259,6 +308,9 @@ class StepPlan:
     # (first slot, slots per row) when the rows' storage lies in equal consecutive regions of the pool
     # (`BlockManager.give_regions`): their contexts are then one strided view of each pool, not a gather.
     context_view: tuple[int, int] | None = None
+    # The PyTorch path's contexts in two groups of rows, each padded to its own longest (`context_groups`): `update`
+    # then returns the pools, and attention gathers per group. `None`: one gather, every row padded to the longest.
+    context_groups: tuple[ContextGroup, ...] | None = None
     _masks: dict = field(default_factory=dict)
     _kernel_tree: TreeMask | None = None
     # Layers that wrote keys/values and layers that attended through our function in this step: they differ when a
@@ -278,6 +330,8 @@ class StepPlan:
                      if getattr(self, f) is not None}
             if self.packed is not None:
                 moved["packed"] = self.packed.to(device)
+            if self.context_groups is not None:
+                moved["context_groups"] = tuple(g.to(device) for g in self.context_groups)
             tree = self.tree and TreeAttention(*(t.to(device) for t in (
                 self.tree.region_start, self.tree.query_positions, self.tree.region_mask, self.tree.region_positions)))
             if self.backend == "triton" and device.type != "cuda":  # a layer on the host: gather, then SDPA
@@ -333,6 +387,9 @@ class PagedKVCache(Cache):
     # Token rows (`token_rows_pay`) on the PyTorch path: None decides per step, True whenever a packed step can,
     # False never (benchmarks compare them).
     token_rows: bool | None = None
+    # Context groups (`context_groups`) on the PyTorch path: None decides per step, False never (benchmarks compare
+    # them; so does `HF_SPECDEC_CONTEXT_GROUPS=0`).
+    context_split: bool | None = None
 
     def __init__(self, block_size: int = 16, num_blocks: int = 64, max_num_blocks: int | None = None,
                  kernel_backend: str = "auto"):
@@ -441,12 +498,32 @@ class PagedKVCache(Cache):
                 write_slots = write_slots.index_select(0, layout.pack_index)
             if by_token:  # each token's row's context, its own mask hiding what follows it
                 slots = slots.index_select(0, layout.token_rows)
+            groups = None
+            if (backend == "torch" and view is None and not by_token and split is None and self.context_split
+                    is not False and os.environ.get("HF_SPECDEC_CONTEXT_GROUPS", "1") != "0"):
+                groups = self._context_groups(seq_ids, [s + n for s, n in zip(starts, num_tokens)], slots, device)
             self.plan = StepPlan(write_slots, block_tables, bs, query_positions, context_lens, backend, slots,
-                                 packed=layout, context_view=view)
+                                 packed=layout, context_view=view, context_groups=groups)
         else:
             self.plan = StepPlan(write_slots.reshape(-1), block_tables, bs, tree.query_positions, context_lens,
                                  backend, slots, tree, query_positions, context_view=view)
         return self.plan
+
+    def _context_groups(self, seq_ids, lengths, slots, device) -> tuple[ContextGroup, ...] | None:
+        split = context_groups(lengths)
+        if split is None:
+            return None
+        short_rows, short_context = split
+        short = set(short_rows)
+        long_rows = [i for i in range(len(seq_ids)) if i not in short]
+        groups = []
+        for rows, width in ((short_rows, short_context), (long_rows, slots.shape[1])):
+            run = self.manager.contiguous_run([seq_ids[i] for i in rows])
+            view = (run[0] * self.block_size, run[1] * self.block_size) if run is not None and \
+                width <= run[1] * self.block_size else None
+            index = torch.tensor(rows, device=device)
+            groups.append(ContextGroup(index, slots.index_select(0, index)[:, :width], view))
+        return tuple(groups)
 
     def move(self, block_tables: torch.Tensor, sources: torch.Tensor, destinations: torch.Tensor) -> None:
         """Copies, in every layer, row i's keys and values at storage index `sources[i, j]` to `destinations[i, j]`
@@ -483,7 +560,7 @@ class PagedKVCache(Cache):
         key_pool, value_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
         key_pool.index_copy_(0, plan.write_slots, key_states.transpose(1, 2).reshape(rows * q, heads, dim))
         value_pool.index_copy_(0, plan.write_slots, value_states.transpose(1, 2).reshape(rows * q, heads, -1))
-        if plan.backend == "triton":
+        if plan.backend == "triton" or plan.context_groups is not None:  # attention reads the pools itself
             return key_pool, value_pool
         if plan.context_view is not None:  # rows in consecutive regions: a view, nothing copied
             first, stride = plan.context_view
@@ -587,6 +664,11 @@ def paged_attention_forward(
         out = attend(query[0].transpose(0, 1)[:, :, None], key, value, plan.mask(sliding_window), scaling, softcap,
                      sinks)
         return out.transpose(0, 1), None  # `[1, T, heads, dim]`
+    if plan.context_groups is not None:  # `key`, `value` are the pools: each group gathers its own contexts
+        rows, mask = plan.query_positions.shape[0], plan.mask(sliding_window)
+        padded = query if packed is None else packed.pad(query, rows)
+        out = _attend_context_groups(padded, key, value, mask, plan.context_groups, scaling, softcap, sinks)
+        return (out if packed is None else packed.pack(out)), None
     if packed is not None:  # attention runs padded ([rows, q]); the linear layers around it saw only real tokens
         rows, mask = plan.query_positions.shape[0], plan.mask(sliding_window)
         if packed.groups is None:
@@ -603,6 +685,30 @@ def paged_attention_forward(
             out.index_copy_(0, group.targets, o.reshape(-1, heads, dim).index_select(0, group.real))
         return out[None], None
     return attend(query, key, value, plan.mask(sliding_window), scaling, softcap, sinks).contiguous(), None
+
+
+def _attend_context_groups(query, key_pool, value_pool, mask, groups, scaling, softcap, sinks) -> torch.Tensor:
+    """Padded queries `[rows, heads, q, dim]` attending group by group to contexts gathered (or viewed) per group
+    from the pools `[num_slots, kv_heads, dim]`; returns `[rows, q, heads, dim]`."""
+    if key_pool.dim() != 3:
+        raise NotImplementedError("the model changed the keys between the cache's update and attention, which "
+                                  "hf_specdec's grouped attention cannot follow; set HF_SPECDEC_CONTEXT_GROUPS=0")
+    rows, heads, q, dim = query.shape
+    out = query.new_empty(rows, q, heads, value_pool.shape[-1])
+    for group in groups:
+        n, num_context = group.slots.shape
+        if group.view is not None:
+            first, stride = group.view
+            keys = key_pool[first:first + n * stride].view(n, stride, *key_pool.shape[1:])[:, :num_context]
+            values = value_pool[first:first + n * stride].view(n, stride, *value_pool.shape[1:])[:, :num_context]
+        else:
+            slots = group.slots.flatten()
+            keys = key_pool.index_select(0, slots).view(n, num_context, *key_pool.shape[1:])
+            values = value_pool.index_select(0, slots).view(n, num_context, *value_pool.shape[1:])
+        o = attend(query.index_select(0, group.rows), keys.transpose(1, 2), values.transpose(1, 2),
+                   mask.index_select(0, group.rows)[..., :num_context], scaling, softcap, sinks)
+        out.index_copy_(0, group.rows, o)
+    return out
 
 
 def _head_sinks(kwargs, heads: int) -> torch.Tensor | None:

@@ -13,10 +13,10 @@ running batch when the target takes packed steps (a newcomer's prompt then costs
 the speculator can join them there (`Speculator.joins_in_verify`: it proposes nothing for a row whose target states
 have not arrived yet, as the EAGLE, Medusa and MLP heads do): their prompts go into the others' verify.
 
-With `prefill_chunk`, a long prompt is fed in pieces (chunked prefill): each step feeds at most that many prompt
-tokens of rows still reading theirs, in a forward of their own next to the others' step, until what is left fits
-one piece and the row joins as above. The others keep getting a token every step instead of stalling for the whole
-prompt, and a request arriving meanwhile starts without waiting for it.
+With `prefill_chunk`, a step feeds at most that many prompt tokens (chunked prefill): a longer prompt is fed in
+pieces, in a forward of their own next to the others' step, until what is left fits and the row joins as above;
+while requests run, newcomers join only as far as the budget goes. The others keep getting a token every step
+instead of stalling for whole prompts, and a request arriving meanwhile starts without waiting for them all.
 """
 
 from __future__ import annotations
@@ -238,6 +238,7 @@ class Scheduler:
         if not self.running:
             return events
         batch, step = self.batch, self.step_fn
+        step.timed = True
         chunked = self._feed_chunks()  # rows still reading a long prompt: a piece of it, and no step this time
         everyone = [r for r in sorted(self.running) if r not in chunked]
         if not everyone:
@@ -283,37 +284,44 @@ class Scheduler:
     # --- internals ---------------------------------------------------------------------------------------------
 
     def _feed_chunks(self) -> set[int]:
-        """Chunked prefill: feeds the next piece of every prompt longer than what is left of `prefill_chunk` (in
-        order of arrival, up to `prefill_chunk` tokens in all) to the target's cache, in one forward, and the
-        target's states there to a speculator that reads them. Returns the rows it fed (or left waiting for their
-        turn): they sit this step out. A row whose rest fits joins the step as any newcomer does."""
+        """Chunked prefill: this step's prompt tokens, `prefill_chunk` at most, go to newcomers in order of arrival.
+        A prompt longer than that gets a piece (in whole KV blocks) fed in a forward of its own; while requests are
+        running, newcomers whose prompts fit what is left of the budget join the step whole and the others wait or
+        get a piece of what is left. (With nobody running yet, every prompt within the budget joins at once.)
+        Returns the rows that sit this step out: those fed a piece, and those left waiting."""
         limit = self.prefill_chunk
         if limit is None or not self._fresh:
             return set()
         target, batch = self.target, self.batch
-        pending = {row: batch.lengths[row] - target.length(row) for row in self._fresh}
-        long = [row for row in self._arrival if row in pending and pending[row] > limit]
-        if not long:
-            return set()
-        block = getattr(getattr(target, "cache", None), "manager", None)
-        block = block.block_size if block is not None else 1
-        rows, amounts, budget = [], [], limit
-        for row in long:
-            # Whole KV blocks where the budget allows (the prefix cache stores whole blocks), and never the last
-            # prompt token: its logits are the row's first verify.
-            amount = min(budget, pending[row] - 1)
-            if amount >= block:
-                amount -= amount % block
-            if amount < 1:
-                break
-            rows.append(row)
-            amounts.append(amount)
-            budget -= amount
+        manager = getattr(getattr(target, "cache", None), "manager", None)
+        block = manager.block_size if manager is not None else 1
+        limit = -(-limit // block) * block  # whole blocks: the prefix cache stores whole blocks, with their states
+        running = len(self.running) > len(self._fresh)  # streams a newcomer's prefill would hold up
+        budget, rows, amounts, out = limit, [], [], set()
+        for row in [r for r in self._arrival if r in self._fresh]:
+            cached = target.length(row)
+            pending = batch.lengths[row] - cached
+            if pending <= (budget if running else limit):
+                budget -= pending if running else 0
+                continue  # joins this step with its whole prompt (or what is left of it)
+            out.add(row)
+            # A piece ending on a block boundary, never taking the last prompt token: its logits are the row's first
+            # verify.
+            end = min(cached + budget, batch.lengths[row] - 1)
+            amount = end - end % block - cached if block > 1 else end - cached
+            if amount >= 1:
+                rows.append(row)
+                amounts.append(amount)
+                budget -= amount
         if rows:
             self._feed(rows, amounts)
-        return set(long)
+        return out
 
     def _feed(self, rows: list[int], amounts: list[int]) -> None:
+        """Feeds `amounts[i]` more prompt tokens of `rows[i]` to the target's cache. A speculator reading the target's
+        states gets those of the pieces when the row joins a step, ahead of that step's (`Step.prefix_states`), as
+        from a stored prefix: until then it has nothing to draft from for the row. The prefix cache stores each
+        piece's whole blocks as they are fed."""
         batch, target, speculator = self.batch, self.target, self.speculator
         cached = [target.length(r) for r in rows]
         rows_t = torch.tensor(rows, device=batch.device)
@@ -324,15 +332,20 @@ class Scheduler:
         layers = tuple(speculator.hidden_state_layers) if wants_states else False
         out = target.forward(rows, input_ids, amounts, num_logits=1, output_hidden_states=layers,
                              packed_states=wants_states)
-        self.num_prefill_chunks += 1
+        self.num_prefill_chunks += len(rows)
+        self.step_fn.timed = False  # the next step's timers may wait for this forward (a GPU runs it meanwhile)
         states = None
         if wants_states:
-            for row in [r for r in rows if r in self.step_fn.prefix_states]:  # a stored prefix's states come first
-                speculator.observe_hidden_states(self.step_fn.prefix_states.pop(row))
             states = committed_hidden_states(out.hidden_states, speculator.hidden_state_layers, rows, amounts,
                                              cached, amounts, getattr(out, "states_packed", False))
-            speculator.observe_hidden_states(states)
-        if self.prefix_cache is not None:  # each piece's whole blocks, as they are fed
+            for i, row in enumerate(rows):
+                held = self.step_fn.prefix_states.get(row)
+                piece = states.row(i)
+                if held is not None:  # a stored prefix's states, or earlier pieces': these follow them
+                    piece = torch.cat([held.row(0), piece])
+                first = held.start_positions[0] if held is not None else cached[i]
+                self.step_fn.prefix_states[row] = TargetHiddenStates(piece[None], [len(piece)], [first], [row])
+        if self.prefix_cache is not None:
             for i, row in enumerate(rows):
                 prompt = self.running[row].prompt_ids
                 if prompt is None:
@@ -455,6 +468,7 @@ class Scheduler:
             self._reserved.pop(row, None)
             self._fresh.discard(row)
             self._arrival.pop(row, None)
+            self.step_fn.prefix_states.pop(row, None)  # a row cancelled before its first step never read them
             self.free_slots.append(row)
         self.speculator.release(rows)
         if self.step_fn.constraints is not None:

@@ -49,6 +49,7 @@ class Step:
         self.policy = policy
         speculator.bind_policy(policy)  # None too: a speculator reused across calls forgets the last call's
         self.drafting = True  # False: a step that only feeds prompts (rows joining a running batch)
+        self.timed = True  # False: the policy learns nothing from this step's timings (a prompt piece ran before it)
         # Rows whose prompt began with a stored prefix (`prefix_cache.PrefixCache`): the target's states there, given
         # to the speculator ahead of the states of the row's first step. `last_states`: the states the last step
         # gave it.
@@ -141,13 +142,14 @@ class Step:
         metrics.verify_time_s += time.perf_counter() - t1
         if self.policy is not None and self.drafting:
             self.policy.update(rows, num_drafted, num_accepted, classes)
-            if self.policy.measured is not None:  # the serving engine's policy prices drafts by these timings
+            if self.policy.measured is not None and self.timed:  # the serving policy prices drafts by these timings
                 # A packed target fed each row its own tokens; a padded one fed every row the widest row's.
                 fed, drafts = ((sum(num_fed), sum(counts)) if target.packed else
                                (len(rows) * max(num_fed), len(rows) * max(counts)))
                 self.policy.measured.observe(len(rows), fed, self.policy.context, drafts, verified_s)
             # A decode step (every row fed its pending token and its drafts: no prompt tokens) without a grammar.
-            if self.policy.returns is not None and constrained is None and sum(num_fed) - sum(counts) == len(rows):
+            if (self.policy.returns is not None and self.timed and constrained is None
+                    and sum(num_fed) - sum(counts) == len(rows)):
                 self._observe_returns(rows, counts, num_accepted, target.packed, time.perf_counter() - t0)
         return num_emit, [r for r, done in zip(rows, finished) if done]
 

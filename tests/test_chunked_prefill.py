@@ -81,32 +81,42 @@ def test_long_prompts_are_fed_in_pieces_and_every_request_equals_its_solo_run(to
 
 
 def test_running_requests_stream_while_a_long_prompt_is_read(tokenizer):
-    """Without drafts every step gives a running request one token: while a 64-token prompt is read in pieces of 8
-    it gets one per piece, where a whole prompt would have had it wait for the prefill."""
+    """Without drafts every step gives a running request one token: between the step that admits a 64-token prompt
+    and the one giving its first token, the running request gets one per piece of 8, where the whole prompt would
+    have been fed in the admitting step."""
     for chunk in (CHUNK, 0):
         model = served_model()
-        engine = ServingEngine(model, tokenizer, "ngram", num_speculative_tokens=0, max_batch_size=2,
-                               prefill_chunk_tokens=chunk).start()
+        engine = ServingEngine(model, tokenizer, "ngram", num_speculative_tokens=0, max_batch_size=2, block_size=4,
+                               prefill_chunk_tokens=chunk)
+        steps = []  # per step: the long request running?, its tokens, the short one's tokens
+        scheduler_step = engine.scheduler.step
+
+        def recording(scheduler_step=scheduler_step, steps=steps):
+            events = scheduler_step()
+            running = {r.request_id for r in engine.scheduler.running.values()}
+            got = {request.request_id: len(tokens) for request, tokens, _ in events}
+            steps.append((running, got))
+            return events
+
+        engine.scheduler.step = recording
+        engine.start()
         try:
             short = engine.submit(repeating(5, seed=1), 40)
             tokens = iter(short)
             next(tokens)
             long = engine.submit(repeating(64, seed=2), 4)
-            first = next(iter(long))  # the long request's first token; how many has the short one got meanwhile?
-            got_meanwhile = len(short.request.output_ids) - 1
-            assert first.token_ids
-            for _ in tokens:
-                pass
             for _ in long:
+                pass
+            for _ in tokens:
                 pass
             assert long.request.output_ids == solo(model, repeating(64, seed=2), 4)
             assert short.request.output_ids == solo(model, repeating(5, seed=1), 40)
         finally:
             engine.shutdown()
-        if chunk:
-            assert got_meanwhile >= 64 // CHUNK - 1
-        else:
-            assert got_meanwhile <= 2
+        admitted = next(i for i, (running, _) in enumerate(steps) if long.request_id in running)
+        first = next(i for i, (_, got) in enumerate(steps) if got.get(long.request_id))
+        meanwhile = sum(got.get(short.request_id, 0) for _, got in steps[admitted:first])
+        assert meanwhile == (64 // CHUNK - 1 if chunk else 0)
 
 
 def test_a_speculator_gets_the_states_of_every_prompt_position(tokenizer, tmp_path):
@@ -129,7 +139,7 @@ def test_a_speculator_gets_the_states_of_every_prompt_position(tokenizer, tmp_pa
             return observe(hidden)
 
         head.observe_hidden_states = recording
-        engine = ServingEngine(model, tokenizer, head, num_speculative_tokens=3, max_batch_size=1,
+        engine = ServingEngine(model, tokenizer, head, num_speculative_tokens=3, max_batch_size=1, block_size=4,
                                schedule="constant", prefill_chunk_tokens=chunk)
         prompt = repeating(50, seed=7)
         stream = engine.submit(prompt, 6)
@@ -150,3 +160,113 @@ def test_a_speculator_gets_the_states_of_every_prompt_position(tokenizer, tmp_pa
 def test_prefill_chunk_is_checked(tokenizer):
     with pytest.raises(ValueError, match="prefill_chunk_tokens"):
         ServingEngine(served_model(), tokenizer, "ngram", prefill_chunk_tokens=-1)
+
+
+def test_newcomers_share_the_budget_while_requests_run(tokenizer):
+    """While a request runs, newcomers' prompts join only as far as a step's budget goes (the others wait, or get a
+    piece of what is left); each still equals its solo run."""
+    model = served_model()
+    engine = ServingEngine(model, tokenizer, "ngram", num_speculative_tokens=3, max_batch_size=5, block_size=4,
+                           schedule="constant", prefill_chunk_tokens=12)
+    fed = recording_forwards(engine)
+    engine.start()
+    try:
+        first = engine.submit(repeating(5, seed=1), 30)
+        next(iter(first))
+        fed.clear()
+        plan = [(repeating(10, seed=2 + i), 8) for i in range(4)]  # each fits the budget, together they do not
+        streams = [engine.submit(p, n) for p, n in plan]
+        for (p, n), stream in zip(plan, streams):
+            for _ in stream:
+                pass
+            assert stream.request.output_ids == solo(model, p, n)
+        for _ in first:
+            pass
+        assert first.request.output_ids == solo(model, repeating(5, seed=1), 30)
+    finally:
+        engine.shutdown()
+    # No forward fed more than the budget of prompt tokens beside the running rows' one token and drafts each.
+    # Together the four would have fed 40.
+    assert max(sum(f) for f in fed) <= 12 + 5 * 4
+
+
+def test_a_row_cancelled_while_waiting_for_its_pieces_leaves_nothing_behind(tokenizer, tmp_path):
+    """A long prompt that found its prefix stored, cancelled while it waits behind another's pieces: its stored
+    states must not reach the next request in its slot (an EAGLE head would then be out of step)."""
+    model = served_model()
+    head = speculator_for("eagle", model, tmp_path)
+    engine = ServingEngine(model, tokenizer, head, num_speculative_tokens=3, max_batch_size=3, block_size=4,
+                           schedule="constant", prefill_chunk_tokens=CHUNK).start()
+    try:
+        shared = repeating(40, seed=1)
+        engine.generate(shared + [9], max_tokens=3)  # stores the shared prefix with its states
+        running = engine.submit(repeating(5, seed=2), 30)
+        next(iter(running))
+        admit = engine.scheduler._admit
+
+        def cancelling(request, *args, **kwargs):  # cancelled as it joins: it leaves at the next step
+            admit(request, *args, **kwargs)
+            if request.prompt_ids[:40] == shared:
+                engine.scheduler.cancel(request)
+
+        engine.scheduler._admit = cancelling
+        ahead = engine.submit(repeating(60, seed=3), 4)  # a long prompt read piece by piece
+        cancelled = engine.submit(shared + repeating(12, seed=4), 4)  # waits behind it
+        for _ in cancelled:
+            pass
+        assert cancelled.request.finish_reason == "cancelled" and engine.prefix_cache.num_hit_tokens >= 40
+        later = [(repeating(7, seed=5 + i), 6) for i in range(3)]
+        streams = [engine.submit(p, n) for p, n in later]
+        for stream, (p, n) in zip([ahead] + streams, [(repeating(60, seed=3), 4)] + later):
+            for _ in stream:
+                pass
+            assert stream.request.finish_reason in ("stop", "length")
+            assert stream.request.output_ids == solo(model, p, n)
+        for _ in running:
+            pass
+        assert not engine.step.prefix_states
+        assert no_blocks_held(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_a_head_drafts_nothing_for_a_row_until_its_whole_prompt_is_in(tokenizer, tmp_path):
+    """Pieces' states reach the head when the row joins a step, as a stored prefix's do: in that step it proposes
+    nothing for the row (its drafts would follow the last piece, not the prompt), from the next on it drafts."""
+    model = served_model()
+    head = speculator_for("eagle", model, tmp_path)
+    proposals = []
+    propose = head.propose
+
+    def recording(batch, k):
+        draft = propose(batch, k)
+        proposals.append(dict(zip(batch.active, draft.num_tokens.tolist())))
+        return draft
+
+    head.propose = recording
+    engine = ServingEngine(model, tokenizer, head, num_speculative_tokens=3, max_batch_size=2, block_size=4,
+                           schedule="constant", prefill_chunk_tokens=CHUNK).start()
+    try:
+        running = engine.submit(repeating(5, seed=1), 40)
+        next(iter(running))
+        long = engine.generate(repeating(50, seed=2), max_tokens=12)
+        assert long.request.output_ids == solo(model, repeating(50, seed=2), 12)
+        slot = long.request.slot
+        steps = [p for p in proposals if slot in p]
+        assert steps[0][slot] == 0 and any(p[slot] > 0 for p in steps[1:])
+    finally:
+        engine.shutdown()
+
+
+def test_the_prefix_cache_stores_every_piece_when_the_budget_is_not_whole_blocks(tokenizer, tmp_path):
+    model = served_model()
+    head = speculator_for("eagle", model, tmp_path)
+    engine = ServingEngine(model, tokenizer, head, num_speculative_tokens=3, max_batch_size=2, block_size=4,
+                           schedule="constant", prefill_chunk_tokens=10).start()
+    try:
+        prompt = repeating(47, seed=3)
+        for _ in range(2):
+            assert engine.generate(prompt, max_tokens=5).request.output_ids == solo(model, prompt, 5)
+        assert engine.prefix_cache.num_hit_tokens == 44  # every whole block but the one with the last token
+    finally:
+        engine.shutdown()

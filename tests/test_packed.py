@@ -471,3 +471,66 @@ def test_logits_only_where_rows_need_them(arch, monkeypatch):
     # Left-aligned: row 1 of the second step holds its 5 positions in order; row 0's one repeats.
     second = outputs[True][1]
     assert torch.equal(second[0, 0], second[0, 4]) and not torch.equal(second[1, 0], second[1, 4])
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_rows_of_very_different_contexts_attend_in_two_groups_and_give_the_one_group_outputs(arch, monkeypatch):
+    """A long prompt's row beside short ones: the PyTorch path gathers the short rows' contexts padded to their own
+    longest only (`paged_cache.context_groups`), reading rows that sit in consecutive regions in place; padded and
+    packed steps give the logits and hidden states of one group padded to the longest context."""
+    from hf_specdec import paged_cache
+
+    model = make_model(arch)
+    check_model_supported(model, "target model")
+    monkeypatch.setattr(paged_cache, "CONTEXT_SPLIT_MIN", 0)
+    plans = []
+    plan_step = paged_cache.PagedKVCache.plan_step
+    monkeypatch.setattr(paged_cache.PagedKVCache, "plan_step",
+                        lambda self, *a, **k: plans.append(plan_step(self, *a, **k)) or plans[-1])
+    g = torch.Generator().manual_seed(11)
+    vocab = model.config.vocab_size
+    steps = [([60, 5, 7], torch.randint(2, vocab, (3, 60), generator=g))]
+    steps += [(counts, torch.randint(2, vocab, (3, max(counts)), generator=g))
+              for counts in ([1, 1, 1], [2, 3, 1], [1, 2, 2], [3, 3, 3])]
+    outputs = {}
+    with torch.no_grad(), paged_attention(model):
+        for split, packed, regions in ((False, False, False), (None, False, False), (None, True, False),
+                                       (None, True, True)):
+            runner = ModelRunner(model, block_size=4, num_blocks=8, packed=packed)
+            runner.cache.context_split = split
+            if regions:  # the long row outgrows its region; the short rows stay in theirs, one after another
+                assert runner.give_regions([0, 1, 2], 40)
+            for row in range(3):
+                runner.add_sequence(row)
+            plans.clear()
+            outputs[split, packed, regions] = out_list = []
+            for counts, ids in steps:
+                out = runner.forward([0, 1, 2], ids, counts, num_logits=2, output_hidden_states=True)
+                for row, n in enumerate(counts):
+                    out_list.append(out.logits[row, 2 - min(n, 2):])
+                    out_list.extend(h[row, ids.shape[1] - n:] for h in out.hidden_states)
+            groups = [p.context_groups for p in plans]
+            if split is False:
+                assert not any(groups)
+            else:  # every step after the prompts (their contexts differ too little) but those on token rows
+                grouped = [p.context_groups for p in plans[1:] if p.packed is None or p.packed.token_rows is None]
+                assert len(grouped) >= 3 and all(grouped)
+                for step_groups in grouped:
+                    assert [g.rows.tolist() for g in step_groups] == [[1, 2], [0]]
+                    assert [g.view is not None for g in step_groups] == [regions, False]
+    reference = outputs[False, False, False]
+    for key, got in outputs.items():
+        assert len(got) == len(reference)
+        for a, b in zip(got, reference):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+def test_context_groups_are_taken_where_padding_would_cost_more_than_a_second_group():
+    from hf_specdec.paged_cache import CONTEXT_SPLIT_MIN, context_groups
+
+    assert context_groups([2000] + [300] * 6) == ([1, 2, 3, 4, 5, 6], 300)
+    assert context_groups([300, 2000, 250]) == ([0, 2], 300)
+    assert context_groups([400] * 20 + [450] * 5) is None  # rows about as long: one group
+    assert context_groups([300] * 8 + [500] * 8) is None  # saves a fifth of the padded context
+    assert context_groups([CONTEXT_SPLIT_MIN // 2 + 10, 10, 20]) is None  # saves fewer than CONTEXT_SPLIT_MIN
+    assert context_groups([CONTEXT_SPLIT_MIN * 2, 10, 20]) == ([1, 2], 20)

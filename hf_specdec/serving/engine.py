@@ -160,8 +160,10 @@ class ServingEngine:
         prefill_chunk_tokens (`int`, *optional*): a prompt longer than this is fed this many tokens a step
             (chunked prefill), each piece in a forward next to the running requests' step, so they keep streaming
             while it is read and requests arriving meanwhile start at once; the request itself waits a little
-            longer for its first token. Default: 256 on a CPU, 2048 elsewhere; 0: every prompt whole in one step
-            (a long one stalls every running request until it is read).
+            longer for its first token. While requests run, newcomers' prompts share the same budget per step.
+            Default: 256 on a CPU, 2048 elsewhere (rounded up to whole KV blocks), and off for targets outside the
+            plain paged cache (recurrent layers, the masked dense cache), where pieces cost more; 0: every prompt
+            whole in one step (a long one stalls every running request until it is read).
     """
 
     def __init__(self, model, tokenizer, speculator="ngram", num_speculative_tokens: int | None = None,
@@ -216,7 +218,11 @@ class ServingEngine:
             raise ValueError(f"prefill_chunk_tokens must be >= 0 (0: whole prompts), got {prefill_chunk_tokens}")
         self._build(block_size, max_num_blocks, schedule, calibration, kv_region_tokens, prefix_cache_tokens)
         if prefill_chunk_tokens is None:
-            prefill_chunk_tokens = DEFAULT_PREFILL_CHUNK_TOKENS.get(self.batch.device.type, 2048)
+            # Off by default where a piece costs more than its share: recurrent layers read a row's later pieces a
+            # token at a time (their chunked scan starts from an empty state only), and the masked dense cache
+            # compacts its rows whenever a piece and a step alternate.
+            paged = type(self.target) is ModelRunner and type(self.target.cache) is PagedKVCache
+            prefill_chunk_tokens = DEFAULT_PREFILL_CHUNK_TOKENS.get(self.batch.device.type, 2048) if paged else 0
         self.scheduler.prefill_chunk = prefill_chunk_tokens or None
         self.warmup = self.batch.device.type == "cuda" if warmup is None else bool(warmup)
         self.short_warmup = warmup is None and not self.warmup  # one request: pools and first-call costs
@@ -503,8 +509,10 @@ class ServingEngine:
                     steps += 1
                 for request in group[1:]:
                     self.scheduler.add(request)
-                # A bound: every request ends within its length, and each joins in a step of its own at worst.
-                for _ in range(sum(r.max_new_tokens + 2 for r in group) + 8):
+                # A bound: every request ends within its length, and each joins in a step of its own at worst,
+                # after its prompt's pieces (chunked prefill) and steps waiting for the others'.
+                pieces = sum(len(r.prompt_ids) for r in group) // (self.scheduler.prefill_chunk or 1 << 30) + 1
+                for _ in range(sum(r.max_new_tokens + 2 for r in group) + len(group) * pieces + 8):
                     if not self.scheduler.has_work():
                         break
                     self.scheduler.step()
