@@ -254,9 +254,9 @@ class ContextGroup:
 
 # A second context group costs, in every layer, its own gather, selections and attention call; padding costs about
 # 7 us per context token (summed over rows) of a SmolLM2 forward on a 2-core CPU. By `benchmarks/context_groups.py`
-# two groups were 1.06-1.08x faster where they saved 1200-1750 padded tokens (8 or 4 rows), 1.3-7.8x where they saved
-# 4000-58000, and 1.01x at 1600 saved out of 8000 (a fifth: the rule keeps one group there).
-CONTEXT_SPLIT_MIN = 1024
+# two groups were 1.16-8.4x faster where they saved 3400-58000 padded tokens, and within noise of one group (0.95-1.08x)
+# where they saved 1200-1750.
+CONTEXT_SPLIT_MIN = 2048
 
 
 def context_groups(context_lens: list[int]) -> tuple[list[int], int] | None:
