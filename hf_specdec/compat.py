@@ -113,6 +113,7 @@ def _trial_forward(model, role: str, name: str) -> None:
         )
     with torch.no_grad(), paged_attention(model):
         model._hf_specdec_packable = _packs_exactly(model, device, tokens, tolerance)
+        model._hf_specdec_context_groups = _groups_exactly(model, device, tokens, tolerance)
     model._hf_specdec_trial_passed = True
 
 
@@ -144,6 +145,38 @@ def _packs_exactly(model, device, tokens: list[int], tolerance: float) -> bool:
         logger.debug("%s keeps the padded layout: the packed trial failed", type(model).__name__, exc_info=True)
         return False
     return logits[0].shape == logits[1].shape and float((logits[0] - logits[1]).abs().max()) <= tolerance
+
+
+def _groups_exactly(model, device, tokens: list[int], tolerance: float) -> bool:
+    """Whether the PyTorch attention path may gather rows' contexts in groups (`paged_cache.context_groups`): then
+    the cache's `update` hands attention the KV pools rather than each row's gathered context, which a model that
+    reshapes keys or values in between (multi-head latent attention expands its cached latents there) cannot take.
+    Two rows of different lengths, in one group and in two, must give the same logits; a model that fails keeps one
+    group (nothing is refused)."""
+    import torch
+
+    from .model_runner import ModelRunner
+
+    logits = []
+    try:
+        for split in (False, True):
+            runner = ModelRunner(model, num_blocks=4, packed=False)
+            runner.cache.context_split = split
+            for seq_id in (0, 1):
+                runner.add_sequence(seq_id)
+            runner.forward([0, 1], torch.tensor([tokens[0:3], [tokens[3]] * 3], device=device), [3, 1], num_logits=1)
+            out = runner.forward([0, 1], torch.tensor([[tokens[4]], [tokens[5]]], device=device), [1, 1],
+                                 num_logits=1)
+            grouped = runner.cache.plan.context_groups is not None or runner.cache.plan.backend != "torch"
+            for seq_id in (0, 1):
+                runner.free(seq_id)
+            if split and not grouped:
+                return False
+            logits.append(out.logits[:, -1].float())
+    except Exception:  # noqa: BLE001 - whatever failed in groups, one group serves the model
+        logger.debug("%s keeps one context group: the grouped trial failed", type(model).__name__, exc_info=True)
+        return False
+    return float((logits[0] - logits[1]).abs().max()) <= tolerance
 
 
 def check_vocab_compatible(target, draft) -> None:

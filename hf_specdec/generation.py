@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from transformers import GenerationMixin, PreTrainedModel
@@ -160,14 +161,19 @@ def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=N
             raise ValueError("assistant_tokenizer= needs tokenizer= too, so the two can be compared")
         check_tokenizers_match(tokenizer, assistant_tokenizer)
     stop_strings = kwargs.pop("stop_strings", None)
-    config = kwargs.get("generation_config") or self.generation_config
+    passed = kwargs.get("generation_config")
+    config = passed or self.generation_config
     if getattr(config, "token_healing", False) or kwargs.get("token_healing"):
         raise ValueError("token_healing is not supported with speculator=; drop it (or call generate without "
                          "speculator=)")
-    if stop_strings is None and getattr(config, "stop_strings", None):  # set in a GenerationConfig, not by keyword
-        stop_strings = config.stop_strings
-        kwargs["generation_config"] = copy.deepcopy(config)
-        kwargs["generation_config"].stop_strings = None  # ours matches them (transformers' would want tokenizer=)
+    # Stop strings set in a GenerationConfig (the call's, else the model's own, as transformers merges them) are
+    # matched by our criterion; transformers must not see them, as it would build its own and want tokenizer=,
+    # which it does not keep for a custom decoding function.
+    if stop_strings is None:
+        stop_strings = getattr(passed, "stop_strings", None) or getattr(self.generation_config, "stop_strings", None)
+    if getattr(passed, "stop_strings", None) is not None:
+        kwargs["generation_config"] = copy.deepcopy(passed)
+        kwargs["generation_config"].stop_strings = None  # the caller's config is left as it was
     if stop_strings is not None:  # transformers builds this criterion only for its own decoding methods
         if tokenizer is None:
             raise ValueError("stop_strings= needs tokenizer= so the strings can be matched against tokens")
@@ -182,7 +188,23 @@ def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=N
                        stopping_criteria, generation_config, streamer, model_kwargs, (tree_nodes, tree_branching),
                        constraint, calibration=speculative_calibration is not False)
 
-    return _speculative_generate.original(self, *args, custom_generate=decode, **kwargs)
+    with _stop_strings_hidden(self.generation_config):
+        return _speculative_generate.original(self, *args, custom_generate=decode, **kwargs)
+
+
+@contextmanager
+def _stop_strings_hidden(config):
+    """The model's own generation config without stop strings for the duration (transformers would merge them into
+    the call's config and build a criterion needing tokenizer=); ours matches them."""
+    saved = getattr(config, "stop_strings", None)
+    if saved is None:
+        yield
+        return
+    config.stop_strings = None
+    try:
+        yield
+    finally:
+        config.stop_strings = saved
 
 
 def _cache_filled(cache) -> bool:

@@ -98,6 +98,9 @@ class ModelRunner(CacheRows):
         # packed trial (compat.py); `packed=False` keeps every step padded (benchmarks compare the two). Recurrent
         # layers step each row through its own positions, so their models stay padded.
         self.packed = (packs(model) if packed is None else packed) and type(self.cache) is PagedKVCache
+        # Context groups (`paged_cache.context_groups`) only where the model passed their trial (compat.py).
+        if not getattr(model, "_hf_specdec_context_groups", False) and hasattr(self.cache, "context_split"):
+            self.cache.context_split = False
         self.num_packed_forwards = 0
         self.device = input_device(model)  # where inputs and the step plan go; layers copy the plan to their own
         # Under tensor parallelism, rank 0's drafts and verified tokens on every rank (see `distributed.py`).

@@ -247,9 +247,18 @@ class ContextGroup:
     rows: torch.Tensor
     slots: torch.Tensor
     view: tuple[int, int] | None = None
+    _masks: dict = field(default_factory=dict)
 
     def to(self, device) -> ContextGroup:
         return ContextGroup(self.rows.to(device), self.slots.to(device), self.view)
+
+    def mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """The step's mask `[rows, 1, q, num_context]` for this group's rows and context, made once per step (every
+        layer with the same window reads it)."""
+        key = id(mask)
+        if key not in self._masks:
+            self._masks[key] = (mask, mask.index_select(0, self.rows)[..., :self.slots.shape[1]])
+        return self._masks[key][1]
 
 
 # A second context group costs, in every layer, its own gather, selections and attention call; padding costs about
@@ -259,11 +268,14 @@ class ContextGroup:
 CONTEXT_SPLIT_MIN = 2048
 
 
-def context_groups(context_lens: list[int]) -> tuple[list[int], int] | None:
+def context_groups(context_lens: list[int], min_saved: int | None = None,
+                   min_fraction: float = 0.25) -> tuple[list[int], int] | None:
     """Where gathering the rows' contexts in two groups, each padded to its own longest, saves a quarter of the
     padded context and at least `CONTEXT_SPLIT_MIN` tokens (a long prompt's row beside rows of short chats; rows all
     about as long stay one group): `(short_rows, short_context)`, the rows whose contexts fit in `short_context`
-    (the others form the second group). `None` where one padded group is as good."""
+    (the others form the second group). `None` where one padded group is as good. `min_saved=0, min_fraction=0`:
+    two groups wherever the lengths differ (the model's trial, `compat._groups_exactly`)."""
+    min_saved = CONTEXT_SPLIT_MIN if min_saved is None else min_saved
     lengths = sorted(context_lens)
     rows, longest = len(lengths), lengths[-1]
     whole = rows * longest
@@ -274,7 +286,7 @@ def context_groups(context_lens: list[int]) -> tuple[list[int], int] | None:
         cost = n * lengths[n - 1] + (rows - n) * longest
         if cost < best:
             best, cut = cost, lengths[n - 1]
-    if cut is None or whole - best < max(whole / 4, CONTEXT_SPLIT_MIN):
+    if cut is None or whole - best < max(whole * min_fraction, min_saved):
         return None
     return [i for i, c in enumerate(context_lens) if c <= cut], cut
 
@@ -387,8 +399,9 @@ class PagedKVCache(Cache):
     # Token rows (`token_rows_pay`) on the PyTorch path: None decides per step, True whenever a packed step can,
     # False never (benchmarks compare them).
     token_rows: bool | None = None
-    # Context groups (`context_groups`) on the PyTorch path: None decides per step, False never (benchmarks compare
-    # them; so does `HF_SPECDEC_CONTEXT_GROUPS=0`).
+    # Context groups (`context_groups`) on the PyTorch path: None decides per step, True wherever rows' lengths
+    # differ (the model's trial), False never (a model that failed the trial; benchmarks compare them; so does
+    # `HF_SPECDEC_CONTEXT_GROUPS=0`).
     context_split: bool | None = None
 
     def __init__(self, block_size: int = 16, num_blocks: int = 64, max_num_blocks: int | None = None,
@@ -510,7 +523,7 @@ class PagedKVCache(Cache):
         return self.plan
 
     def _context_groups(self, seq_ids, lengths, slots, device) -> tuple[ContextGroup, ...] | None:
-        split = context_groups(lengths)
+        split = context_groups(lengths, *((0, 0.0) if self.context_split else ()))
         if split is None:
             return None
         short_rows, short_context = split
@@ -690,9 +703,12 @@ def paged_attention_forward(
 def _attend_context_groups(query, key_pool, value_pool, mask, groups, scaling, softcap, sinks) -> torch.Tensor:
     """Padded queries `[rows, heads, q, dim]` attending group by group to contexts gathered (or viewed) per group
     from the pools `[num_slots, kv_heads, dim]`; returns `[rows, q, heads, dim]`."""
-    if key_pool.dim() != 3:
-        raise NotImplementedError("the model changed the keys between the cache's update and attention, which "
-                                  "hf_specdec's grouped attention cannot follow; set HF_SPECDEC_CONTEXT_GROUPS=0")
+    if key_pool.dim() != 3 or value_pool.dim() != 3 or key_pool.shape[0] != value_pool.shape[0]:
+        from .compat import UnsupportedModelError
+
+        raise UnsupportedModelError("the model changed the keys or values between the cache's update and attention, "
+                                    "which hf_specdec's grouped attention cannot follow; set "
+                                    "HF_SPECDEC_CONTEXT_GROUPS=0")
     rows, heads, q, dim = query.shape
     out = query.new_empty(rows, q, heads, value_pool.shape[-1])
     for group in groups:
@@ -706,7 +722,7 @@ def _attend_context_groups(query, key_pool, value_pool, mask, groups, scaling, s
             keys = key_pool.index_select(0, slots).view(n, num_context, *key_pool.shape[1:])
             values = value_pool.index_select(0, slots).view(n, num_context, *value_pool.shape[1:])
         o = attend(query.index_select(0, group.rows), keys.transpose(1, 2), values.transpose(1, 2),
-                   mask.index_select(0, group.rows)[..., :num_context], scaling, softcap, sinks)
+                   group.mask(mask), scaling, softcap, sinks)
         out.index_copy_(0, group.rows, o)
     return out
 

@@ -168,8 +168,9 @@ class Scheduler:
             values of the longest prompt prefix seen before, and store their prompt's blocks after their first step.
         weigh_rows (`bool`): while no request waits, adaptive k weighs each row's tokens by the tokens it has left
             (`AdaptiveK.weigh`), so drafts go to the rows the remaining work waits for.
-        prefill_chunk (`int`, *optional*): the most prompt tokens a step feeds for rows whose prompts are longer
-            (chunked prefill, see the module docstring); `None`: every prompt whole in its row's first step.
+        prefill_chunk (`int`, *optional*): the most prompt tokens a step feeds (rounded up to whole KV blocks):
+            longer prompts go in pieces, and while requests run newcomers share it (chunked prefill, see the module
+            docstring); `None`: every prompt whole in its row's first step.
     """
 
     def __init__(self, batch: SequenceBatch, target, step, stop, pad_token_id: int,
@@ -190,7 +191,8 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.weigh_rows = weigh_rows
         self.prefill_chunk = prefill_chunk
-        self.num_prefill_chunks = 0  # chunked-prefill forwards run
+        self.num_prefill_chunks = 0  # prompt pieces fed (chunked prefill)
+        self._pieces: dict[int, tuple[int, list[torch.Tensor]]] = {}  # row -> first position, pieces' states
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
         self.free_slots = list(range(len(batch.lengths)))[::-1]
@@ -256,6 +258,8 @@ class Scheduler:
         if self.weigh_rows and step.policy is not None and step.drafting:
             step.policy.weigh(rows, None if self.waiting else budget)
         fed_prompts = [r for r in rows if r in self._fresh]
+        if self._pieces:
+            self._hand_over_pieces(fed_prompts)
         emitted, finished = step(batch, self.target, self.stop, budget, self.metrics, self.pad_token_id)
         self._fresh.difference_update(rows)
         if self.prefix_cache is not None and fed_prompts:
@@ -284,11 +288,12 @@ class Scheduler:
     # --- internals ---------------------------------------------------------------------------------------------
 
     def _feed_chunks(self) -> set[int]:
-        """Chunked prefill: this step's prompt tokens, `prefill_chunk` at most, go to newcomers in order of arrival.
-        A prompt longer than that gets a piece (in whole KV blocks) fed in a forward of its own; while requests are
-        running, newcomers whose prompts fit what is left of the budget join the step whole and the others wait or
-        get a piece of what is left. (With nobody running yet, every prompt within the budget joins at once.)
-        Returns the rows that sit this step out: those fed a piece, and those left waiting."""
+        """Chunked prefill: a step's prompt tokens, `prefill_chunk` at most. While requests run, newcomers whose
+        prompts fit join the step whole, oldest first, as far as the budget goes; what is left goes to the others,
+        oldest first, as pieces ending on block boundaries, fed in a forward of their own (a prompt longer than the
+        budget always gets at least a block a step, so it is never starved). With nobody running yet, every prompt
+        within the budget joins at once and only longer ones go in pieces. Returns the rows that sit this step out:
+        those fed a piece, and those left waiting."""
         limit = self.prefill_chunk
         if limit is None or not self._fresh:
             return set()
@@ -297,18 +302,23 @@ class Scheduler:
         block = manager.block_size if manager is not None else 1
         limit = -(-limit // block) * block  # whole blocks: the prefix cache stores whole blocks, with their states
         running = len(self.running) > len(self._fresh)  # streams a newcomer's prefill would hold up
-        budget, rows, amounts, out = limit, [], [], set()
-        for row in [r for r in self._arrival if r in self._fresh]:
-            cached = target.length(row)
-            pending = batch.lengths[row] - cached
-            if pending <= (budget if running else limit):
-                budget -= pending if running else 0
+        fresh = [r for r in self._arrival if r in self._fresh]
+        cached = {r: target.length(r) for r in fresh}
+        pending = {r: batch.lengths[r] - cached[r] for r in fresh}
+        reserve = block if any(pending[r] > limit for r in fresh) else 0
+        budget, out = limit - reserve, set()
+        for row in fresh:
+            if pending[row] <= limit and (not running or pending[row] <= budget):
+                budget -= pending[row] if running else 0
                 continue  # joins this step with its whole prompt (or what is left of it)
             out.add(row)
+        budget += reserve
+        rows, amounts = [], []
+        for row in [r for r in fresh if r in out]:
             # A piece ending on a block boundary, never taking the last prompt token: its logits are the row's first
             # verify.
-            end = min(cached + budget, batch.lengths[row] - 1)
-            amount = end - end % block - cached if block > 1 else end - cached
+            end = min(cached[row] + budget, batch.lengths[row] - 1)
+            amount = end - end % block - cached[row]
             if amount >= 1:
                 rows.append(row)
                 amounts.append(amount)
@@ -319,9 +329,9 @@ class Scheduler:
 
     def _feed(self, rows: list[int], amounts: list[int]) -> None:
         """Feeds `amounts[i]` more prompt tokens of `rows[i]` to the target's cache. A speculator reading the target's
-        states gets those of the pieces when the row joins a step, ahead of that step's (`Step.prefix_states`), as
-        from a stored prefix: until then it has nothing to draft from for the row. The prefix cache stores each
-        piece's whole blocks as they are fed."""
+        states gets those of the pieces when the row joins a step, ahead of that step's (`Step.prefix_states`, see
+        `_hand_over_pieces`), as from a stored prefix: until then it has nothing to draft from for the row. The prefix
+        cache stores each piece's whole blocks as they are fed."""
         batch, target, speculator = self.batch, self.target, self.speculator
         cached = [target.length(r) for r in rows]
         rows_t = torch.tensor(rows, device=batch.device)
@@ -339,12 +349,7 @@ class Scheduler:
             states = committed_hidden_states(out.hidden_states, speculator.hidden_state_layers, rows, amounts,
                                              cached, amounts, getattr(out, "states_packed", False))
             for i, row in enumerate(rows):
-                held = self.step_fn.prefix_states.get(row)
-                piece = states.row(i)
-                if held is not None:  # a stored prefix's states, or earlier pieces': these follow them
-                    piece = torch.cat([held.row(0), piece])
-                first = held.start_positions[0] if held is not None else cached[i]
-                self.step_fn.prefix_states[row] = TargetHiddenStates(piece[None], [len(piece)], [first], [row])
+                self._pieces.setdefault(row, (cached[i], []))[1].append(states.row(i))
         if self.prefix_cache is not None:
             for i, row in enumerate(rows):
                 prompt = self.running[row].prompt_ids
@@ -352,6 +357,17 @@ class Scheduler:
                     continue
                 features = () if states is None else (states.row(i), states.start_positions[i])
                 self.prefix_cache.store(target.cache, row, prompt, *features)
+
+    def _hand_over_pieces(self, rows: list[int]) -> None:
+        """The states of the pieces of rows joining this step, after a stored prefix's (if any), as one entry of
+        `Step.prefix_states` each (concatenated once, here)."""
+        for row in [r for r in rows if r in self._pieces]:
+            first, pieces = self._pieces.pop(row)
+            held = self.step_fn.prefix_states.get(row)
+            if held is not None:
+                first, pieces = held.start_positions[0], [held.row(0)] + pieces
+            states = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+            self.step_fn.prefix_states[row] = TargetHiddenStates(states[None], [len(states)], [first], [row])
 
     def _ended_by_rule(self, new: list[int]) -> bool:
         eos = self.stop.eos_token_ids
@@ -469,6 +485,7 @@ class Scheduler:
             self._fresh.discard(row)
             self._arrival.pop(row, None)
             self.step_fn.prefix_states.pop(row, None)  # a row cancelled before its first step never read them
+            self._pieces.pop(row, None)
             self.free_slots.append(row)
         self.speculator.release(rows)
         if self.step_fn.constraints is not None:

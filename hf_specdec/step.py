@@ -233,6 +233,8 @@ class Step:
         num_emit, num_accepted, num_drafted, finished = self._commit(batch, target, rows, counts, "the target model")
         if wants_states:
             num_committed = [max(0, batch.lengths[r] - 1 - c) for r, c in zip(rows, cached)]
+            for row in [r for r in rows if r in self.prefix_states]:  # a stored prefix's or prompt pieces' states
+                self.speculator.observe_hidden_states(self.prefix_states.pop(row))
             self.speculator.observe_hidden_states(_tree_hidden_states(
                 out.hidden_states, self.speculator.hidden_state_layers, rows, num_fed, pending, width, path,
                 cached, num_committed))

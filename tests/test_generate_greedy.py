@@ -208,6 +208,14 @@ def test_stop_strings_from_a_generation_config():
     out = target.generate(input_ids, generation_config=config, tokenizer=tokenizer, speculator="ngram")
     assert torch.equal(out, expected) and out.shape[1] < 16 + MAX_NEW
     assert config.stop_strings == [stop]  # the caller's config is left as it was
+    # The model's own generation config, alone or under a config of the caller's that sets other things.
+    target.generation_config.stop_strings = [stop]
+    target.generation_config.eos_token_id, target.generation_config.pad_token_id = 1, 0
+    other = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False)
+    for call in (dict(max_new_tokens=MAX_NEW, do_sample=False), dict(generation_config=other)):
+        out = target.generate(input_ids, tokenizer=tokenizer, speculator="ngram", **call)
+        assert torch.equal(out, expected), call
+    assert target.generation_config.stop_strings == [stop] and other.stop_strings is None
 
 
 @pytest.mark.parametrize("options", [dict(penalty_alpha=0.6, top_k=4), dict(dola_layers="high")])
@@ -282,8 +290,9 @@ def test_every_kv_block_returns_to_the_pool(monkeypatch):
     target = make_model("llama")
     input_ids, mask = ragged_batch(rows=4, width=14)
     run(target, make_model("llama", seed=1), input_ids, mask)
-    # target and draft, and the four runners of each model's trial (compat.py: ragged batch, then padded vs packed)
-    assert len(runners) == 2 + 2 * 4
+    # target and draft, and the six runners of each model's trial (compat.py: ragged batch, then padded vs packed,
+    # then one context group vs two)
+    assert len(runners) == 2 + 2 * 6
     for runner in runners:
         manager = runner.cache.manager
         assert manager.sequences() == []

@@ -534,3 +534,37 @@ def test_context_groups_are_taken_where_padding_would_cost_more_than_a_second_gr
     assert context_groups([300] * 8 + [500] * 8) is None  # saves a fifth of the padded context
     assert context_groups([CONTEXT_SPLIT_MIN // 2 + 10, 10, 20]) is None  # saves fewer than CONTEXT_SPLIT_MIN
     assert context_groups([CONTEXT_SPLIT_MIN * 2, 10, 20]) == ([1, 2], 20)
+
+
+@pytest.mark.parametrize("model_type, groups", [("llama", True), ("deepseek_v3", False), ("diffllama", False),
+                                                ("jetmoe", False)])
+def test_models_that_reshape_keys_or_values_after_the_cache_keep_one_context_group(model_type, groups, monkeypatch):
+    """Grouped attention hands attention the KV pools; a model that reshapes keys or values between the cache's
+    update and attention (multi-head latent attention expands its cached latents there) fails the grouped trial and
+    keeps one group: steps whose contexts differ widely still run, with one group's logits."""
+    from hf_specdec import paged_cache
+    from model_sweep import build
+
+    monkeypatch.setattr(paged_cache, "CONTEXT_SPLIT_MIN", 0)
+    model = build(model_type, dtype=torch.float64)
+    check_model_supported(model, "target model")
+    assert model._hf_specdec_context_groups is groups
+    plans = []
+    plan_step = paged_cache.PagedKVCache.plan_step
+    monkeypatch.setattr(paged_cache.PagedKVCache, "plan_step",
+                        lambda self, *a, **k: plans.append(plan_step(self, *a, **k)) or plans[-1])
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(2, model.config.vocab_size, (2, 40), generator=g)
+    decode = torch.randint(2, model.config.vocab_size, (2, 1), generator=g)
+    logits = {}
+    with torch.no_grad(), paged_attention(model):
+        for split in (False, None):
+            runner = ModelRunner(model, block_size=4, num_blocks=8, packed=False)
+            if split is False:
+                runner.cache.context_split = False
+            for row in (0, 1):
+                runner.add_sequence(row)
+            runner.forward([0, 1], prompts, [40, 3], num_logits=1)
+            logits[split] = runner.forward([0, 1], decode, [1, 1], num_logits=1).logits
+    torch.testing.assert_close(logits[None], logits[False], atol=1e-10, rtol=1e-10)
+    assert any(p.context_groups is not None for p in plans) is groups
