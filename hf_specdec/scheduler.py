@@ -288,12 +288,12 @@ class Scheduler:
     # --- internals ---------------------------------------------------------------------------------------------
 
     def _feed_chunks(self) -> set[int]:
-        """Chunked prefill: a step's prompt tokens, `prefill_chunk` at most. While requests run, newcomers whose
-        prompts fit join the step whole, oldest first, as far as the budget goes; what is left goes to the others,
-        oldest first, as pieces ending on block boundaries, fed in a forward of their own (a prompt longer than the
-        budget always gets at least a block a step, so it is never starved). With nobody running yet, every prompt
-        within the budget joins at once and only longer ones go in pieces. Returns the rows that sit this step out:
-        those fed a piece, and those left waiting."""
+        """Chunked prefill: a step's prompt tokens, `prefill_chunk` at most (one block more for the oldest waiting
+        prompt, so that it is never starved). While requests run, newcomers whose prompts fit join the step whole,
+        oldest first, as far as the budget goes; what is left goes to the others, oldest first, as pieces ending on
+        block boundaries, fed in a forward of their own. With nobody running yet, every prompt within the budget
+        joins at once and only longer ones go in pieces. Returns the rows that sit this step out: those fed a piece,
+        and those left waiting."""
         limit = self.prefill_chunk
         if limit is None or not self._fresh:
             return set()
@@ -305,19 +305,17 @@ class Scheduler:
         fresh = [r for r in self._arrival if r in self._fresh]
         cached = {r: target.length(r) for r in fresh}
         pending = {r: batch.lengths[r] - cached[r] for r in fresh}
-        reserve = block if any(pending[r] > limit for r in fresh) else 0
-        budget, out = limit - reserve, set()
+        budget, out = limit, set()
         for row in fresh:
             if pending[row] <= limit and (not running or pending[row] <= budget):
                 budget -= pending[row] if running else 0
                 continue  # joins this step with its whole prompt (or what is left of it)
             out.add(row)
-        budget += reserve
         rows, amounts = [], []
-        for row in [r for r in fresh if r in out]:
+        for i, row in enumerate([r for r in fresh if r in out]):
             # A piece ending on a block boundary, never taking the last prompt token: its logits are the row's first
-            # verify.
-            end = min(cached[row] + budget, batch.lengths[row] - 1)
+            # verify. The oldest gets a block at least (over the budget if need be), so it is never starved.
+            end = min(cached[row] + (max(budget, block) if i == 0 else budget), batch.lengths[row] - 1)
             amount = end - end % block - cached[row]
             if amount >= 1:
                 rows.append(row)

@@ -270,3 +270,40 @@ def test_the_prefix_cache_stores_every_piece_when_the_budget_is_not_whole_blocks
         assert engine.prefix_cache.num_hit_tokens == 44  # every whole block but the one with the last token
     finally:
         engine.shutdown()
+
+
+def test_a_short_request_does_not_wait_behind_a_long_prompt(tokenizer):
+    """A short prompt arriving right after a long one joins at once (the budget goes to prompts that fit first),
+    while the long one is still read in pieces."""
+    model = served_model()
+    engine = ServingEngine(model, tokenizer, "ngram", num_speculative_tokens=0, max_batch_size=3, block_size=4,
+                           prefill_chunk_tokens=CHUNK)
+    firsts = {}  # request id -> the step of its first token
+    scheduler_step = engine.scheduler.step
+
+    def recording():
+        events = scheduler_step()
+        for request, tokens, _ in events:
+            if tokens:
+                firsts.setdefault(request.request_id, recording.steps)
+        recording.steps += 1
+        return events
+
+    recording.steps = 0
+    engine.scheduler.step = recording
+    engine.start()
+    try:
+        running = engine.submit(repeating(5, seed=1), 40)
+        tokens = iter(running)
+        next(tokens)
+        long = engine.submit(repeating(64, seed=2), 4)
+        short = engine.submit(repeating(6, seed=3), 4)
+        for stream, (p, n) in ((short, (repeating(6, seed=3), 4)), (long, (repeating(64, seed=2), 4)),
+                               (running, (repeating(5, seed=1), 40))):
+            for _ in stream:
+                pass
+            assert stream.request.output_ids == solo(model, p, n)
+    finally:
+        engine.shutdown()
+    # Behind the long one the short one would have come after it; it comes while the pieces are read.
+    assert firsts[long.request_id] - firsts[short.request_id] >= 3
