@@ -307,3 +307,48 @@ def test_a_short_request_does_not_wait_behind_a_long_prompt(tokenizer):
         engine.shutdown()
     # Behind the long one the short one would have come after it; it comes while the pieces are read.
     assert firsts[long.request_id] - firsts[short.request_id] >= 3
+
+
+def test_a_draft_model_reads_a_long_prompt_a_piece_a_step(tokenizer):
+    """A draft model reads a newcomer's prompt no faster than the target does (`catch_up_tokens`, set to the
+    prefill budget): no draft forward feeds a row more than that, rows catching up draft nothing, and every request
+    equals its solo run."""
+    model = served_model()
+    engine = ServingEngine(model, tokenizer, served_model(seed=3), num_speculative_tokens=3, max_batch_size=3,
+                           block_size=4, schedule="constant", prefill_chunk_tokens=CHUNK).start()
+    assert engine.speculator.catch_up_tokens == CHUNK
+    fed = []
+    forward = engine.speculator._runner.forward
+
+    def recording(seq_ids, input_ids, num_tokens, *args, **kwargs):
+        fed.append(list(num_tokens))
+        return forward(seq_ids, input_ids, num_tokens, *args, **kwargs)
+
+    engine.speculator._runner.forward = recording
+    try:
+        plan = [(repeating(5, seed=1), 30), (repeating(45, seed=2), 12), (repeating(37, seed=4), 9)]
+        streams = [engine.submit(*plan[0])]
+        next(iter(streams[0]))
+        streams += [engine.submit(p, n) for p, n in plan[1:]]
+        for (p, n), stream in zip(plan, streams):
+            for _ in stream:
+                pass
+            assert stream.request.output_ids == solo(model, p, n)
+        assert max(max(f) for f in fed) <= CHUNK and engine.metrics.num_draft_tokens > 0
+        assert no_blocks_held(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_a_draft_models_catch_up_limit_in_one_call_generate():
+    """`DraftModelSpeculator(catch_up_tokens=)` in a one-call generate: the output is the target's own."""
+    from conftest import make_model, ragged_batch
+    from hf_specdec import DraftModelSpeculator
+
+    target = make_model("llama")
+    input_ids, mask = ragged_batch(rows=3, width=30)
+    expected = target.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    draft = DraftModelSpeculator(make_model("llama", seed=1), catch_up_tokens=8)
+    out = target.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                          speculator=draft, speculative_schedule="constant")
+    assert torch.equal(out, expected)

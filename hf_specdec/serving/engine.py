@@ -29,6 +29,7 @@ from ..model_runner import ModelRunner
 from ..paged_cache import PagedKVCache
 from ..prefix_cache import PrefixCache
 from ..scheduler import Request, RowSampling, SamplingParams, Scheduler
+from ..speculators.draft_model import DraftModelSpeculator
 from ..speculators.grammar import GrammarSpeculator
 from ..step import Step
 from ..stopping import StopRules
@@ -224,6 +225,10 @@ class ServingEngine:
             paged = type(self.target) is ModelRunner and type(self.target.cache) is PagedKVCache
             prefill_chunk_tokens = DEFAULT_PREFILL_CHUNK_TOKENS.get(self.batch.device.type, 2048) if paged else 0
         self.scheduler.prefill_chunk = prefill_chunk_tokens or None
+        if isinstance(self.speculator, DraftModelSpeculator) and self.speculator.catch_up_tokens is None:
+            # A draft model reads a newcomer's prompt at its first draft for the row: no more of it a step than the
+            # target does.
+            self.speculator.catch_up_tokens = self.scheduler.prefill_chunk
         self.warmup = self.batch.device.type == "cuda" if warmup is None else bool(warmup)
         self.short_warmup = warmup is None and not self.warmup  # one request: pools and first-call costs
         self.warmup_report: dict | None = None  # what the warm-up ran: steps, draft tokens, seconds

@@ -29,11 +29,17 @@ class DraftModelSpeculator(Speculator):
     Args:
         model (`PreTrainedModel`): the draft model.
         block_size (`int`): KV block size in tokens.
+        catch_up_tokens (`int`, *optional*): the most unread tokens a row feeds the draft in one step (a newcomer's
+            long prompt, a long stretch without drafts); a row with more drafts nothing that step and reads the rest
+            in later steps, so no step waits for the draft to read a whole long prompt at once. `None`: no limit
+            (a one-call `generate`); the serving engine sets its chunked-prefill budget.
     """
 
-    def __init__(self, model, block_size: int = 16):
+    def __init__(self, model, block_size: int = 16, catch_up_tokens: int | None = None):
         self.model = model
         self.block_size = block_size
+        self.catch_up_tokens = catch_up_tokens
+        self._read_until: dict[int, int] = {}  # rows still catching up -> the tokens of theirs the draft has read
         self._runner: ModelRunner | None = None
         self._stack: ExitStack | None = None
         self._rows: list[int] = []
@@ -90,6 +96,15 @@ class DraftModelSpeculator(Speculator):
         runner = self._runner
         cached = [runner.length(r) for r in rows]
         num_fed = [batch.lengths[r] - c for r, c in zip(rows, cached)]
+        limit = self.catch_up_tokens
+        self._read_until = {}
+        if limit is not None and max(num_fed) > limit:
+            # Rows with more unread tokens read `limit` of them and draft nothing this step: their drafts would
+            # follow the part read, not the committed tokens. The rest of the batch drafts as usual.
+            for i, (row, n) in enumerate(zip(rows, num_fed)):
+                if n > limit:
+                    num_fed[i] = limit
+                    self._read_until[row] = cached[i] + limit
         first = batch.first_col[rows_t]
         input_ids = gather_right_aligned(
             batch.token_ids, rows_t, first + torch.tensor(cached, device=batch.device),
@@ -108,12 +123,17 @@ class DraftModelSpeculator(Speculator):
             input_ids, num_fed = token[:, None].clamp(max=self._num_embeddings - 1), [1] * len(rows)
         token_ids = torch.stack(tokens, dim=1)
         draft_probs = torch.stack(probs, dim=1) if batch.do_sample else None
-        return DraftProposal(token_ids, torch.full((len(rows),), k, device=batch.device), draft_probs)
+        counts = torch.full((len(rows),), k, device=batch.device)
+        if self._read_until:
+            counts[torch.tensor([i for i, r in enumerate(rows) if r in self._read_until], device=batch.device)] = 0
+        return DraftProposal(token_ids, counts, draft_probs)
 
     def commit(self, batch: SequenceBatch, num_accepted: list[int]) -> None:
-        # The draft saw the committed tokens plus its own drafts; keep what verification confirmed.
+        # The draft saw the committed tokens plus its own drafts; keep what verification confirmed (for a row still
+        # catching up, the committed tokens it read).
         for row, committed, accepted in zip(self._rows, self._committed_at_propose, num_accepted):
-            self._runner.rollback(row, min(self._runner.length(row), committed + accepted))
+            keep = min(self._runner.length(row), committed + accepted, self._read_until.get(row, committed + accepted))
+            self._runner.rollback(row, keep)
 
     def admit(self, batch: SequenceBatch, rows: list[int]) -> None:
         self._check_prompts_readable(batch)
