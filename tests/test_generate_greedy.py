@@ -216,6 +216,13 @@ def test_stop_strings_from_a_generation_config():
         out = target.generate(input_ids, tokenizer=tokenizer, speculator="ngram", **call)
         assert torch.equal(out, expected), call
     assert target.generation_config.stop_strings == [stop] and other.stop_strings is None
+    # An explicit empty list in the caller's config turns the model's off, as in plain generate.
+    target.generation_config.stop_strings = None
+    unstopped = target.generate(input_ids, max_new_tokens=MAX_NEW, do_sample=False)
+    target.generation_config.stop_strings = [stop]
+    off = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False, stop_strings=[])
+    out = target.generate(input_ids, tokenizer=tokenizer, speculator="ngram", generation_config=off)
+    assert torch.equal(out, unstopped) and out.shape[1] > expected.shape[1]
 
 
 @pytest.mark.parametrize("options", [dict(penalty_alpha=0.6, top_k=4), dict(dola_layers="high")])

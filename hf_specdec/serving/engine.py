@@ -228,7 +228,8 @@ class ServingEngine:
         if isinstance(self.speculator, DraftModelSpeculator) and self.speculator.catch_up_tokens is None:
             # A draft model reads a newcomer's prompt at its first draft for the row: no more of it a step than the
             # target does.
-            self.speculator.catch_up_tokens = self.scheduler.prefill_chunk
+            self.speculator.catch_up_tokens = self.scheduler.prefill_chunk and -(
+                -self.scheduler.prefill_chunk // block_size) * block_size  # the scheduler's budget, whole blocks
         self.warmup = self.batch.device.type == "cuda" if warmup is None else bool(warmup)
         self.short_warmup = warmup is None and not self.warmup  # one request: pools and first-call costs
         self.warmup_report: dict | None = None  # what the warm-up ran: steps, draft tokens, seconds

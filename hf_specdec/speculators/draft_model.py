@@ -36,10 +36,13 @@ class DraftModelSpeculator(Speculator):
     """
 
     def __init__(self, model, block_size: int = 16, catch_up_tokens: int | None = None):
+        if catch_up_tokens is not None and (isinstance(catch_up_tokens, bool) or catch_up_tokens < 1):
+            raise ValueError(f"catch_up_tokens must be an int >= 1 (None: no limit), got {catch_up_tokens!r}")
         self.model = model
         self.block_size = block_size
         self.catch_up_tokens = catch_up_tokens
         self._read_until: dict[int, int] = {}  # rows still catching up -> the tokens of theirs the draft has read
+        self.reading_backlog = False  # the latest proposal read a long backlog for some rows (they drafted nothing)
         self._runner: ModelRunner | None = None
         self._stack: ExitStack | None = None
         self._rows: list[int] = []
@@ -91,14 +94,16 @@ class DraftModelSpeculator(Speculator):
         rows_t = batch.active_tensor()
         self._rows = rows
         self._committed_at_propose = [batch.lengths[r] for r in rows]
+        self._read_until, self.reading_backlog = {}, False
         if k == 0:
             return DraftProposal.empty(len(rows), batch.device)
         runner = self._runner
         cached = [runner.length(r) for r in rows]
         num_fed = [batch.lengths[r] - c for r, c in zip(rows, cached)]
-        limit = self.catch_up_tokens
-        self._read_until = {}
+        # Never below what a row reads in ordinary steps (its last token, k accepted drafts and the bonus token).
+        limit = None if self.catch_up_tokens is None else max(self.catch_up_tokens, k + 2)
         if limit is not None and max(num_fed) > limit:
+            self.reading_backlog = True
             # Rows with more unread tokens read `limit` of them and draft nothing this step: their drafts would
             # follow the part read, not the committed tokens. The rest of the batch drafts as usual.
             for i, (row, n) in enumerate(zip(rows, num_fed)):
