@@ -37,6 +37,25 @@ def recording_forwards(engine) -> list[list[int]]:
     return fed
 
 
+def recording_steps(engine) -> list[tuple[set[str], dict[str, int]]]:
+    """Records, per scheduler step, the ids of the requests running after it and the tokens each one got."""
+    steps = []
+    scheduler_step = engine.scheduler.step
+
+    def recording():
+        events = scheduler_step()
+        steps.append(({r.request_id for r in engine.scheduler.running.values()},
+                      {request.request_id: len(tokens) for request, tokens, _ in events}))
+        return events
+
+    engine.scheduler.step = recording
+    return steps
+
+
+def first_token_step(steps, request_id: str) -> int:
+    return next(i for i, (_, got) in enumerate(steps) if got.get(request_id))
+
+
 def speculator_for(name, model, tmp_path):
     if name == "draft":
         return served_model(seed=3)
@@ -88,17 +107,7 @@ def test_running_requests_stream_while_a_long_prompt_is_read(tokenizer):
         model = served_model()
         engine = ServingEngine(model, tokenizer, "ngram", num_speculative_tokens=0, max_batch_size=2, block_size=4,
                                prefill_chunk_tokens=chunk)
-        steps = []  # per step: the long request running?, its tokens, the short one's tokens
-        scheduler_step = engine.scheduler.step
-
-        def recording(scheduler_step=scheduler_step, steps=steps):
-            events = scheduler_step()
-            running = {r.request_id for r in engine.scheduler.running.values()}
-            got = {request.request_id: len(tokens) for request, tokens, _ in events}
-            steps.append((running, got))
-            return events
-
-        engine.scheduler.step = recording
+        steps = recording_steps(engine)
         engine.start()
         try:
             short = engine.submit(repeating(5, seed=1), 40)
@@ -114,7 +123,7 @@ def test_running_requests_stream_while_a_long_prompt_is_read(tokenizer):
         finally:
             engine.shutdown()
         admitted = next(i for i, (running, _) in enumerate(steps) if long.request_id in running)
-        first = next(i for i, (_, got) in enumerate(steps) if got.get(long.request_id))
+        first = first_token_step(steps, long.request_id)
         meanwhile = sum(got.get(short.request_id, 0) for _, got in steps[admitted:first])
         assert meanwhile == (64 // CHUNK - 1 if chunk else 0)
 
@@ -278,19 +287,7 @@ def test_a_short_request_does_not_wait_behind_a_long_prompt(tokenizer):
     model = served_model()
     engine = ServingEngine(model, tokenizer, "ngram", num_speculative_tokens=0, max_batch_size=3, block_size=4,
                            prefill_chunk_tokens=CHUNK)
-    firsts = {}  # request id -> the step of its first token
-    scheduler_step = engine.scheduler.step
-
-    def recording():
-        events = scheduler_step()
-        for request, tokens, _ in events:
-            if tokens:
-                firsts.setdefault(request.request_id, recording.steps)
-        recording.steps += 1
-        return events
-
-    recording.steps = 0
-    engine.scheduler.step = recording
+    steps = recording_steps(engine)
     engine.start()
     try:
         running = engine.submit(repeating(5, seed=1), 40)
@@ -306,7 +303,7 @@ def test_a_short_request_does_not_wait_behind_a_long_prompt(tokenizer):
     finally:
         engine.shutdown()
     # Behind the long one the short one would have come after it; it comes while the pieces are read.
-    assert firsts[long.request_id] - firsts[short.request_id] >= 3
+    assert first_token_step(steps, long.request_id) - first_token_step(steps, short.request_id) >= 3
 
 
 def test_a_draft_model_reads_a_long_prompt_a_piece_a_step(tokenizer):
