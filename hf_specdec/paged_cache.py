@@ -190,18 +190,28 @@ def query_groups(counts: list[int]) -> tuple[int, list[int], int] | None:
     `benchmarks/ragged_attention.py`). On whole forwards
     (`benchmarks/query_groups.py`, docs/benchmarks.md) two groups were 6-18% faster at 20-30 rows, between 4% faster
     and 7% slower at 8 and up to 18% slower at 4, where this rule keeps one."""
-    widths = sorted(counts)
-    whole = len(widths) * widths[-1]
-    best, short = whole, None
-    for n in range(1, len(widths)):  # every row at the n-th shortest width, then the longer rows at the longest
-        if widths[n] == widths[n - 1]:
-            continue
-        cost = len(widths) * widths[n - 1] + (len(widths) - n) * widths[-1]
-        if cost < best:
-            best, short = cost, widths[n - 1]
+    # every row at the cut (the rows past it again, at the longest): their last `cut` tokens in one group
+    whole, best, short = _two_groups(counts, every_row_in_first=True)
     if short is None or whole - best < max(whole / 4, 12):
         return None
-    return short, [i for i, c in enumerate(counts) if c > short], widths[-1]
+    return short, [i for i, c in enumerate(counts) if c > short], max(counts)
+
+
+def _two_groups(values: list[int], every_row_in_first: bool) -> tuple[int, int, int | None]:
+    """Where to cut rows padded to `values` (query widths, context lengths) into two groups, each padded to its own
+    longest: `(one group's padded area, the best two groups' area, the cut)`, the cut `None` where no split helps.
+    The first group holds the rows up to the cut, or (`every_row_in_first`) every row's last `cut` entries."""
+    widths = sorted(values)
+    rows, longest = len(widths), widths[-1]
+    whole = rows * longest
+    best, cut = whole, None
+    for n in range(1, rows):  # the first group padded to the n-th shortest, the rows past it to the longest
+        if widths[n] == widths[n - 1]:
+            continue
+        cost = (rows if every_row_in_first else n) * widths[n - 1] + (rows - n) * longest
+        if cost < best:
+            best, cut = cost, widths[n - 1]
+    return whole, best, cut
 
 
 # Token rows gather their rows' contexts again for the tokens beyond one per row; where one padded group would have
@@ -276,16 +286,7 @@ def context_groups(context_lens: list[int], min_saved: int | None = None,
     (the others form the second group). `None` where one padded group is as good. `min_saved=0, min_fraction=0`:
     two groups wherever the lengths differ (the model's trial, `compat._groups_exactly`)."""
     min_saved = CONTEXT_SPLIT_MIN if min_saved is None else min_saved
-    lengths = sorted(context_lens)
-    rows, longest = len(lengths), lengths[-1]
-    whole = rows * longest
-    best, cut = whole, None
-    for n in range(1, rows):  # the n shortest padded to the n-th length, the rest to the longest
-        if lengths[n] == lengths[n - 1]:
-            continue
-        cost = n * lengths[n - 1] + (rows - n) * longest
-        if cost < best:
-            best, cut = cost, lengths[n - 1]
+    whole, best, cut = _two_groups(context_lens, every_row_in_first=False)
     if cut is None or whole - best < max(whole * min_fraction, min_saved):
         return None
     return [i for i, c in enumerate(context_lens) if c <= cut], cut

@@ -196,8 +196,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
         self.free_slots = list(range(len(batch.lengths)))[::-1]
-        self._fresh: set[int] = set()  # rows admitted but not yet fed
-        self._arrival: dict[int, None] = {}  # running rows in order of admission
+        self._fresh: dict[int, None] = {}  # rows admitted but not yet fed, in order of admission
         self._reserved: dict[int, int] = {}  # row -> worst-case KV blocks
         self._refused: list[Request] = []
 
@@ -261,9 +260,10 @@ class Scheduler:
         if self._pieces:
             self._hand_over_pieces(fed_prompts)
         emitted, finished = step(batch, self.target, self.stop, budget, self.metrics, self.pad_token_id)
-        self._fresh.difference_update(rows)
+        for row in rows:
+            self._fresh.pop(row, None)
         if self.prefix_cache is not None and fed_prompts:
-            self._store_prefixes(fed_prompts)
+            self._store_prefixes(fed_prompts, self.step_fn.last_states if self.prefix_cache.with_features else None)
         tokens = self._new_tokens(rows, emitted) if self.collect_tokens else [[] for _ in rows]
         done = set(finished)
         for row, n, new in zip(rows, emitted, tokens):
@@ -302,7 +302,7 @@ class Scheduler:
         block = manager.block_size if manager is not None else 1
         limit = -(-limit // block) * block  # whole blocks: the prefix cache stores whole blocks, with their states
         running = len(self.running) > len(self._fresh)  # streams a newcomer's prefill would hold up
-        fresh = [r for r in self._arrival if r in self._fresh]
+        fresh = list(self._fresh)
         cached = {r: target.length(r) for r in fresh}
         pending = {r: batch.lengths[r] - cached[r] for r in fresh}
         budget, out = limit, set()
@@ -322,16 +322,15 @@ class Scheduler:
                 amounts.append(amount)
                 budget -= amount
         if rows:
-            self._feed(rows, amounts)
+            self._feed(rows, amounts, [cached[r] for r in rows])
         return out
 
-    def _feed(self, rows: list[int], amounts: list[int]) -> None:
+    def _feed(self, rows: list[int], amounts: list[int], cached: list[int]) -> None:
         """Feeds `amounts[i]` more prompt tokens of `rows[i]` to the target's cache. A speculator reading the target's
         states gets those of the pieces when the row joins a step, ahead of that step's (`Step.prefix_states`, see
         `_hand_over_pieces`), as from a stored prefix: until then it has nothing to draft from for the row. The prefix
         cache stores each piece's whole blocks as they are fed."""
         batch, target, speculator = self.batch, self.target, self.speculator
-        cached = [target.length(r) for r in rows]
         rows_t = torch.tensor(rows, device=batch.device)
         input_ids = gather_right_aligned(
             batch.token_ids, rows_t, batch.first_col[rows_t] + torch.tensor(cached, device=batch.device),
@@ -349,12 +348,7 @@ class Scheduler:
             for i, row in enumerate(rows):
                 self._pieces.setdefault(row, (cached[i], []))[1].append(states.row(i))
         if self.prefix_cache is not None:
-            for i, row in enumerate(rows):
-                prompt = self.running[row].prompt_ids
-                if prompt is None:
-                    continue
-                features = () if states is None else (states.row(i), states.start_positions[i])
-                self.prefix_cache.store(target.cache, row, prompt, *features)
+            self._store_prefixes(rows, states)
 
     def _hand_over_pieces(self, rows: list[int]) -> None:
         """The states of the pieces of rows joining this step, after a stored prefix's (if any), as one entry of
@@ -431,10 +425,9 @@ class Scheduler:
         if length and states is not None:
             self.step_fn.prefix_states[request.slot] = TargetHiddenStates(states[None], [length], [0], [request.slot])
 
-    def _store_prefixes(self, rows: list[int]) -> None:
-        """Stores the prompt blocks of rows whose prompts the last step fed, with the target's states there when the
-        speculator reads them."""
-        states = self.step_fn.last_states if self.prefix_cache.with_features else None
+    def _store_prefixes(self, rows: list[int], states: TargetHiddenStates | None) -> None:
+        """Stores the prompt blocks of rows whose prompts a forward fed (a step, or a piece of chunked prefill), with
+        the target's states there (`states`) when the speculator reads them."""
         index = {r: i for i, r in enumerate(states.rows)} if states is not None else {}
         for row in rows:
             prompt = self.running[row].prompt_ids
@@ -457,8 +450,7 @@ class Scheduler:
     def _admit(self, request: Request, need: int | None = None, announce: bool = True) -> None:
         row = request.slot
         self.running[row] = request
-        self._fresh.add(row)
-        self._arrival[row] = None
+        self._fresh[row] = None
         self._reserved[row] = need if need is not None else 0
         self.target.add_sequence(row)
         if self.batch.sampling is not None:
@@ -480,8 +472,7 @@ class Scheduler:
             self.target.free(row)
             self.running.pop(row)
             self._reserved.pop(row, None)
-            self._fresh.discard(row)
-            self._arrival.pop(row, None)
+            self._fresh.pop(row, None)
             self.step_fn.prefix_states.pop(row, None)  # a row cancelled before its first step never read them
             self._pieces.pop(row, None)
             self.free_slots.append(row)
