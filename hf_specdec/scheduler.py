@@ -65,6 +65,11 @@ class Request:
         sampling: greedy by default.
         grammar: an xgrammar `CompiledGrammar` constraining the output, or `None`.
         output_ids: generated tokens so far (filled in when the scheduler reports tokens).
+        logprobs: `None`, or how many of the likeliest alternatives to report with each generated token's log
+            probability (0: the token's own only). The target's log-softmax before any processing (temperature,
+            top-k/top-p, grammars), at the position that produced the token, whichever step verified it.
+        output_logprobs: with `logprobs`, one `(log probability, [(token id, log probability), ...])` per token of
+            `output_ids`, the alternatives likeliest first.
         num_generated: how many tokens were generated.
         finish_reason: `"stop"` (EOS or a stop rule), `"length"` (max_new_tokens), `"cancelled"`, or `"error"`
             (refused as it joined the batch: `error` says why); `None` while running.
@@ -76,6 +81,8 @@ class Request:
     grammar: object = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     output_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None
+    output_logprobs: list = field(default_factory=list)
     num_generated: int = 0
     finish_reason: str | None = None
     slot: int | None = None
@@ -266,10 +273,13 @@ class Scheduler:
             self._store_prefixes(fed_prompts, self.step_fn.last_states if self.prefix_cache.with_features else None)
         tokens = self._new_tokens(rows, emitted) if self.collect_tokens else [[] for _ in rows]
         done = set(finished)
+        logprobs = step.last_logprobs
         for row, n, new in zip(rows, emitted, tokens):
             request = self.running[row]
             request.num_generated += n
             request.output_ids += new
+            if request.logprobs is not None:
+                request.output_logprobs += logprobs.get(row, [])[:n]
             if sampling is not None:
                 sampling.num_generated[row] = request.num_generated
             if row in done:
@@ -453,6 +463,11 @@ class Scheduler:
         self._fresh[row] = None
         self._reserved[row] = need if need is not None else 0
         self.target.add_sequence(row)
+        if request.logprobs is not None:
+            if self.step_fn.tree_nodes is not None:
+                raise ValueError("log probabilities are not reported with draft trees; drop logprobs or serve "
+                                 "without speculative_tree_nodes")
+            self.step_fn.logprob_rows[row] = request.logprobs
         if self.batch.sampling is not None:
             self.batch.sampling.set(row, request.sampling)
         if self.step_fn.constraints is not None and request.grammar is not None:
@@ -474,6 +489,7 @@ class Scheduler:
             self._reserved.pop(row, None)
             self._fresh.pop(row, None)
             self.step_fn.prefix_states.pop(row, None)  # a row cancelled before its first step never read them
+            self.step_fn.logprob_rows.pop(row, None)
             self._pieces.pop(row, None)
             self.free_slots.append(row)
         self.speculator.release(rows)

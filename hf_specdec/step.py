@@ -55,6 +55,10 @@ class Step:
         # gave it.
         self.prefix_states: dict[int, TargetHiddenStates] = {}
         self.last_states: TargetHiddenStates | None = None
+        # Rows reporting log probabilities (row -> alternatives per token, `Request.logprobs`), and what the last
+        # step gave them: row -> one `(log probability, [(token, log probability), ...])` per emitted token.
+        self.logprob_rows: dict[int, int] = {}
+        self.last_logprobs: dict[int, list] = {}
         self._draft_forwards = 0  # the draft positions the latest proposal ran (a model speculator's forwards)
         self._draft_unread = 0.0  # the backlog it read first, in target tokens (`Speculator.unread`)
 
@@ -64,6 +68,7 @@ class Step:
             return self._tree_step(batch, target, stop, budget, metrics, pad_token_id)
         rows, rows_t = list(batch.active), batch.active_tensor()
         t0 = time.perf_counter()
+        self.last_logprobs = {}
         proposed, classes, counts = self._propose(batch, budget)
         if getattr(self.speculator, "reading_backlog", False):  # the draft read a long backlog: not a usual step
             self.timed = False
@@ -121,6 +126,8 @@ class Step:
         # The target's forward and the verify, done once the commit's host transfer returned. What follows (a head
         # reading the committed tokens' states) is per committed token, not per draft: adaptive k does not price it.
         verified_s = time.perf_counter() - t1
+        if self.logprob_rows:
+            self.last_logprobs = emitted_logprobs(logits, output, rows, num_emit, self.logprob_rows)
         if constrained is not None:
             self.constraints.commit(rows, output, num_emit, finished)
             # The grammar's drafts were never the speculator's: it, adaptive k and the metrics see only its own.
@@ -345,6 +352,29 @@ class Step:
     def _no_drafts(self, batch, limits) -> DraftProposal:
         draft = self.speculator.propose(batch, 0)
         return DraftProposal(draft.token_ids[:, :0], torch.zeros_like(limits), None)
+
+
+def emitted_logprobs(logits: torch.Tensor, output: torch.Tensor, rows: list[int], num_emit: list[int],
+                     wanted: dict[int, int]) -> dict[int, list]:
+    """Log probabilities of the tokens a chain step emitted, for the rows in `wanted` (row -> alternatives to list):
+    row -> one `(log probability, [(token, log probability), ...])` per emitted token. Emitted token j of a row came
+    from its logits column j (after its pending token and drafts `[:j]`), so these are the target's own, the same
+    whether the token was a draft it accepted or one it picked; computed in float32 over the whole vocabulary."""
+    picks = [i for i, (r, n) in enumerate(zip(rows, num_emit)) if n and r in wanted]
+    if not picks:
+        return {}
+    index = torch.tensor(picks, device=logits.device)
+    width = max(num_emit[i] for i in picks)
+    logprobs = torch.log_softmax(logits[index, :width].float(), dim=-1)
+    chosen = logprobs.gather(-1, output[index, :width].clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    top = max(wanted[rows[i]] for i in picks)
+    values, ids = logprobs.topk(top, dim=-1) if top else (logprobs[..., :0], logprobs[..., :0].long())
+    chosen, values, ids = chosen.tolist(), values.tolist(), ids.tolist()
+    out = {}
+    for j, i in enumerate(picks):
+        n = wanted[rows[i]]
+        out[rows[i]] = [(chosen[j][t], list(zip(ids[j][t][:n], values[j][t][:n]))) for t in range(num_emit[i])]
+    return out
 
 
 def non_finite_rows(values: torch.Tensor) -> torch.Tensor:

@@ -507,6 +507,71 @@ def test_stop_strings_end_the_text_before_them(tokenizer):
     assert sum(len(d.token_ids) for d in deltas) == needed and accepted > 0
 
 
+def reference_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """`[len(output), vocab]` the target's log-softmax at each output token's position: one plain forward (on the
+    twin of `model`, as `solo`)."""
+    solo(model, prompt, 1)
+    twin = _TWINS[id(model)][1]
+    with torch.no_grad():
+        logits = twin(torch.tensor([prompt + output])).logits[0, len(prompt) - 1: len(prompt) - 1 + len(output)]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+@pytest.mark.parametrize("speculator", ["ngram", "draft", "off"])
+def test_logprobs_are_the_targets_whatever_the_drafts(tokenizer, speculator):
+    """Each token's log probability and its likeliest alternatives are the target's at that position, whether the
+    token was an accepted draft or the target's own pick, for greedy and sampled rows, beside rows that ask for none;
+    a stop string's cut drops the logprobs of the tokens after it too."""
+    model = served_model(eos=None)
+    spec = served_model(eos=None) if speculator == "draft" else "ngram"  # a draft equal to the target: all accepted
+    engine = ServingEngine(model, tokenizer, spec, num_speculative_tokens=0 if speculator == "off" else 4,
+                           schedule="constant", max_batch_size=4).start()
+    stop_prompt = repeating(8, 5)
+    stop = " ".join(tokenizer.decode(solo(model, stop_prompt, 20), skip_special_tokens=True).split()[5:7])
+    plan = [(stop_prompt, 20, 3, None, [stop]), (repeating(11, 6), 15, 0, None, None),
+            (repeating(9, 7), 12, None, None, None),
+            (repeating(7, 8), 18, 5, SamplingParams(temperature=1.0, seed=3), None)]
+    try:
+        streams = [engine.submit(p, n, sampling, stop, logprobs=lp) for p, n, lp, sampling, stop in plan]
+        deltas = [list(s) for s in streams]
+        accepted = engine.metrics.num_accepted_tokens
+    finally:
+        engine.shutdown()
+    assert (accepted > 0) == (speculator != "off")
+    assert deltas[0][-1].finish_reason == "stop" and len(streams[0].request.output_ids) < 20
+    for stream, got, (_, _, lp, _, _) in zip(streams, deltas, plan):
+        request = stream.request
+        if lp is None:
+            assert request.output_logprobs == [] and all(d.logprobs is None for d in got)
+            continue
+        assert [e for d in got for e in d.logprobs] == request.output_logprobs
+        assert sum(len(d.token_ids) for d in got) == len(request.output_ids) == len(request.output_logprobs)
+        reference = reference_logprobs(model, request.prompt_ids, request.output_ids)
+        chosen = torch.tensor([value for value, _ in request.output_logprobs])
+        torch.testing.assert_close(chosen, reference.gather(-1, torch.tensor(request.output_ids)[:, None])[:, 0],
+                                   atol=1e-4, rtol=0)
+        for row, (_, top) in zip(reference, request.output_logprobs):
+            values, ids = row.topk(lp)
+            assert [t for t, _ in top] == ids.tolist()
+            torch.testing.assert_close(torch.tensor([v for _, v in top]), values, atol=1e-4, rtol=0)
+        if request.sampling.greedy and lp:
+            assert [top[0][0] for _, top in request.output_logprobs] == request.output_ids
+
+
+def test_logprobs_are_refused_with_draft_trees(tokenizer, tmp_path):
+    from hf_specdec.scheduler import Request
+
+    engine = ServingEngine(served_model(), tokenizer, "ngram", num_speculative_tokens=2, max_batch_size=2)
+    engine.step.tree_nodes = 4  # as a tree-drafting engine would have it
+    with pytest.raises(RequestError, match="draft trees") as refused:
+        engine.submit([5, 6, 7], 4, logprobs=1)
+    assert refused.value.param == "logprobs"
+    with pytest.raises(ValueError, match="draft trees"):  # and the scheduler's own check, for callers below it
+        request = Request([5, 6, 7], 4, logprobs=1)
+        request.slot = 0
+        engine.scheduler._admit(request)
+
+
 # --- the HTTP server, through the official client ---------------------------------------------------------------
 
 def free_port() -> int:
@@ -593,6 +658,46 @@ def test_chat_equals_generate(server, tokenizer):
     assert [c.index for c in many.choices] == [0, 1, 2]
 
 
+def test_logprobs_through_the_client(server, tokenizer):
+    """Completions (`logprobs: N`) and chat (`logprobs`, `top_logprobs`), whole and streamed: the target's log
+    probabilities of the greedy answer's tokens, the tokens spelling the text."""
+    client = server.client()
+    prompt = repeating(9, 6)
+    expected = solo(server.model, prompt, 12)
+    reference = reference_logprobs(server.model, prompt, expected)
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, logprobs=2)
+    logprobs = out.choices[0].logprobs
+    assert "".join(logprobs.tokens) == out.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+    torch.testing.assert_close(torch.tensor(logprobs.token_logprobs),
+                               reference.gather(-1, torch.tensor(expected)[:, None])[:, 0], atol=1e-4, rtol=0)
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(expected))]
+    for token, value, top, row in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, reference):
+        assert top[token] == value and len(top) == 2  # greedy: the token is the likeliest alternative
+        assert sorted(top.values(), reverse=True) == pytest.approx(row.topk(2).values.tolist(), abs=1e-4)
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, logprobs=2,
+                                            stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for lp in streamed for t in lp.tokens] == logprobs.tokens
+    assert [v for lp in streamed for v in lp.token_logprobs] == logprobs.token_logprobs
+    assert [o for lp in streamed for o in lp.text_offset] == logprobs.text_offset
+
+    messages = [{"role": "user", "content": tokenizer.decode(repeating(8, 7))}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    spelled = "".join(t.token for t in content)  # the end-of-sequence token's text is not the answer's
+    assert content and spelled.removesuffix("</s>").rstrip() == chat.choices[0].message.content
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token and bytes(t.bytes) == t.token.encode()
+               for t in content)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                                 logprobs=True, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    assert all(t.top_logprobs == [] for t in streamed)
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
 def test_models_health_metrics(server):
     import httpx
 
@@ -612,11 +717,12 @@ def test_models_health_metrics(server):
     ({"prompt": 5}, "prompt"),
     ({"prompt": "w1", "n": 0}, "n"),
     ({"prompt": "w1", "stop": [1]}, "stop"),
-    ({"prompt": "w1", "logprobs": 3}, "logprobs"),
+    ({"prompt": "w1", "logprobs": 21}, "logprobs"),
+    ({"prompt": "w1", "logprobs": True}, "logprobs"),  # the completions API takes a count
     ({"prompt": "w1", "frobnicate": 1}, "frobnicate"),
     ({"prompt": "w1 " * 100, "max_tokens": 100}, "max_tokens"),
     ({"prompt": "w1", "response_format": {"type": "json_schema"}}, "response_format"),
-    ({"prompt": "w1", "logprobs": 0}, "logprobs"),  # 0 asks OpenAI for the chosen tokens' logprobs
+    ({"prompt": "w1", "echo": True}, "echo"),
     ({"prompt": "w1", "stream": True, "stream_options": [1]}, "stream_options"),
     ({"prompt": "w1", "stream": True, "stream_options": {"include_usage": "no"}}, "stream_options"),
     ({"prompt": "w1", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream
@@ -637,6 +743,16 @@ def test_bad_requests_get_400_naming_the_field(server, body, param):
     assert ok.usage.completion_tokens >= 1
     # nothing the refused request asked for runs on
     assert server.engine.num_running == 0 and server.engine.num_waiting == 0 and no_blocks_held(server.engine)
+
+
+@pytest.mark.parametrize("extra, param", [({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 1}, "logprobs"),
+                                          ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")])
+def test_bad_chat_logprobs_get_400(server, extra, param):
+    import httpx
+
+    response = httpx.post(server.url + "/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "w5 w6"}], **extra})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
 def test_neutral_values_some_sdks_send_are_taken(server):

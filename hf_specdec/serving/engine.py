@@ -40,6 +40,8 @@ DEFAULT_PREFIX_CACHE_TOKENS = 8192
 # Prompt tokens a step feeds at most for prompts longer than that (chunked prefill), by device type: a piece costs
 # the running rows about as much as a few of their steps on a CPU, and little beyond a step's fixed cost on a GPU.
 DEFAULT_PREFILL_CHUNK_TOKENS = {"cpu": 256, "cuda": 2048}
+# The most alternatives a request may ask for with each token's log probability (vLLM's default limit).
+MAX_LOGPROBS = 20
 
 
 class QueueFullError(RuntimeError):
@@ -56,11 +58,14 @@ class RequestError(ValueError):
 
 @dataclass
 class Delta:
-    """What one step added to a request: token ids, the text they complete, and whether the request ended."""
+    """What one step added to a request: token ids, the text they complete, and whether the request ended. With
+    `logprobs` asked for, `logprobs` holds one `(log probability, [(token id, log probability), ...])` per token of
+    `token_ids` (`Request.output_logprobs`)."""
 
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+    logprobs: list | None = None
 
 
 @dataclass(eq=False)
@@ -361,9 +366,11 @@ class ServingEngine:
 
     def submit(self, prompt_ids: list[int], max_tokens: int | None = None, sampling: SamplingParams | None = None,
                stop: list[str] | None = None, grammar=None, loop: asyncio.AbstractEventLoop | None = None,
-               request_id: str | None = None) -> RequestStream:
+               request_id: str | None = None, logprobs: int | None = None) -> RequestStream:
         """Queues a request. `grammar` is an `hf_specdec.Grammar` (compiled here, so a bad one fails now). With
-        `loop`, the stream is consumed with `async for` on that loop; without, with a plain `for`.
+        `loop`, the stream is consumed with `async for` on that loop; without, with a plain `for`. `logprobs`: report
+        each token's log probability and that many likeliest alternatives (0 to `MAX_LOGPROBS`; see
+        `Request.logprobs`), in every `Delta` and in `stream.request.output_logprobs`.
 
         Raises `RequestError` for a request that cannot be served (the field named), `QueueFullError` when the queue
         is full, `RuntimeError` when the engine is shutting down or has failed."""
@@ -385,6 +392,12 @@ class ServingEngine:
                 f"max_tokens asks for {max_tokens} more; shorten the prompt or lower max_tokens to at most "
                 f"{max(room, 0)}", "max_tokens")
         sampling = sampling or SamplingParams()
+        if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)
+                                     or not 0 <= logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS} (the alternatives to list "
+                               f"with each token), got {logprobs!r}", "logprobs")
+        if logprobs is not None and self.step.tree_nodes is not None:
+            raise RequestError("log probabilities are not reported with draft trees; drop logprobs", "logprobs")
         if (stop or grammar is not None) and self.tokenizer is None:
             raise RequestError("stop strings and grammars need the engine's tokenizer; pass tokenizer= to "
                                "ServingEngine", "stop" if stop else "response_format")
@@ -400,7 +413,7 @@ class ServingEngine:
             if not first_position_spellable(compiled):
                 raise RequestError("the model's tokenizer cannot spell the start of this grammar (it allows no token "
                                    "of the vocabulary)", "response_format")
-        request = Request(list(prompt_ids), max_tokens, sampling, compiled, **(
+        request = Request(list(prompt_ids), max_tokens, sampling, compiled, logprobs=logprobs, **(
             {"request_id": request_id} if request_id else {}))
         if loop is not None:
             stream = RequestStream(request, tuple(stop or ()), self, loop, asyncio.Queue())
@@ -585,6 +598,8 @@ class ServingEngine:
             excess = _tokens_past(self.tokenizer, request.output_ids, len(tokens), hit, text[hit:end])
             if excess:  # tokens a step emitted after the one completing the stop string are not the answer's
                 del request.output_ids[len(request.output_ids) - excess:]
+                if request.logprobs is not None:
+                    del request.output_logprobs[len(request.output_logprobs) - excess:]
                 request.num_generated -= excess
                 tokens = tokens[:len(tokens) - excess]
                 self.counters["generation_tokens"] -= excess
@@ -603,7 +618,10 @@ class ServingEngine:
             with self._lock:
                 self._streams.pop(request.request_id, None)
         if delta or tokens or finished:
-            stream._put(Delta(tokens, delta, reason))
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = request.output_logprobs[len(request.output_logprobs) - len(tokens):] if tokens else []
+            stream._put(Delta(tokens, delta, reason, logprobs))
 
 
 def _tokens_past(tokenizer, output_ids: list[int], new: int, hit: int, stop: str) -> int:

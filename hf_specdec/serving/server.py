@@ -16,7 +16,7 @@ import time
 import uuid
 
 from ..scheduler import SamplingParams
-from .engine import QueueFullError, RequestError, ServingEngine
+from .engine import MAX_LOGPROBS, QueueFullError, RequestError, ServingEngine
 
 logger = logging.getLogger(__name__)
 
@@ -29,10 +29,9 @@ _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprob
                    "frequency_penalty", "tools", "tool_choice", "logit_bias",
                    # the chat template's own switches, as vLLM's server takes them
                    "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
-# Accepted only at their neutral values (compared by type too: `0 == False` in Python, and `logprobs: 0` asks
-# OpenAI's completions for the chosen tokens' log probabilities). Empty `logit_bias` and `tools` are what some SDKs
-# send by default.
-_NEUTRAL = {"echo": (False, None), "logprobs": (False, None), "top_logprobs": (0, None), "best_of": (1, None),
+# Accepted only at their neutral values (compared by type too: `0 == False` in Python). Empty `logit_bias` and
+# `tools` are what some SDKs send by default.
+_NEUTRAL = {"echo": (False, None), "best_of": (1, None),
             "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None), "suffix": (None, ""),
             "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none")}
 # Chat roles a template understands; `developer` (OpenAI's newer name for system instructions) is sent as `system`.
@@ -151,7 +150,7 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
                         sampling = SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k,
                                                   sampling.seed + j)
                     streams.append(engine.submit(prompt, parsed["max_tokens"], sampling, parsed["stop"],
-                                                 parsed["grammar"], loop=loop))
+                                                 parsed["grammar"], loop=loop, logprobs=parsed["logprobs"]))
         except RequestError as bad:
             cancel_unfinished(streams)
             return error(400, str(bad), "invalid_request_error", bad.param)
@@ -168,7 +167,7 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
         prompt_tokens = sum(len(p) for p in parsed["prompts"])
         if parsed["stream"]:  # the generator cancels what is unfinished when it ends or the client goes
             return StreamingResponse(stream_events(streams, rid, chat, model_name, parsed["include_usage"],
-                                                   prompt_tokens), media_type="text/event-stream")
+                                                   prompt_tokens, engine.tokenizer), media_type="text/event-stream")
         try:
             results = await asyncio.gather(*(collect(s, request) for s in streams))
         except RequestError as bad:
@@ -179,7 +178,8 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
             cancel_unfinished(streams)
         if any(reason is None for _, reason in results):  # the client went away
             return error(499, "client disconnected", "invalid_request_error")
-        choices = [choice(i, text, reason, chat) for i, (text, reason) in enumerate(results)]
+        choices = [choice(i, text, reason, chat, stream.request, engine.tokenizer)
+                   for i, ((text, reason), stream) in enumerate(zip(results, streams))]
         usage = usage_of(streams, prompt_tokens)
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": model_name, "choices": choices, "usage": usage}
@@ -240,12 +240,59 @@ async def _watch(stream, request, every_s: float = 0.5):
             return
 
 
-def choice(index: int, text: str, reason: str, chat: bool) -> dict:
+def choice(index: int, text: str, reason: str, chat: bool, request=None, tokenizer=None) -> dict:
     reason = "stop" if reason == "cancelled" else reason
+    logprobs = None
+    if request is not None and request.logprobs is not None:
+        logprobs = TokenLogprobs(tokenizer, chat).format(request.output_ids, request.output_logprobs)
     if chat:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": reason}
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+
+class TokenLogprobs:
+    """OpenAI's `logprobs` object for a choice's tokens, built as they arrive (`format` for each delta in turn).
+
+    A token's text is what it adds to the text decoded so far (decoded with the few tokens before it, so that a
+    tokenizer that drops a word's leading space when a token is decoded alone still shows it); an alternative's is
+    what it would have added in that token's place. The completions API's form lists `tokens`, `token_logprobs`,
+    `top_logprobs` (per token, the alternatives and the token itself, text -> log probability) and `text_offset`
+    (characters from the start of the completion); the chat API's lists `content`, one object per token with its
+    `token`, `logprob`, `bytes` and `top_logprobs`."""
+
+    CONTEXT = 4  # tokens decoded before each one
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer, self.chat = tokenizer, chat
+        self.history: list[int] = []
+        self.offset = 0
+
+    def _text(self, context: list[int], token: int, before: str) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token}"
+        return self.tokenizer.decode(context + [token], skip_special_tokens=False)[len(before):]
+
+    def format(self, token_ids: list[int], entries: list) -> dict:
+        texts, tops = [], []
+        for token, (_, alternatives) in zip(token_ids, entries):
+            context = self.history[len(self.history) - self.CONTEXT:] if self.history else []
+            before = self.tokenizer.decode(context, skip_special_tokens=False) if context and self.tokenizer else ""
+            texts.append(self._text(context, token, before))
+            tops.append([(self._text(context, t, before), value) for t, value in alternatives])
+            self.history.append(token)
+        if self.chat:
+            return {"content": [
+                {"token": text, "logprob": value, "bytes": list(text.encode("utf-8")),
+                 "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))} for t, v in top]}
+                for text, (value, _), top in zip(texts, entries, tops)]}
+        offsets = []
+        for text in texts:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": texts, "token_logprobs": [value for value, _ in entries],
+                "top_logprobs": [dict(top) | {text: value} for text, (value, _), top in zip(texts, entries, tops)],
+                "text_offset": offsets}
 
 
 def usage_of(streams, prompt_tokens: int) -> dict:
@@ -253,18 +300,27 @@ def usage_of(streams, prompt_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
 
-async def stream_events(streams, rid: str, chat: bool, model_name: str, include_usage: bool, prompt_tokens: int):
+async def stream_events(streams, rid: str, chat: bool, model_name: str, include_usage: bool, prompt_tokens: int,
+                        tokenizer=None):
     """Server-sent events: one chunk per delta of every choice, then `data: [DONE]`. A client that disconnects
-    cancels every choice (their KV blocks are freed at the next step)."""
+    cancels every choice (their KV blocks are freed at the next step). With log probabilities, a chunk carries
+    those of the tokens since the last chunk (a delta whose text is held back, say the start of a stop string,
+    sends no chunk: its tokens' go with the next)."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
+    formatters = [TokenLogprobs(tokenizer, chat) if s.request.logprobs is not None else None for s in streams]
+    held: list[tuple[list, list]] = [([], []) for _ in streams]  # per choice: tokens and entries not yet sent
 
     def chunk(index: int, text: str | None, reason: str | None, first: bool = False) -> str:
+        logprobs = None
+        if formatters[index] is not None and not first:
+            logprobs = formatters[index].format(*held[index])
+            held[index] = ([], [])
         if chat:
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            body = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            body = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
-            body = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+            body = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
         payload = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [body]}
         if include_usage:
             payload["usage"] = None
@@ -293,6 +349,9 @@ async def stream_events(streams, rid: str, chat: bool, model_name: str, include_
                 open_streams -= 1
                 continue
             reason = delta.finish_reason
+            if delta.logprobs:
+                held[index][0].extend(delta.token_ids)
+                held[index][1].extend(delta.logprobs)
             if delta.text or reason is not None:
                 yield chunk(index, delta.text, None if reason is None else ("stop" if reason == "cancelled"
                                                                               else reason))
@@ -378,6 +437,7 @@ def parse_request(body: dict, chat: bool, engine: ServingEngine) -> dict:
                 options.get("include_usage", False), bool):
             raise RequestError(f"stream_options must be an object with at most include_usage (true or false), got "
                                f"{options!r}", "stream_options")
+    logprobs = _logprobs(body, chat)
     grammar = None
     if body.get("response_format") is not None:
         from ..structured import Grammar
@@ -387,8 +447,30 @@ def parse_request(body: dict, chat: bool, engine: ServingEngine) -> dict:
         except (ValueError, TypeError) as bad:
             raise RequestError(f"response_format: {bad}", "response_format") from None
     return {"prompts": prompts, "max_tokens": max_tokens, "n": n, "stop": stop, "stream": bool(stream),
-            "include_usage": bool(options and options.get("include_usage")),
+            "include_usage": bool(options and options.get("include_usage")), "logprobs": logprobs,
             "grammar": grammar, "sampling": SamplingParams(temperature, top_p, top_k, seed)}
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """The alternatives to list with each token's log probability, or `None` for no log probabilities: the
+    completions API's `logprobs` (an integer), the chat API's `logprobs` (true or false) with `top_logprobs`."""
+    def count(name: str) -> int:
+        value = body[name]
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS:
+            raise RequestError(f"{name} must be an integer from 0 to {MAX_LOGPROBS}, got {value!r}", name)
+        return value
+
+    if not chat:
+        return None if body.get("logprobs") is None else count("logprobs")
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise RequestError(f"logprobs must be true or false, got {wanted!r}", "logprobs")
+    if body.get("top_logprobs") is not None:
+        top = count("top_logprobs")
+        if top and not wanted:
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+        return top if wanted else None
+    return 0 if wanted else None
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
