@@ -35,12 +35,24 @@ from .types import SequenceBatch, gather_right_aligned
 
 @dataclass
 class SamplingParams:
-    """How one request picks its tokens. `temperature=0` is greedy decoding (the target's argmax)."""
+    """How one request picks its tokens. `temperature=0` is greedy decoding (the target's argmax).
+
+    Penalties and biases change the target's logits before temperature, top-k and top-p, at every position a step
+    verifies, with that position's own history (the drafts before it included), so speculation keeps the
+    distribution they define exact. As OpenAI's and vLLM's: `logit_bias` adds to the named tokens' logits (token id ->
+    bias, -100 to 100); `repetition_penalty` (transformers' and vLLM's, 1 is off) divides the positive logits (and
+    multiplies the negative ones) of every token in the prompt or the output; `frequency_penalty` subtracts that much
+    per earlier occurrence in the output and `presence_penalty` that much once for any (both -2 to 2).
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -49,10 +61,24 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0: off), got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be from -2 to 2, got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty}")
+        if self.logit_bias and not all(isinstance(t, int) and t >= 0 and -100 <= b <= 100
+                                       for t, b in self.logit_bias.items()):
+            raise ValueError("logit_bias maps token ids (non-negative integers) to biases from -100 to 100")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether penalties or biases change the logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias)
 
 
 @dataclass(eq=False)
@@ -97,15 +123,15 @@ class Request:
 class RowSampling:
     """Each row's own sampling settings, for batches whose requests differ (the server's).
 
-    As the batch's `processing`, it applies each row's temperature, top-k and top-p (`kernels.sampling`); as its
+    As the batch's `processing`, it applies each row's penalties and biases (with each position's history), then its
+    temperature, top-k and top-p (`kernels.sampling`); as its
     `sampling`, it tells the verifier which rows are greedy and draws the random numbers of rows with a seed from
     their own stream (seed, tokens generated so far), so such a row does not depend on which others share its steps.
     """
 
-    history_free = True
-
-    def __init__(self, num_rows: int, device):
+    def __init__(self, num_rows: int, device, vocab_size: int | None = None):
         self.device = device
+        self.vocab_size = vocab_size  # for logit biases
         self.temperature = torch.ones(num_rows, device=device)
         self.top_k = torch.zeros(num_rows, dtype=torch.long, device=device)
         self.top_p = torch.ones(num_rows, device=device)
@@ -113,8 +139,17 @@ class RowSampling:
         self.settings: list[SamplingParams | None] = [None] * num_rows
         self.num_generated = [0] * num_rows
         self._rows_sample = self._top_k = self._top_p = False
+        # Penalties and biases (`SamplingParams.penalized`): per row, and the column where its output begins.
+        self.presence = torch.zeros(num_rows, device=device)
+        self.frequency = torch.zeros(num_rows, device=device)
+        self.repetition = torch.ones(num_rows, device=device)
+        self.output_start = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.bias: torch.Tensor | None = None  # [rows, vocab], made when a row first asks for a logit bias
+        self._penalized = self._repeats = self._biased = False
 
-    def set(self, row: int, params: SamplingParams | None) -> None:
+    def set(self, row: int, params: SamplingParams | None, output_start: int | torch.Tensor = 0) -> None:
+        """Row `row`'s settings; its output begins at column `output_start` of the batch's `token_ids` (what the
+        output penalties count from)."""
         self.settings[row] = params
         params = params or SamplingParams()
         self.temperature[row] = params.temperature if not params.greedy else 1.0
@@ -122,6 +157,20 @@ class RowSampling:
         self.top_p[row] = params.top_p
         self.greedy[row] = params.greedy
         self.num_generated[row] = 0
+        self.presence[row] = params.presence_penalty
+        self.frequency[row] = params.frequency_penalty
+        self.repetition[row] = params.repetition_penalty
+        self.output_start[row] = output_start
+        if self.bias is not None:
+            self.bias[row] = 0
+        if params.logit_bias:
+            if self.bias is None:
+                self.bias = torch.zeros(len(self.settings), self.vocab_size, device=self.device)
+            ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=self.device)
+            if int(ids.max()) >= self.vocab_size:
+                raise ValueError(f"logit_bias names token {int(ids.max())}, outside the model's vocabulary of "
+                                 f"{self.vocab_size}")
+            self.bias[row, ids] = torch.tensor(list(params.logit_bias.values()), device=self.device)
 
     def prepare(self, rows: list[int]) -> bool:
         """Called before each step with its rows; returns whether any of them samples."""
@@ -130,18 +179,57 @@ class RowSampling:
         self._rows_sample = bool(sampled)
         self._top_k = any(s.top_k for s in sampled)
         self._top_p = any(s.top_p < 1 for s in sampled)
+        penalized = [s for s in used if s is not None and s.penalized]
+        self._penalized = bool(penalized)
+        self._repeats = any(s.repetition_penalty != 1 for s in penalized)
+        self._biased = any(s.logit_bias for s in penalized)
         return self._rows_sample
+
+    @property
+    def history_free(self) -> bool:
+        """Whether the scores of a position depend only on the row (not on its tokens): not with penalties."""
+        return not self._penalized
 
     def __bool__(self) -> bool:
         return True
 
     def __call__(self, token_ids, rows: torch.Tensor, history_lens, scores: torch.Tensor,
                  batch_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Scores `[n, vocab]` of n positions: position i is of row `rows[i]` of `token_ids`, its history the first
+        `history_lens[i]` columns there (`batch_rows[i]`: the batch row whose settings apply, when `token_ids` holds
+        one history per position)."""
+        settings = rows if batch_rows is None else batch_rows
+        if self._penalized:
+            if history_lens is None:
+                raise ValueError("penalties need each position's history")
+            scores = self._penalize(token_ids[rows], settings, history_lens, scores.float())
         if not self._rows_sample:  # greedy rows take the target's argmax of the raw scores
             return scores.float()
-        rows = rows if batch_rows is None else batch_rows
-        return apply_sampling_params(scores.float(), self.temperature[rows], self.top_k[rows] if self._top_k else None,
-                                     self.top_p[rows] if self._top_p else None)
+        return apply_sampling_params(scores.float(), self.temperature[settings],
+                                     self.top_k[settings] if self._top_k else None,
+                                     self.top_p[settings] if self._top_p else None)
+
+    def _penalize(self, history: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor,
+                  scores: torch.Tensor) -> torch.Tensor:
+        """Bias, then repetition, frequency and presence penalties (vLLM's order), every position counting the
+        tokens of its own history: `history` `[n, width]`, each position's first `lengths[i]` columns. Rows
+        without penalties come out unchanged (their settings are neutral)."""
+        n, vocab = scores.shape
+        if self._biased:
+            scores = scores + self.bias[rows, :vocab] if vocab <= self.vocab_size else torch.nn.functional.pad(
+                self.bias[rows], (0, vocab - self.vocab_size)) + scores
+        cols = torch.arange(history.shape[1], device=history.device)
+        seen = cols < lengths[:, None]
+        tokens = history.clamp(0, vocab - 1)
+        output = seen & (cols >= self.output_start[rows][:, None])
+        counts = scores.new_zeros(n, vocab + 1).scatter_add_(1, torch.where(output, tokens, vocab),
+                                                             torch.ones_like(tokens, dtype=scores.dtype))[:, :vocab]
+        if self._repeats:
+            anywhere = scores.new_zeros(n, vocab + 1, dtype=torch.bool).scatter_(
+                1, torch.where(seen, tokens, vocab), True)[:, :vocab]
+            factor = self.repetition[rows][:, None]
+            scores = torch.where(anywhere, torch.where(scores > 0, scores / factor, scores * factor), scores)
+        return scores - self.frequency[rows][:, None] * counts - self.presence[rows][:, None] * (counts > 0)
 
     def verify_arguments(self, rows: list[int], k: int) -> dict:
         rows_t = torch.tensor(rows, device=self.device)
@@ -469,7 +557,7 @@ class Scheduler:
                                  "without speculative_tree_nodes")
             self.step_fn.logprob_rows[row] = request.logprobs
         if self.batch.sampling is not None:
-            self.batch.sampling.set(row, request.sampling)
+            self.batch.sampling.set(row, request.sampling, self.batch.first_col[row] + self.batch.lengths[row])
         if self.step_fn.constraints is not None and request.grammar is not None:
             self.step_fn.constraints.admit(row, request.grammar)
         policy = self.step_fn.policy

@@ -246,7 +246,7 @@ class ServingEngine:
         slots, device = self.max_batch_size, self.model.get_input_embeddings().weight.device
         width = self.max_model_len + self.k + 2
         token_ids = torch.full((slots, width), self.pad_token_id, dtype=torch.long, device=device)
-        sampling = RowSampling(slots, device)
+        sampling = RowSampling(slots, device, self.vocab_size)
         self.batch = SequenceBatch(token_ids, torch.zeros(slots, dtype=torch.long, device=device), [0] * slots, [],
                                    0, False, sampling, self.vocab_size, sampling)
         self.target = make_runner(self.model, block_size=block_size, max_num_blocks=max_num_blocks)
@@ -392,6 +392,9 @@ class ServingEngine:
                 f"max_tokens asks for {max_tokens} more; shorten the prompt or lower max_tokens to at most "
                 f"{max(room, 0)}", "max_tokens")
         sampling = sampling or SamplingParams()
+        if sampling.logit_bias and max(sampling.logit_bias) >= self.vocab_size:
+            raise RequestError(f"logit_bias names token {max(sampling.logit_bias)}, outside the model's vocabulary "
+                               f"of {self.vocab_size}", "logit_bias")
         if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)
                                      or not 0 <= logprobs <= MAX_LOGPROBS):
             raise RequestError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS} (the alternatives to list "

@@ -7,6 +7,7 @@ the field, 401 for a missing or wrong API key, 404 for an unknown model, 503 whe
 
 
 import asyncio
+import dataclasses
 import inspect
 import json
 import logging
@@ -22,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 # Fields of OpenAI's API this server takes; anything else with a non-default value is refused (400), never ignored.
 _IGNORED = {"model", "user", "stream_options", "metadata", "store", "service_tier", "parallel_tool_calls"}
-_COMMON = {"max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed", "top_k", "response_format"}
+_COMMON = {"max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed", "top_k", "response_format",
+           "repetition_penalty"}
 _COMPLETIONS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "presence_penalty", "frequency_penalty",
                           "suffix", "logit_bias"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "presence_penalty",
@@ -31,9 +33,8 @@ _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprob
                    "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
 # Accepted only at their neutral values (compared by type too: `0 == False` in Python). Empty `logit_bias` and
 # `tools` are what some SDKs send by default.
-_NEUTRAL = {"echo": (False, None), "best_of": (1, None),
-            "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None), "suffix": (None, ""),
-            "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none")}
+_NEUTRAL = {"echo": (False, None), "best_of": (1, None), "suffix": (None, ""), "tools": (None, []),
+            "tool_choice": (None, "none")}
 # Chat roles a template understands; `developer` (OpenAI's newer name for system instructions) is sent as `system`.
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Routes answered without the API key (a load balancer's probe, a metrics scraper); everything else needs it.
@@ -147,8 +148,7 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
                 for j in range(parsed["n"]):
                     sampling = parsed["sampling"]
                     if sampling.seed is not None and parsed["n"] > 1:  # n different samples, each reproducible
-                        sampling = SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k,
-                                                  sampling.seed + j)
+                        sampling = dataclasses.replace(sampling, seed=sampling.seed + j)
                     streams.append(engine.submit(prompt, parsed["max_tokens"], sampling, parsed["stop"],
                                                  parsed["grammar"], loop=loop, logprobs=parsed["logprobs"]))
         except RequestError as bad:
@@ -448,7 +448,10 @@ def parse_request(body: dict, chat: bool, engine: ServingEngine) -> dict:
             raise RequestError(f"response_format: {bad}", "response_format") from None
     return {"prompts": prompts, "max_tokens": max_tokens, "n": n, "stop": stop, "stream": bool(stream),
             "include_usage": bool(options and options.get("include_usage")), "logprobs": logprobs,
-            "grammar": grammar, "sampling": SamplingParams(temperature, top_p, top_k, seed)}
+            "grammar": grammar, "sampling": SamplingParams(
+                temperature, top_p, top_k, seed, _number(body, "presence_penalty", 0.0, -2.0, 2.0),
+                _number(body, "frequency_penalty", 0.0, -2.0, 2.0), _repetition_penalty(body),
+                _logit_bias(body, engine.vocab_size))}
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -471,6 +474,36 @@ def _logprobs(body: dict, chat: bool) -> int | None:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
         return top if wanted else None
     return 0 if wanted else None
+
+
+def _repetition_penalty(body: dict) -> float:
+    value = _number(body, "repetition_penalty", 1.0, 0.0, float("inf"))
+    if value == 0:
+        raise RequestError("repetition_penalty must be above 0 (1: off)", "repetition_penalty")
+    return value
+
+
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's `logit_bias`: token ids (as strings, JSON keys) -> biases from -100 to 100."""
+    bias = body.get("logit_bias")
+    if bias is None or bias == {}:
+        return None
+    if not isinstance(bias, dict):
+        raise RequestError("logit_bias must be an object mapping token ids to biases from -100 to 100", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < vocab_size:
+            raise RequestError(f"logit_bias: {key!r} is not a token id of this model (0 to {vocab_size - 1})",
+                               "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise RequestError(f"logit_bias: the bias of token {key} must be a number from -100 to 100, got "
+                               f"{value!r}", "logit_bias")
+        out[token] = float(value)
+    return out
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
