@@ -52,6 +52,10 @@ FORMAT, VERSION = "hf_specdec-calibration", 2  # 2: measured as measure.py says
 LINEAR_ROWS = (1, 2, 3, 4, 6, 8)  # rows of a linear layer's input timed both ways
 LINEAR_MARGIN = 0.8  # `(W @ x.T).T` must take at most this fraction of F.linear's time to be used
 PROBE_REPEATS = 9  # one-token forwards timed first: if they disagree, the host is too busy to measure
+# After a measurement found this host's timing unsteady, calls that calibrate on their own (`hf-specdec run`, `serve`,
+# the demo) do not try it again for this long: on a busy host each try costs up to minutes and is rejected again.
+# `hf-specdec calibrate` always tries.
+UNSTEADY_RETRY_S = 6 * 3600
 
 
 @dataclass(frozen=True)
@@ -314,6 +318,41 @@ def thin_linear(modules, rows):
 
 
 # Measuring --------------------------------------------------------------------------------------------------------
+def _unsteady_path(model):
+    return profile_path(model).with_suffix(".unsteady.json")
+
+
+def recently_unsteady(model, what: str) -> float | None:
+    """When (Unix time) measuring `what` (`"step"`, or a speculator's key) last found this host's timing unsteady, if
+    within `UNSTEADY_RETRY_S`; else None."""
+    try:
+        when = json.loads(_unsteady_path(model).read_text()).get(what)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return when if isinstance(when, (int, float)) and 0 <= time.time() - when < UNSTEADY_RETRY_S else None
+
+
+def _note_unsteady(model, what: str, failed: bool) -> None:
+    """Records (or, after a trusted measurement, clears) that measuring `what` found the timing unsteady."""
+    path = _unsteady_path(model)
+    try:
+        notes = json.loads(path.read_text())
+        notes = notes if isinstance(notes, dict) else {}
+    except (OSError, ValueError):
+        notes = {}
+    if failed:
+        notes[what] = time.time()
+    elif notes.pop(what, None) is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text(json.dumps(notes))
+        partial.replace(path)
+    except OSError as error:  # a read-only cache: the next call tries again, no harm
+        logger.debug(f"could not note the calibration outcome in {path}: {error}")
+
+
 def _distrust(what: str, problem: str, fallback: str) -> None:
     logger.warning(f"hf_specdec calibrate: {what} is not trustworthy ({problem}), so {fallback}. Is the host busy? "
                    "`hf-specdec calibrate --force` on a quiet host measures it again.")
@@ -322,26 +361,38 @@ def _distrust(what: str, problem: str, fallback: str) -> None:
 def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] = (1, 4, 16),
               tokens: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12), contexts: tuple[int, ...] = (64, 256),
               repeats: int = 5, linear_rows: tuple[int, ...] = LINEAR_ROWS, progress=None,
-              timer: Timer | None = None, attempts: int = ATTEMPTS) -> Profile | None:
+              timer: Timer | None = None, attempts: int = ATTEMPTS, retry: bool = True) -> Profile | None:
     """Returns `model`'s profile on this host, measuring what the cache lacks (everything with `force`): the small-row
     linear form, the step cost (with that form in use), and each of `speculators`' draft cost. Each is measured as
     `measure.py` says (interleaved, repeated, bounded): a step cost that stays untrustworthy is not cached (None is
     returned and calls keep the static defaults), nor is such a draft cost (the draft is priced by its size); an
     untrustworthy linear timing keeps the stock form. Each fallback is logged at WARNING with its reason. The global
     random state is left as it was. `progress`: a function taking a message, called before each measurement;
-    `timer`: what times a forward or a product (`measure.Timer`; tests pass made-up timings)."""
+    `timer`: what times a forward or a product (`measure.Timer`; tests pass made-up timings). With `retry=False`,
+    what was found unsteady in the last `UNSTEADY_RETRY_S` is not measured again (`force` measures anyway)."""
     from .generation import resolve_speculator
 
     say = progress or (lambda message: None)
     profile = None if force else load_profile(model)
+
+    def skipped(what: str, name: str) -> bool:
+        when = None if retry or force else recently_unsteady(model, what)
+        if when is not None:
+            say(f"not measuring {name}: {(time.time() - when) / 60:.0f} min ago this host's timing was unsteady "
+                f"(`hf-specdec calibrate` measures it now)")
+        return when is not None
+
     with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []), torch.no_grad():
         if profile is None:
+            if skipped("step", "the step cost"):
+                return None
             start = time.perf_counter()
             say("checking that one-token forwards take a steady time")
             _, probe = measure_step_cost(model, (1,), (1,), contexts[:1], PROBE_REPEATS, timer, attempts=1)
             if probe.problem is not None:  # a busy host: the whole grid would take long and be rejected
                 _distrust("this host's timing now", probe.problem, "nothing is measured or cached and calls keep "
                           "the static default costs")
+                _note_unsteady(model, "step", True)
                 return None
             say(f"measuring linear layers over {', '.join(map(str, linear_rows))} rows")
             thin_rows, details, problem = measure_thin_linear(model, linear_rows, LINEAR_MARGIN, repeats, timer,
@@ -356,17 +407,22 @@ def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] 
             if measurement.problem is not None:
                 _distrust("the step cost measured now", measurement.problem,
                           "nothing is cached and calls keep the static default costs")
+                _note_unsteady(model, "step", True)
                 return None
             details.update(seconds=round(time.perf_counter() - start, 1), step_attempts=measurement.attempts)
             profile = Profile(profile_key(model), step_cost, thin_rows, {}, details)
             save_profile(model, profile)
+            _note_unsteady(model, "step", False)
         for spec in speculators:
             spec = resolve_speculator(spec)
             key = speculator_key(spec)
             if key is None or (key in profile.draft_costs and not force):
                 continue
+            if skipped(key, f"{type(spec).__name__}'s drafts"):
+                continue
             say(f"measuring {type(spec).__name__}'s drafts")
             cost, timings, problem = measure_draft_cost(model, spec, profile.step_cost, attempts=attempts)
+            _note_unsteady(model, key, problem is not None)
             if problem is not None:
                 _distrust(f"{type(spec).__name__}'s draft cost", problem, "it is priced by its parameter count")
                 continue

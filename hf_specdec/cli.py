@@ -98,7 +98,8 @@ def _calibrate(args, model, speculators, explicit: bool = False) -> None:
     if not explicit and (getattr(args, "no_calibrate", False) or not enabled()):
         return
     profile = calibrate(model, [s for s in speculators if not isinstance(s, str)], force=getattr(args, "force", False),
-                        progress=lambda message: print(f"hf_specdec calibrate: {message}", file=sys.stderr))
+                        progress=lambda message: print(f"hf_specdec calibrate: {message}", file=sys.stderr),
+                        retry=explicit)
     print(f"hf_specdec calibrate: profile {profile_path(model)}" if profile is not None else
           "hf_specdec calibrate: no profile cached (see above); the static default costs apply", file=sys.stderr)
 

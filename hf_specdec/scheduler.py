@@ -33,6 +33,10 @@ from .model_runner import TargetHiddenStates, committed_hidden_states
 from .types import SequenceBatch, gather_right_aligned
 
 
+# Bounds of `SamplingParams.repetition_penalty`: logits divided or multiplied by it stay finite in float32.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+
+
 @dataclass
 class SamplingParams:
     """How one request picks its tokens. `temperature=0` is greedy decoding (the target's argmax).
@@ -64,8 +68,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be from -2 to 2, got {getattr(self, name)}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be from {MIN_REPETITION_PENALTY} to {MAX_REPETITION_PENALTY} "
+                             f"(1: off), got {self.repetition_penalty}")
         if self.logit_bias and not all(isinstance(t, int) and t >= 0 and -100 <= b <= 100
                                        for t, b in self.logit_bias.items()):
             raise ValueError("logit_bias maps token ids (non-negative integers) to biases from -100 to 100")
@@ -144,12 +149,16 @@ class RowSampling:
         self.frequency = torch.zeros(num_rows, device=device)
         self.repetition = torch.ones(num_rows, device=device)
         self.output_start = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.history_start = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self._width: int | None = None  # columns holding every history of the step (`prepare`)
         self.bias: torch.Tensor | None = None  # [rows, vocab], made when a row first asks for a logit bias
         self._penalized = self._repeats = self._biased = False
 
-    def set(self, row: int, params: SamplingParams | None, output_start: int | torch.Tensor = 0) -> None:
-        """Row `row`'s settings; its output begins at column `output_start` of the batch's `token_ids` (what the
-        output penalties count from)."""
+    def set(self, row: int, params: SamplingParams | None, output_start: int | torch.Tensor = 0,
+            history_start: int | torch.Tensor = 0) -> None:
+        """Row `row`'s settings; its tokens begin at column `history_start` of the batch's `token_ids` (its prompt:
+        what the repetition penalty counts from) and its output at `output_start` (what the frequency and presence
+        penalties count from)."""
         self.settings[row] = params
         params = params or SamplingParams()
         self.temperature[row] = params.temperature if not params.greedy else 1.0
@@ -161,9 +170,12 @@ class RowSampling:
         self.frequency[row] = params.frequency_penalty
         self.repetition[row] = params.repetition_penalty
         self.output_start[row] = output_start
+        self.history_start[row] = history_start
         if self.bias is not None:
             self.bias[row] = 0
         if params.logit_bias:
+            if self.vocab_size is None:
+                raise ValueError("logit_bias needs the vocabulary size: RowSampling(..., vocab_size=)")
             if self.bias is None:
                 self.bias = torch.zeros(len(self.settings), self.vocab_size, device=self.device)
             ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=self.device)
@@ -172,8 +184,10 @@ class RowSampling:
                                  f"{self.vocab_size}")
             self.bias[row, ids] = torch.tensor(list(params.logit_bias.values()), device=self.device)
 
-    def prepare(self, rows: list[int]) -> bool:
-        """Called before each step with its rows; returns whether any of them samples."""
+    def prepare(self, rows: list[int], width: int | None = None) -> bool:
+        """Called before each step with its rows (`width`: columns of `token_ids` that hold every position's history
+        this step, drafts included; `None`: all); returns whether any of them samples."""
+        self._width = width
         used = [self.settings[r] for r in rows]
         sampled = [s for s in used if s is not None and not s.greedy]
         self._rows_sample = bool(sampled)
@@ -202,7 +216,8 @@ class RowSampling:
         if self._penalized:
             if history_lens is None:
                 raise ValueError("penalties need each position's history")
-            scores = self._penalize(token_ids[rows], settings, history_lens, scores.float())
+            history = token_ids[rows] if self._width is None else token_ids[rows, :self._width]
+            scores = self._penalize(history, settings, history_lens, scores.float())
         if not self._rows_sample:  # greedy rows take the target's argmax of the raw scores
             return scores.float()
         return apply_sampling_params(scores.float(), self.temperature[settings],
@@ -219,7 +234,7 @@ class RowSampling:
             scores = scores + self.bias[rows, :vocab] if vocab <= self.vocab_size else torch.nn.functional.pad(
                 self.bias[rows], (0, vocab - self.vocab_size)) + scores
         cols = torch.arange(history.shape[1], device=history.device)
-        seen = cols < lengths[:, None]
+        seen = (cols < lengths[:, None]) & (cols >= self.history_start[rows][:, None])
         tokens = history.clamp(0, vocab - 1)
         output = seen & (cols >= self.output_start[rows][:, None])
         counts = scores.new_zeros(n, vocab + 1).scatter_add_(1, torch.where(output, tokens, vocab),
@@ -347,7 +362,8 @@ class Scheduler:
         batch.active = rows
         sampling = batch.sampling
         if sampling is not None:
-            batch.do_sample = sampling.prepare(rows)
+            # Every history a step reads: committed tokens, then up to k drafts (a model speculator's too).
+            batch.do_sample = sampling.prepare(rows, batch.used_width(rows) + step.k + 1)
         budget = [self.running[r].max_new_tokens - self.running[r].num_generated for r in rows]
         if self.weigh_rows and step.policy is not None and step.drafting:
             step.policy.weigh(rows, None if self.waiting else budget)
@@ -557,7 +573,8 @@ class Scheduler:
                                  "without speculative_tree_nodes")
             self.step_fn.logprob_rows[row] = request.logprobs
         if self.batch.sampling is not None:
-            self.batch.sampling.set(row, request.sampling, self.batch.first_col[row] + self.batch.lengths[row])
+            start = self.batch.first_col[row]
+            self.batch.sampling.set(row, request.sampling, start + self.batch.lengths[row], start)
         if self.step_fn.constraints is not None and request.grammar is not None:
             self.step_fn.constraints.admit(row, request.grammar)
         policy = self.step_fn.policy

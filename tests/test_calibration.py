@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import time
 
 import pytest
 import torch
@@ -446,3 +447,22 @@ def test_a_busy_host_is_noticed_before_the_grid_is_measured(caplog):
     [warning] = [r.getMessage() for r in caplog.records]
     assert "this host's timing now is not trustworthy" in warning and "nothing is measured or cached" in warning
     assert not profile_path(target).exists()
+
+
+def test_calls_that_calibrate_on_their_own_do_not_retry_an_unsteady_host_at_once(monkeypatch):
+    """`run`, `serve` and the demo calibrate with `retry=False`: after a measurement found the host unsteady, they
+    skip it (each try costs minutes on a busy host) until `UNSTEADY_RETRY_S` has passed; `hf-specdec calibrate`
+    (`retry=True`) and `force` measure at once, and a trusted measurement clears the note."""
+    target = make_model("llama", dtype=torch.float32)
+    busy = fake_timer(slowdown=lambda key, call: 10.0 if call in (2, 5, 8) else 1.0)
+    assert calibrate(target, **GRID, timer=busy, retry=False) is None
+    assert calibration.recently_unsteady(target, "step") is not None
+    order = []
+    assert calibrate(target, **GRID, timer=fake_timer(order=order), retry=False) is None
+    assert order == []  # skipped: nothing timed
+    later = time.time() + calibration.UNSTEADY_RETRY_S + 1
+    with monkeypatch.context() as patch:
+        patch.setattr(calibration.time, "time", lambda: later)
+        assert calibration.recently_unsteady(target, "step") is None
+    assert calibrate(target, **GRID, timer=fake_timer(), retry=True) == load_profile(target) is not None
+    assert calibration.recently_unsteady(target, "step") is None

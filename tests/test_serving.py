@@ -590,6 +590,26 @@ PENALTIES = [SamplingParams(presence_penalty=1.5), SamplingParams(frequency_pena
                             logit_bias={20: 1.0})]
 
 
+def test_row_penalties_count_only_the_rows_own_tokens():
+    """A row's repetition penalty counts its tokens from its first column (not the left padding before it), its
+    frequency penalty only those of its output, each position up to its own history length; a row without
+    penalties beside it is untouched, and so are columns past the step's width."""
+    from hf_specdec.scheduler import RowSampling
+
+    sampling = RowSampling(2, "cpu", vocab_size=10)
+    sampling.set(0, SamplingParams(repetition_penalty=2.0, frequency_penalty=1.0, logit_bias={3: 0.5}),
+                 output_start=4, history_start=2)
+    sampling.set(1, None)
+    sampling.prepare([0, 1], width=7)
+    token_ids = torch.tensor([[0, 0, 5, 6, 7, 7, 8, 9], [1] * 8])  # row 0: padding, prompt 5 6, output 7 7, draft 8
+    out = sampling(token_ids, torch.tensor([0, 0, 1]), torch.tensor([6, 7, 6]), torch.ones(3, 10))
+    first = [1, 1, 1, 1.5, 1, 0.5, 0.5, 0.5 - 2, 1, 1]  # 5, 6, 7 seen (7 twice in the output); 3 biased
+    second = first[:8] + [0.5 - 1, 1]  # the draft 8 is in this position's history and output
+    torch.testing.assert_close(out, torch.tensor([first, second, [1.0] * 10]))
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=1e-40)
+
+
 @pytest.mark.parametrize("speculator", ["ngram", "draft", "off"])
 def test_penalties_and_biases_are_exact_under_speculation(tokenizer, speculator):
     """Greedy requests with presence, frequency and repetition penalties and logit biases, beside a plain one, in
@@ -800,8 +820,9 @@ def test_logprobs_through_the_client(server, tokenizer):
     chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
                                           logprobs=True, top_logprobs=3)
     content = chat.choices[0].logprobs.content
-    spelled = "".join(t.token for t in content)  # the end-of-sequence token's text is not the answer's
-    assert content and spelled.removesuffix("</s>").rstrip() == chat.choices[0].message.content
+    assert chat.choices[0].logprobs.refusal is None
+    # the end-of-sequence token adds nothing to the answer's text, and no text either
+    assert content and "".join(t.token for t in content) == chat.choices[0].message.content
     assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token and bytes(t.bytes) == t.token.encode()
                for t in content)
     chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
@@ -858,6 +879,8 @@ def test_models_health_metrics(server):
     ({"prompt": "w1", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "w1", "frequency_penalty": "high"}, "frequency_penalty"),
     ({"prompt": "w1", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "w1", "repetition_penalty": 1e-40}, "repetition_penalty"),  # float32 0: positive logits to inf
+    ({"prompt": "w1", "repetition_penalty": 1e39}, "repetition_penalty"),
     ({"prompt": "w1", "logit_bias": {"w5": 1}}, "logit_bias"),
     ({"prompt": "w1", "logit_bias": {str(VOCAB): 1}}, "logit_bias"),
     ({"prompt": "w1", "logit_bias": {"5": 101}}, "logit_bias"),

@@ -197,7 +197,7 @@ def launch(args: argparse.Namespace, gpu: Callable | None = None) -> int:
         from ..calibration import calibrate, enabled
 
         if enabled():
-            calibrate(session.model, [s for s in session.speculators.values() if not isinstance(s, str)])
+            calibrate(session.model, [s for s in session.speculators.values() if not isinstance(s, str)], retry=False)
         session.warm_up()
     app = build_app(session, gpu)
     app.queue(default_concurrency_limit=1, max_size=32)  # one generation at a time keeps timings honest

@@ -16,7 +16,7 @@ import secrets
 import time
 import uuid
 
-from ..scheduler import SamplingParams
+from ..scheduler import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SamplingParams
 from .engine import MAX_LOGPROBS, QueueFullError, RequestError, ServingEngine
 
 logger = logging.getLogger(__name__)
@@ -255,8 +255,9 @@ class TokenLogprobs:
     """OpenAI's `logprobs` object for a choice's tokens, built as they arrive (`format` for each delta in turn).
 
     A token's text is what it adds to the text decoded so far (decoded with the few tokens before it, so that a
-    tokenizer that drops a word's leading space when a token is decoded alone still shows it); an alternative's is
-    what it would have added in that token's place. The completions API's form lists `tokens`, `token_logprobs`,
+    tokenizer that drops a word's leading space when a token is decoded alone still shows it; special tokens, as in
+    the answer, add nothing); an alternative's is what it would have added in that token's place. (A character
+    whose bytes span several tokens is not split exactly between them: the first may show the replacement mark.) The completions API's form lists `tokens`, `token_logprobs`,
     `top_logprobs` (per token, the alternatives and the token itself, text -> log probability) and `text_offset`
     (characters from the start of the completion); the chat API's lists `content`, one object per token with its
     `token`, `logprob`, `bytes` and `top_logprobs`."""
@@ -271,18 +272,18 @@ class TokenLogprobs:
     def _text(self, context: list[int], token: int, before: str) -> str:
         if self.tokenizer is None:
             return f"token_id:{token}"
-        return self.tokenizer.decode(context + [token], skip_special_tokens=False)[len(before):]
+        return self.tokenizer.decode(context + [token], skip_special_tokens=True)[len(before):]
 
     def format(self, token_ids: list[int], entries: list) -> dict:
         texts, tops = [], []
         for token, (_, alternatives) in zip(token_ids, entries):
             context = self.history[len(self.history) - self.CONTEXT:] if self.history else []
-            before = self.tokenizer.decode(context, skip_special_tokens=False) if context and self.tokenizer else ""
+            before = self.tokenizer.decode(context, skip_special_tokens=True) if context and self.tokenizer else ""
             texts.append(self._text(context, token, before))
             tops.append([(self._text(context, t, before), value) for t, value in alternatives])
             self.history.append(token)
         if self.chat:
-            return {"content": [
+            return {"refusal": None, "content": [
                 {"token": text, "logprob": value, "bytes": list(text.encode("utf-8")),
                  "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))} for t, v in top]}
                 for text, (value, _), top in zip(texts, entries, tops)]}
@@ -450,7 +451,8 @@ def parse_request(body: dict, chat: bool, engine: ServingEngine) -> dict:
             "include_usage": bool(options and options.get("include_usage")), "logprobs": logprobs,
             "grammar": grammar, "sampling": SamplingParams(
                 temperature, top_p, top_k, seed, _number(body, "presence_penalty", 0.0, -2.0, 2.0),
-                _number(body, "frequency_penalty", 0.0, -2.0, 2.0), _repetition_penalty(body),
+                _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+                _number(body, "repetition_penalty", 1.0, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY),
                 _logit_bias(body, engine.vocab_size))}
 
 
@@ -474,13 +476,6 @@ def _logprobs(body: dict, chat: bool) -> int | None:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
         return top if wanted else None
     return 0 if wanted else None
-
-
-def _repetition_penalty(body: dict) -> float:
-    value = _number(body, "repetition_penalty", 1.0, 0.0, float("inf"))
-    if value == 0:
-        raise RequestError("repetition_penalty must be above 0 (1: off)", "repetition_penalty")
-    return value
 
 
 def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
