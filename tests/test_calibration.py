@@ -277,8 +277,9 @@ def test_cli_calibrate_writes_a_profile(tmp_path, monkeypatch, capsys):
 
     target = make_model("llama", dtype=torch.float32)
     monkeypatch.setattr(cli, "load_model", lambda *a, **k: (target, None))
-    monkeypatch.setattr(calibration, "calibrate", lambda model, speculators=(), force=False, progress=None,
-                        _real=calibration.calibrate: _real(model, speculators, force, progress=progress, **TINY_GRID))
+    monkeypatch.setattr(calibration, "calibrate", lambda model, speculators=(), force=False, progress=None, retry=True,
+                        _real=calibration.calibrate: _real(model, speculators, force, progress=progress, retry=retry,
+                                                           **TINY_GRID))
     assert cli.main(["calibrate", "--threads", str(torch.get_num_threads())]) == 0
     assert load_profile(target) is not None
     assert "plain steps" in capsys.readouterr().out
