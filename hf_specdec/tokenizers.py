@@ -36,3 +36,61 @@ def check_tokenizers_match(target_tokenizer, draft_tokenizer) -> None:
             + ". Speculative decoding needs one shared tokenizer: pick a draft from the target's model family, "
             "or use speculator='ngram', which needs no draft model"
         )
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's spelling of bytes as characters (GPT-2's scheme): printable Latin-1 bytes stand for
+    themselves, the other 68 are moved past 255 in order. Character -> byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+
+
+def token_bytes(tokenizer):
+    """A function from a token id to the token's raw bytes, for tokenizers whose decoder spells tokens in bytes
+    (byte-level BPE as GPT-2's, Llama 3's, SmolLM's; SentencePiece with byte fallback as Llama 2's, Gemma's), where a
+    token may hold part of a character; `None` for others (their tokens are whole characters). Special tokens give
+    no bytes: they are not part of the text. Cached on the tokenizer."""
+    cached = getattr(tokenizer, "_hf_specdec_token_bytes", False)
+    if cached is not False:
+        return cached
+    import json
+    import re
+
+    try:
+        decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+    except (AttributeError, TypeError, ValueError):
+        decoder = {}
+    parts = [decoder, *(decoder.get("decoders") or [])]
+    kinds = {part.get("type") for part in parts}
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    spell = None
+    if "ByteLevel" in kinds:
+        alphabet = _byte_level_alphabet()
+
+        def spell(token_id: int) -> bytes:
+            piece = tokenizer.convert_ids_to_tokens(token_id) or ""
+            if token_id in special:
+                return b""
+            if all(c in alphabet for c in piece):
+                return bytes(alphabet[c] for c in piece)
+            return piece.encode("utf-8")  # an added token spelled in plain text
+    elif "ByteFallback" in kinds:
+        replaces = [(p["pattern"]["String"], p["content"]) for p in parts
+                    if p.get("type") == "Replace" and "String" in (p.get("pattern") or {})]
+
+        def spell(token_id: int) -> bytes:
+            piece = tokenizer.convert_ids_to_tokens(token_id) or ""
+            if token_id in special:
+                return b""
+            byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+            if byte:
+                return bytes([int(byte.group(1), 16)])
+            for old, new in replaces:
+                piece = piece.replace(old, new)
+            return piece.encode("utf-8")
+    try:
+        tokenizer._hf_specdec_token_bytes = spell
+    except AttributeError:
+        pass
+    return spell

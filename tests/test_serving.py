@@ -851,6 +851,57 @@ def test_penalties_through_the_client(server):
         assert out.choices[0].text == server.engine.tokenizer.decode(expected, skip_special_tokens=True)
 
 
+def byte_tokenizer(fallback: bool):
+    """A tokenizer whose tokens are bytes: byte-level BPE (GPT-2's spelling), or SentencePiece-style pieces with byte
+    fallback (`<0xNN>` tokens for what the vocabulary lacks). Multi-byte characters span several tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_specdec.tokenizers import _byte_level_alphabet
+
+    if fallback:
+        vocab = {"<unk>": 0, "</s>": 1, "\u2581": 2, **{c: 3 + i for i, c in enumerate("abcdefghij")},
+                 **{f"<0x{b:02X}>": 13 + b for b in range(256)}}
+        backend = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+        backend.pre_tokenizer = pre_tokenizers.Metaspace()
+        backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                             decoders.Fuse()])
+    else:
+        vocab = {"</s>": 0, **{c: 1 + i for i, c in enumerate(sorted(_byte_level_alphabet()))}}
+        backend = Tokenizer(models.BPE(vocab, []))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="<unk>" if fallback else None)
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_logprob_tokens_join_into_the_answer_where_characters_span_tokens(fallback):
+    """A character of several byte tokens shows in the token that completes it, so the tokens' texts join into the
+    answer; each token's `bytes` are its own, joining into the answer's UTF-8; special tokens add nothing. Fed in
+    pieces, as streamed deltas are."""
+    from hf_specdec.serving.server import TokenLogprobs
+
+    tokenizer = byte_tokenizer(fallback)
+    answer = "caf\u00e9 \U0001f642 d\u00e9j\u00e0 \u4e2d"
+    ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert len(ids) > len(answer) + 1  # characters did span tokens
+    entries = [(-0.5, [(t, -0.5)]) for t in ids]
+    for chat in (True, False):
+        formatter, texts, spelled = TokenLogprobs(tokenizer, chat), [], b""
+        for start in range(0, len(ids), 3):
+            out = formatter.format(ids[start:start + 3], entries[start:start + 3])
+            if chat:
+                texts += [t["token"] for t in out["content"]]
+                spelled += b"".join(bytes(t["bytes"]) for t in out["content"])
+                assert all(t["top_logprobs"][0]["token"] == t["token"] for t in out["content"])
+            else:
+                texts += out["tokens"]
+        decoded = tokenizer.decode(ids, skip_special_tokens=True)
+        assert "".join(texts) == decoded and decoded.strip() == answer and texts[-1] == ""
+        if chat:
+            assert spelled == decoded.encode("utf-8")
+
+
 def test_models_health_metrics(server):
     import httpx
 

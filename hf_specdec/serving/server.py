@@ -255,44 +255,57 @@ class TokenLogprobs:
     """OpenAI's `logprobs` object for a choice's tokens, built as they arrive (`format` for each delta in turn).
 
     A token's text is what it adds to the text decoded so far (decoded with the few tokens before it, so that a
-    tokenizer that drops a word's leading space when a token is decoded alone still shows it; special tokens, as in
-    the answer, add nothing); an alternative's is what it would have added in that token's place. (A character
-    whose bytes span several tokens is not split exactly between them: the first may show the replacement mark.) The completions API's form lists `tokens`, `token_logprobs`,
-    `top_logprobs` (per token, the alternatives and the token itself, text -> log probability) and `text_offset`
-    (characters from the start of the completion); the chat API's lists `content`, one object per token with its
-    `token`, `logprob`, `bytes` and `top_logprobs`."""
+    tokenizer that drops a word's leading space when a token is decoded alone still shows it); special tokens, as in
+    the answer, add nothing, and a character whose bytes span several tokens shows in the token that completes it, so
+    the tokens' texts join into the answer. An alternative's text is what it would have added in that token's place.
+    `bytes` are the token's own (`tokenizers.token_bytes`: part of a character where the tokenizer split one; they join
+    into the answer's UTF-8), or its text's for tokenizers that spell whole characters. The completions API's form
+    lists `tokens`, `token_logprobs`, `top_logprobs` (per token, the alternatives and the token itself, text -> log
+    probability) and `text_offset` (characters from the start of the completion); the chat API's lists `content`, one
+    object per token with its `token`, `logprob`, `bytes` and `top_logprobs`."""
 
     CONTEXT = 4  # tokens decoded before each one
 
     def __init__(self, tokenizer, chat: bool):
+        from ..tokenizers import token_bytes
+
         self.tokenizer, self.chat = tokenizer, chat
+        self.spell = token_bytes(tokenizer) if tokenizer is not None else None
         self.history: list[int] = []
         self.offset = 0
+
+    def _decoded(self, ids: list[int]) -> str:
+        # Without the replacement marks of a character not complete yet: its token adds nothing until it is.
+        return self.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd") if ids else ""
 
     def _text(self, context: list[int], token: int, before: str) -> str:
         if self.tokenizer is None:
             return f"token_id:{token}"
-        return self.tokenizer.decode(context + [token], skip_special_tokens=True)[len(before):]
+        return self._decoded(context + [token])[len(before):]
+
+    def _bytes(self, token: int, text: str) -> list[int]:
+        return list(self.spell(token) if self.spell is not None else text.encode("utf-8"))
 
     def format(self, token_ids: list[int], entries: list) -> dict:
         texts, tops = [], []
         for token, (_, alternatives) in zip(token_ids, entries):
             context = self.history[len(self.history) - self.CONTEXT:] if self.history else []
-            before = self.tokenizer.decode(context, skip_special_tokens=True) if context and self.tokenizer else ""
+            before = self._decoded(context) if self.tokenizer is not None else ""
             texts.append(self._text(context, token, before))
-            tops.append([(self._text(context, t, before), value) for t, value in alternatives])
+            tops.append([(t, self._text(context, t, before), value) for t, value in alternatives])
             self.history.append(token)
         if self.chat:
             return {"refusal": None, "content": [
-                {"token": text, "logprob": value, "bytes": list(text.encode("utf-8")),
-                 "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))} for t, v in top]}
-                for text, (value, _), top in zip(texts, entries, tops)]}
+                {"token": text, "logprob": value, "bytes": self._bytes(token, text),
+                 "top_logprobs": [{"token": t, "logprob": v, "bytes": self._bytes(i, t)} for i, t, v in top]}
+                for token, text, (value, _), top in zip(token_ids, texts, entries, tops)]}
         offsets = []
         for text in texts:
             offsets.append(self.offset)
             self.offset += len(text)
         return {"tokens": texts, "token_logprobs": [value for value, _ in entries],
-                "top_logprobs": [dict(top) | {text: value} for text, (value, _), top in zip(texts, entries, tops)],
+                "top_logprobs": [{t: v for _, t, v in top} | {text: value}
+                                 for text, (value, _), top in zip(texts, entries, tops)],
                 "text_offset": offsets}
 
 
