@@ -115,7 +115,7 @@ class SpeculativeTextGenerationPipeline(TextGenerationPipeline):
 
     # What continuous batching takes from the call and the generation config; the rest must be unset (or as the
     # model's own config has it, for the token ids), else the stock batches run.
-    _CONTINUOUS = {"max_new_tokens", "do_sample", "temperature", "top_p", "top_k"}
+    _CONTINUOUS = {"max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty"}
     _BOOKKEEPING = {"transformers_version", "_from_model_config", "use_cache", "bos_token_id", "pad_token_id",
                     "max_length", "eos_token_id"}
 
@@ -172,11 +172,13 @@ class SpeculativeTextGenerationPipeline(TextGenerationPipeline):
         # alone, `verify.sample_by_position`).
         base = int(torch.randint(0, 2**31 - 1, (1,))) if plan["do_sample"] else None
 
+        repetition = plan["repetition_penalty"] or 1.0  # transformers' formula, ours too (`RowSampling`)
+
         def sampling(index: int):
             if base is None:
-                return None
+                return SamplingParams(repetition_penalty=repetition) if repetition != 1 else None
             return SamplingParams(plan["temperature"] or 1.0, top_p if top_p is not None else 1.0, top_k or 0,
-                                  base + index)
+                                  base + index, repetition_penalty=repetition)
 
         engine = ServingEngine(self.model, self.tokenizer, self.speculator, num_speculative_tokens=plan["k"],
                                max_batch_size=batch_size, max_queue=2 * batch_size, warmup=False).start()

@@ -1323,25 +1323,29 @@ def test_pipeline_runs_a_dataset_with_continuous_batching():
     assert not isinstance(produced, list)  # a generator in, results streamed out in order
     assert list(produced) == expected
     assert isinstance(ours._continuous_plan(dict(max_new_tokens=9, do_sample=False)), dict)  # it ran continuously
-    assert ours._continuous_plan(dict(max_new_tokens=9, repetition_penalty=1.3)) == ["repetition_penalty"]
+    assert ours._continuous_plan(dict(max_new_tokens=9, no_repeat_ngram_size=2)) == ["no_repeat_ngram_size"]
     # the settings generate would use: transformers' top-k 50 when sampling, the model's own options counted too
     assert ours._continuous_plan(dict(max_new_tokens=9, do_sample=True))["top_k"] == 50
-    model.generation_config.repetition_penalty = 1.2
+    model.generation_config.no_repeat_ngram_size = 2
     try:
-        assert ours._continuous_plan(dict(max_new_tokens=9)) == ["repetition_penalty"]
+        assert ours._continuous_plan(dict(max_new_tokens=9)) == ["no_repeat_ngram_size"]
         assert ours._continuous_plan(dict(generation_config=GenerationConfig(max_new_tokens=9))) == [
-            "repetition_penalty"]
+            "no_repeat_ngram_size"]
     finally:
-        model.generation_config.repetition_penalty = None
+        model.generation_config.no_repeat_ngram_size = None
     # Chats, as the stock pipeline takes them
     chats = [[{"role": "user", "content": p}] for p in prompts[:4]]
     assert ours(chats, batch_size=2, max_new_tokens=6, do_sample=False) == [
         stock(c, max_new_tokens=6, do_sample=False) for c in chats]
-    # Options continuous batching does not take, by keyword or in a generation config: the stock batches run, with
-    # speculation, and the option takes effect
+    # A repetition penalty runs continuously too (transformers' formula), equal to the stock pipeline's
+    assert isinstance(ours._continuous_plan(dict(max_new_tokens=9, repetition_penalty=1.3)), dict)
     penalised = ours(prompts, batch_size=2, max_new_tokens=6, do_sample=False, repetition_penalty=1.3)
     assert penalised == [stock(p, max_new_tokens=6, do_sample=False, repetition_penalty=1.3) for p in prompts]
     assert penalised != [stock(p, max_new_tokens=6, do_sample=False) for p in prompts]
+    # Options continuous batching does not take, by keyword or in a generation config: the stock batches run, with
+    # speculation, and the option takes effect
+    blocked = ours(prompts, batch_size=2, max_new_tokens=6, do_sample=False, no_repeat_ngram_size=1)
+    assert blocked == [stock(p, max_new_tokens=6, do_sample=False, no_repeat_ngram_size=1) for p in prompts]
     config = GenerationConfig(max_new_tokens=6, do_sample=False, suppress_tokens=[4, 5, 6, 7, 8, 9, 10])
     assert ours(prompts, batch_size=2, generation_config=config) == [
         stock(p, generation_config=config) for p in prompts]
