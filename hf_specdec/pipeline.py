@@ -11,6 +11,7 @@ from transformers.pipelines import PIPELINE_REGISTRY
 from .generation import resolve_speculator
 from .head_convert import head_speculator_from_dir
 from .quantization import load_draft
+from .scheduler import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 from .speculators.base import Speculator
 from .speculators.draft_model import DraftModelSpeculator
 from .structured import Grammar
@@ -150,6 +151,10 @@ class SpeculativeTextGenerationPipeline(TextGenerationPipeline):
                 unsupported.append(name)
         if config.max_new_tokens is None:
             unsupported.append("max_length")  # a length counted with the prompt: the stock batches honour it
+        penalty = config.repetition_penalty
+        if penalty not in (None, 1.0) and not (isinstance(penalty, float)
+                                               and MIN_REPETITION_PENALTY <= penalty <= MAX_REPETITION_PENALTY):
+            unsupported.append("repetition_penalty")  # outside our bounds: the stock batches take it, or say why not
         if unsupported:
             return sorted(set(unsupported))
         return {"preprocess": preprocess_params, "postprocess": postprocess_params, "k": k, "grammar": grammar,

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import re
+from dataclasses import dataclass
+from typing import Callable
+
 
 class TokenizerMismatchError(ValueError):
     """The draft's tokenizer does not match the target's, so its token ids would mean other strings."""
@@ -46,51 +51,71 @@ def _byte_level_alphabet() -> dict[str, int]:
     return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}
 
 
-def token_bytes(tokenizer):
-    """A function from a token id to the token's raw bytes, for tokenizers whose decoder spells tokens in bytes
-    (byte-level BPE as GPT-2's, Llama 3's, SmolLM's; SentencePiece with byte fallback as Llama 2's, Gemma's), where a
-    token may hold part of a character; `None` for others (their tokens are whole characters). Special tokens give
-    no bytes: they are not part of the text. Cached on the tokenizer."""
+@dataclass(frozen=True)
+class ByteSpelling:
+    """How a tokenizer spells its tokens in bytes: `spell(token id)` gives a token's raw bytes (special tokens none:
+    they are not part of the text), and `strip_start` how many leading spaces its decoder drops from the start of a
+    text (Llama 2's `Strip`, a `Metaspace` decoder's prefix space)."""
+
+    spell: Callable[[int], bytes]
+    strip_start: int = 0
+
+
+def _decoder_parts(decoder: dict) -> list[dict]:
+    parts = [decoder]
+    for part in decoder.get("decoders") or []:
+        parts += _decoder_parts(part)
+    return parts
+
+
+def token_bytes(tokenizer) -> ByteSpelling | None:
+    """The byte spelling of tokenizers whose tokens are bytes (byte-level BPE as GPT-2's, Llama 3's, SmolLM's;
+    SentencePiece with byte fallback as Llama 2's, Gemma's), where a token may hold part of a character; `None` for
+    others (their tokens are whole characters). Cached on the tokenizer."""
     cached = getattr(tokenizer, "_hf_specdec_token_bytes", False)
     if cached is not False:
         return cached
-    import json
-    import re
-
     try:
         decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
     except (AttributeError, TypeError, ValueError):
         decoder = {}
-    parts = [decoder, *(decoder.get("decoders") or [])]
+    parts = _decoder_parts(decoder)
     kinds = {part.get("type") for part in parts}
-    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
-    spell = None
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ()) | {
+        i for i, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+        if getattr(added, "special", False)}
+    strip = sum(p.get("start", 0) for p in parts if p.get("type") == "Strip" and p.get("content") == " ")
+    strip += any(p.get("type") == "Metaspace" and p.get("prepend_scheme", "always") != "never" for p in parts)
+    spelling = None
     if "ByteLevel" in kinds:
         alphabet = _byte_level_alphabet()
 
         def spell(token_id: int) -> bytes:
-            piece = tokenizer.convert_ids_to_tokens(token_id) or ""
             if token_id in special:
                 return b""
+            piece = tokenizer.convert_ids_to_tokens(token_id) or ""
             if all(c in alphabet for c in piece):
                 return bytes(alphabet[c] for c in piece)
             return piece.encode("utf-8")  # an added token spelled in plain text
+        spelling = ByteSpelling(spell, strip)
     elif "ByteFallback" in kinds:
         replaces = [(p["pattern"]["String"], p["content"]) for p in parts
                     if p.get("type") == "Replace" and "String" in (p.get("pattern") or {})]
+        replaces += [(p.get("replacement", "\u2581"), " ") for p in parts if p.get("type") == "Metaspace"]
 
         def spell(token_id: int) -> bytes:
-            piece = tokenizer.convert_ids_to_tokens(token_id) or ""
             if token_id in special:
                 return b""
+            piece = tokenizer.convert_ids_to_tokens(token_id) or ""
             byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
             if byte:
                 return bytes([int(byte.group(1), 16)])
             for old, new in replaces:
                 piece = piece.replace(old, new)
             return piece.encode("utf-8")
+        spelling = ByteSpelling(spell, strip)
     try:
-        tokenizer._hf_specdec_token_bytes = spell
+        tokenizer._hf_specdec_token_bytes = spelling
     except AttributeError:
         pass
-    return spell
+    return spelling

@@ -865,7 +865,7 @@ def byte_tokenizer(fallback: bool):
         backend = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
         backend.pre_tokenizer = pre_tokenizers.Metaspace()
         backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
-                                             decoders.Fuse()])
+                                             decoders.Fuse(), decoders.Strip(" ", 1, 0)])  # as Llama 2's
     else:
         vocab = {"</s>": 0, **{c: 1 + i for i, c in enumerate(sorted(_byte_level_alphabet()))}}
         backend = Tokenizer(models.BPE(vocab, []))
@@ -877,12 +877,13 @@ def byte_tokenizer(fallback: bool):
 @pytest.mark.parametrize("fallback", [False, True])
 def test_logprob_tokens_join_into_the_answer_where_characters_span_tokens(fallback):
     """A character of several byte tokens shows in the token that completes it, so the tokens' texts join into the
-    answer; each token's `bytes` are its own, joining into the answer's UTF-8; special tokens add nothing. Fed in
-    pieces, as streamed deltas are."""
+    answer (characters of several bytes in a row, a decoder that strips the text's leading space); each token's
+    `bytes` are its own, joining into the answer's UTF-8; special tokens add nothing. Fed in pieces, as streamed
+    deltas are."""
     from hf_specdec.serving.server import TokenLogprobs
 
     tokenizer = byte_tokenizer(fallback)
-    answer = "caf\u00e9 \U0001f642 d\u00e9j\u00e0 \u4e2d"
+    answer = "caf\u00e9 \U0001f642\U0001f642 d\u00e9j\u00e0 \u4e2d\u6587\u5b57 x"
     ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     assert len(ids) > len(answer) + 1  # characters did span tokens
     entries = [(-0.5, [(t, -0.5)]) for t in ids]
@@ -897,9 +898,9 @@ def test_logprob_tokens_join_into_the_answer_where_characters_span_tokens(fallba
             else:
                 texts += out["tokens"]
         decoded = tokenizer.decode(ids, skip_special_tokens=True)
-        assert "".join(texts) == decoded and decoded.strip() == answer and texts[-1] == ""
+        assert "".join(texts) == decoded == answer and texts[-1] == ""
         if chat:
-            assert spelled == decoded.encode("utf-8")
+            assert spelled == answer.encode("utf-8")
 
 
 def test_models_health_metrics(server):
@@ -1339,6 +1340,8 @@ def test_pipeline_runs_a_dataset_with_continuous_batching():
         stock(c, max_new_tokens=6, do_sample=False) for c in chats]
     # A repetition penalty runs continuously too (transformers' formula), equal to the stock pipeline's
     assert isinstance(ours._continuous_plan(dict(max_new_tokens=9, repetition_penalty=1.3)), dict)
+    for value in (1000.0, 0.001, 2):  # outside our bounds, or an int transformers refuses: the stock batches decide
+        assert ours._continuous_plan(dict(max_new_tokens=9, repetition_penalty=value)) == ["repetition_penalty"]
     penalised = ours(prompts, batch_size=2, max_new_tokens=6, do_sample=False, repetition_penalty=1.3)
     assert penalised == [stock(p, max_new_tokens=6, do_sample=False, repetition_penalty=1.3) for p in prompts]
     assert penalised != [stock(p, max_new_tokens=6, do_sample=False) for p in prompts]

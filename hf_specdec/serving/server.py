@@ -254,23 +254,27 @@ def choice(index: int, text: str, reason: str, chat: bool, request=None, tokeniz
 class TokenLogprobs:
     """OpenAI's `logprobs` object for a choice's tokens, built as they arrive (`format` for each delta in turn).
 
-    A token's text is what it adds to the text decoded so far (decoded with the few tokens before it, so that a
-    tokenizer that drops a word's leading space when a token is decoded alone still shows it); special tokens, as in
-    the answer, add nothing, and a character whose bytes span several tokens shows in the token that completes it, so
-    the tokens' texts join into the answer. An alternative's text is what it would have added in that token's place.
-    `bytes` are the token's own (`tokenizers.token_bytes`: part of a character where the tokenizer split one; they join
-    into the answer's UTF-8), or its text's for tokenizers that spell whole characters. The completions API's form
-    lists `tokens`, `token_logprobs`, `top_logprobs` (per token, the alternatives and the token itself, text -> log
-    probability) and `text_offset` (characters from the start of the completion); the chat API's lists `content`, one
-    object per token with its `token`, `logprob`, `bytes` and `top_logprobs`."""
+    A token's text is what it adds to the answer's text, so the tokens' texts join into it (streamed or not): special
+    tokens add nothing, and a character whose bytes span several tokens shows in the token that completes it. For
+    tokenizers whose tokens are bytes (`tokenizers.token_bytes`) the texts come from the tokens' bytes through one
+    incremental UTF-8 decoder, and chat's `bytes` are each token's own, joining into the answer's UTF-8; for others,
+    each token is decoded with the few before it (a tokenizer that drops a word's leading space when a token is
+    decoded alone still shows it). An alternative's text is what it would have added in the token's place. The
+    completions API's form lists `tokens`, `token_logprobs`, `top_logprobs` (per token, the alternatives and the token
+    itself, text -> log probability) and `text_offset` (characters from the start of the completion); the chat
+    API's lists `content`, one object per token with its `token`, `logprob`, `bytes` and `top_logprobs`."""
 
-    CONTEXT = 4  # tokens decoded before each one
+    CONTEXT = 4  # tokens decoded before each one, without a byte spelling
 
     def __init__(self, tokenizer, chat: bool):
+        import codecs
+
         from ..tokenizers import token_bytes
 
         self.tokenizer, self.chat = tokenizer, chat
-        self.spell = token_bytes(tokenizer) if tokenizer is not None else None
+        self.spelling = token_bytes(tokenizer) if tokenizer is not None else None
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self.strip = self.spelling.strip_start if self.spelling is not None else 0  # leading spaces still to drop
         self.history: list[int] = []
         self.offset = 0
 
@@ -278,34 +282,55 @@ class TokenLogprobs:
         # Without the replacement marks of a character not complete yet: its token adds nothing until it is.
         return self.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd") if ids else ""
 
-    def _text(self, context: list[int], token: int, before: str) -> str:
-        if self.tokenizer is None:
-            return f"token_id:{token}"
-        return self._decoded(context + [token])[len(before):]
+    def _spelled(self, token: int, commit: bool) -> tuple[str, bytes]:
+        """The text and bytes `token` adds after the tokens so far (`commit`: it is the next token; else an
+        alternative, and the decoder is left as it was)."""
+        data = self.spelling.spell(token)
+        state = self.utf8.getstate()
+        text = self.utf8.decode(data)
+        strip = self.strip
+        if text and strip:  # the decoder drops leading spaces at the start of a text: so does the answer
+            kept = text.lstrip(" ")
+            dropped = min(strip, len(text) - len(kept))
+            text, data = text[dropped:], data[dropped:] if data[:dropped] == b" " * dropped else data
+            strip = 0
+        if commit:
+            self.strip = strip
+        else:
+            self.utf8.setstate(state)
+        return text, data
 
-    def _bytes(self, token: int, text: str) -> list[int]:
-        return list(self.spell(token) if self.spell is not None else text.encode("utf-8"))
+    def _entry(self, context: list[int], before: str, token: int, commit: bool) -> tuple[str, list[int]]:
+        if self.tokenizer is None:
+            return f"token_id:{token}", []
+        if self.spelling is not None:
+            text, data = self._spelled(token, commit)
+            return text, list(data)
+        text = self._decoded(context + [token])[len(before):]
+        return text, list(text.encode("utf-8"))
 
     def format(self, token_ids: list[int], entries: list) -> dict:
-        texts, tops = [], []
+        chosen, tops = [], []
         for token, (_, alternatives) in zip(token_ids, entries):
-            context = self.history[len(self.history) - self.CONTEXT:] if self.history else []
-            before = self._decoded(context) if self.tokenizer is not None else ""
-            texts.append(self._text(context, token, before))
-            tops.append([(t, self._text(context, t, before), value) for t, value in alternatives])
+            context, before = [], ""
+            if self.spelling is None and self.tokenizer is not None and self.history:
+                context = self.history[len(self.history) - self.CONTEXT:]
+                before = self._decoded(context)
+            tops.append([(*self._entry(context, before, t, False), value) for t, value in alternatives])
+            chosen.append(self._entry(context, before, token, True))
             self.history.append(token)
         if self.chat:
             return {"refusal": None, "content": [
-                {"token": text, "logprob": value, "bytes": self._bytes(token, text),
-                 "top_logprobs": [{"token": t, "logprob": v, "bytes": self._bytes(i, t)} for i, t, v in top]}
-                for token, text, (value, _), top in zip(token_ids, texts, entries, tops)]}
+                {"token": text, "logprob": value, "bytes": data,
+                 "top_logprobs": [{"token": t, "logprob": v, "bytes": b} for t, b, v in top]}
+                for (text, data), (value, _), top in zip(chosen, entries, tops)]}
         offsets = []
-        for text in texts:
+        for text, _ in chosen:
             offsets.append(self.offset)
             self.offset += len(text)
-        return {"tokens": texts, "token_logprobs": [value for value, _ in entries],
-                "top_logprobs": [{t: v for _, t, v in top} | {text: value}
-                                 for text, (value, _), top in zip(texts, entries, tops)],
+        return {"tokens": [text for text, _ in chosen], "token_logprobs": [value for value, _ in entries],
+                "top_logprobs": [{t: v for t, _, v in top} | {text: value}
+                                 for (text, _), (value, _), top in zip(chosen, entries, tops)],
                 "text_offset": offsets}
 
 
