@@ -47,6 +47,8 @@ class SamplingParams:
     bias, -100 to 100); `repetition_penalty` (transformers' and vLLM's, 1 is off) divides the positive logits (and
     multiplies the negative ones) of every token in the prompt or the output; `frequency_penalty` subtracts that much
     per earlier occurrence in the output and `presence_penalty` that much once for any (both -2 to 2).
+    `min_tokens` (vLLM's) keeps the end-of-sequence tokens out until that many tokens were generated; `ignore_eos`
+    (vLLM's) goes on past them to `max_new_tokens`, as a benchmark's fixed-length requests do.
     """
 
     temperature: float = 0.0
@@ -57,6 +59,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -71,6 +75,8 @@ class SamplingParams:
         if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise ValueError(f"repetition_penalty must be from {MIN_REPETITION_PENALTY} to {MAX_REPETITION_PENALTY} "
                              f"(1: off), got {self.repetition_penalty}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
         if self.logit_bias and not all(isinstance(t, int) and t >= 0 and -100 <= b <= 100
                                        for t, b in self.logit_bias.items()):
             raise ValueError("logit_bias maps token ids (non-negative integers) to biases from -100 to 100")
@@ -83,7 +89,7 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether penalties or biases change the logits."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.logit_bias)
+                    or self.logit_bias or self.min_tokens)
 
 
 @dataclass(eq=False)
@@ -134,8 +140,11 @@ class RowSampling:
     their own stream (seed, tokens generated so far), so such a row does not depend on which others share its steps.
     """
 
-    def __init__(self, num_rows: int, device, vocab_size: int | None = None):
+    def __init__(self, num_rows: int, device, vocab_size: int | None = None, eos_token_ids=None):
         self.device = device
+        # End-of-sequence tokens, which `min_tokens` holds back.
+        self.eos_token_ids = torch.as_tensor(list(eos_token_ids or []), dtype=torch.long, device=device)
+        self.min_tokens = torch.zeros(num_rows, dtype=torch.long, device=device)
         self.vocab_size = vocab_size  # for logit biases
         self.temperature = torch.ones(num_rows, device=device)
         self.top_k = torch.zeros(num_rows, dtype=torch.long, device=device)
@@ -152,7 +161,7 @@ class RowSampling:
         self.history_start = torch.zeros(num_rows, dtype=torch.long, device=device)
         self._width: int | None = None  # columns holding every history of the step (`prepare`)
         self.bias: torch.Tensor | None = None  # [rows, vocab], made when a row first asks for a logit bias
-        self._penalized = self._repeats = self._biased = False
+        self._penalized = self._repeats = self._biased = self._held = False
 
     def set(self, row: int, params: SamplingParams | None, output_start: int | torch.Tensor = 0,
             history_start: int | torch.Tensor = 0) -> None:
@@ -171,6 +180,9 @@ class RowSampling:
         self.repetition[row] = params.repetition_penalty
         self.output_start[row] = output_start
         self.history_start[row] = history_start
+        if params.min_tokens and not len(self.eos_token_ids):
+            raise ValueError("min_tokens needs the end-of-sequence tokens: RowSampling(..., eos_token_ids=)")
+        self.min_tokens[row] = params.min_tokens
         if self.bias is not None:
             self.bias[row] = 0
         if params.logit_bias:
@@ -197,6 +209,7 @@ class RowSampling:
         self._penalized = bool(penalized)
         self._repeats = any(s.repetition_penalty != 1 for s in penalized)
         self._biased = any(s.logit_bias for s in penalized)
+        self._held = any(s.min_tokens for s in penalized)
         return self._rows_sample
 
     @property
@@ -244,7 +257,13 @@ class RowSampling:
                 1, torch.where(seen, tokens, vocab), True)[:, :vocab]
             factor = self.repetition[rows][:, None]
             scores = torch.where(anywhere, torch.where(scores > 0, scores / factor, scores * factor), scores)
-        return scores - self.frequency[rows][:, None] * counts - self.presence[rows][:, None] * (counts > 0)
+        scores = scores - self.frequency[rows][:, None] * counts - self.presence[rows][:, None] * (counts > 0)
+        if self._held:  # fewer than min_tokens generated before this position: no end-of-sequence token yet
+            early = (lengths - self.output_start[rows]) < self.min_tokens[rows]
+            eos = torch.zeros(vocab, dtype=torch.bool, device=scores.device)
+            eos[self.eos_token_ids[self.eos_token_ids < vocab]] = True
+            scores = scores.masked_fill(early[:, None] & eos, float("-inf"))
+        return scores
 
     def verify_arguments(self, rows: list[int], k: int) -> dict:
         rows_t = torch.tensor(rows, device=self.device)
@@ -388,7 +407,7 @@ class Scheduler:
                 sampling.num_generated[row] = request.num_generated
             if row in done:
                 request.finish_reason = "length" if request.num_generated >= request.max_new_tokens and not (
-                    self._ended_by_rule(new)) else "stop"
+                    self._ended_by_rule(new) and not request.sampling.ignore_eos) else "stop"
             if n or row in done:
                 events.append((request, new, row in done))
         self._retire(finished)
@@ -572,6 +591,11 @@ class Scheduler:
                 raise ValueError("log probabilities are not reported with draft trees; drop logprobs or serve "
                                  "without speculative_tree_nodes")
             self.step_fn.logprob_rows[row] = request.logprobs
+        if self.stop.eos_token_ids is not None and (request.sampling.ignore_eos or self.stop.ignore_eos is not None):
+            if self.stop.ignore_eos is None:
+                self.stop.ignore_eos = torch.zeros(self.batch.token_ids.shape[0], dtype=torch.bool,
+                                                   device=self.batch.device)
+            self.stop.ignore_eos[row] = request.sampling.ignore_eos
         if self.batch.sampling is not None:
             start = self.batch.first_col[row]
             self.batch.sampling.set(row, request.sampling, start + self.batch.lengths[row], start)

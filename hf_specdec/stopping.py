@@ -18,6 +18,8 @@ class StopRules:
     def __init__(self, criteria: StoppingCriteriaList | None, eos_token_ids: torch.Tensor | None):
         self.custom = [c for c in (criteria or []) if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
         self.eos_token_ids = eos_token_ids
+        # `[batch]` rows that go on past EOS (a server request's `ignore_eos`), or None: none do.
+        self.ignore_eos: torch.Tensor | None = None
 
     def apply(self, token_ids, rows, end_cols, output, num_emit, budget, scores):
         """Shortens `num_emit` to where each row stops; returns `(num_emit, finished)`, both `[rows]`.
@@ -34,6 +36,8 @@ class StopRules:
         finished = num_emit >= budget
         if self.eos_token_ids is not None:
             is_eos = torch.isin(output, self.eos_token_ids) & emitted
+            if self.ignore_eos is not None:
+                is_eos &= ~self.ignore_eos[rows][:, None]
             has_eos = is_eos.any(-1)
             first_eos = is_eos.long().argmax(-1)
             num_emit = torch.where(has_eos, first_eos + 1, num_emit)

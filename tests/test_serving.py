@@ -590,6 +590,38 @@ PENALTIES = [SamplingParams(presence_penalty=1.5), SamplingParams(frequency_pena
                             logit_bias={20: 1.0})]
 
 
+@pytest.mark.parametrize("speculator", ["ngram", "draft"])
+def test_min_tokens_and_ignore_eos(tokenizer, speculator):
+    """vLLM's `min_tokens` keeps EOS out of the first tokens, at every position a step verifies (drafts included);
+    `ignore_eos` runs on past EOS to max_tokens, ending for "length". A logit bias makes EOS the target's pick."""
+    model = served_model()
+    spec = served_model() if speculator == "draft" else "ngram"
+    engine = ServingEngine(model, tokenizer, spec, num_speculative_tokens=3, schedule="constant",
+                           max_batch_size=4).start()
+    prompt = repeating(8, 40)
+    eos_first = {EOS: 100.0}
+    try:
+        plain = engine.generate(prompt, max_tokens=6, sampling=SamplingParams(logit_bias=eos_first))
+        held = engine.generate(prompt, max_tokens=12, sampling=SamplingParams(logit_bias=eos_first, min_tokens=5))
+        ignored = engine.generate(prompt, max_tokens=6, sampling=SamplingParams(logit_bias=eos_first,
+                                                                                 ignore_eos=True))
+        with pytest.raises(RequestError, match="min_tokens") as refused:
+            engine.submit(prompt, 4, SamplingParams(min_tokens=5))
+        assert refused.value.param == "min_tokens"
+    finally:
+        engine.shutdown()
+    assert plain.request.output_ids == [EOS] and plain.request.finish_reason == "stop"
+    assert ignored.request.output_ids == [EOS] * 6 and ignored.request.finish_reason == "length"
+    solo(model, prompt, 1)
+    twin, expected = _TWINS[id(model)][1], []
+    with torch.no_grad():
+        for _ in range(5):  # EOS held back: the likeliest other token
+            logits = twin(torch.tensor([prompt + expected])).logits[0, -1]
+            logits[EOS] = float("-inf")
+            expected.append(int(logits.argmax()))
+    assert held.request.output_ids == expected + [EOS] and held.request.finish_reason == "stop"
+
+
 def test_row_penalties_count_only_the_rows_own_tokens():
     """A row's repetition penalty counts its tokens from its first column (not the left padding before it), its
     frequency penalty only those of its output, each position up to its own history length; a row without
@@ -849,6 +881,10 @@ def test_penalties_through_the_client(server):
         out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, **ask)
         assert out.usage.completion_tokens == len(expected)
         assert out.choices[0].text == server.engine.tokenizer.decode(expected, skip_special_tokens=True)
+    # vLLM's extra fields a benchmark client sends for fixed-length answers
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=7, temperature=0, logit_bias={str(EOS): 100},
+                                    extra_body={"ignore_eos": True, "min_tokens": 2, "repetition_penalty": 1.0})
+    assert out.usage.completion_tokens == 7 and out.choices[0].finish_reason == "length"
 
 
 def byte_tokenizer(fallback: bool):
@@ -936,6 +972,9 @@ def test_models_health_metrics(server):
     ({"prompt": "w1", "logit_bias": {"w5": 1}}, "logit_bias"),
     ({"prompt": "w1", "logit_bias": {str(VOCAB): 1}}, "logit_bias"),
     ({"prompt": "w1", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "w1", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ({"prompt": "w1", "min_tokens": -1}, "min_tokens"),
+    ({"prompt": "w1", "ignore_eos": "yes"}, "ignore_eos"),
     ({"prompt": "w1", "stream": True, "stream_options": [1]}, "stream_options"),
     ({"prompt": "w1", "stream": True, "stream_options": {"include_usage": "no"}}, "stream_options"),
     ({"prompt": "w1", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream

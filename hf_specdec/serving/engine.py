@@ -246,7 +246,7 @@ class ServingEngine:
         slots, device = self.max_batch_size, self.model.get_input_embeddings().weight.device
         width = self.max_model_len + self.k + 2
         token_ids = torch.full((slots, width), self.pad_token_id, dtype=torch.long, device=device)
-        sampling = RowSampling(slots, device, self.vocab_size)
+        sampling = RowSampling(slots, device, self.vocab_size, self.eos_token_ids)
         self.batch = SequenceBatch(token_ids, torch.zeros(slots, dtype=torch.long, device=device), [0] * slots, [],
                                    0, False, sampling, self.vocab_size, sampling)
         self.target = make_runner(self.model, block_size=block_size, max_num_blocks=max_num_blocks)
@@ -392,6 +392,12 @@ class ServingEngine:
                 f"max_tokens asks for {max_tokens} more; shorten the prompt or lower max_tokens to at most "
                 f"{max(room, 0)}", "max_tokens")
         sampling = sampling or SamplingParams()
+        if (sampling.min_tokens or sampling.ignore_eos) and not self.eos_token_ids:
+            raise RequestError("this model has no end-of-sequence token, so min_tokens and ignore_eos have nothing to "
+                               "act on; drop them", "min_tokens" if sampling.min_tokens else "ignore_eos")
+        if sampling.min_tokens > max_tokens:
+            raise RequestError(f"min_tokens ({sampling.min_tokens}) is more than max_tokens ({max_tokens})",
+                               "min_tokens")
         if sampling.logit_bias and max(sampling.logit_bias) >= self.vocab_size:
             raise RequestError(f"logit_bias names token {max(sampling.logit_bias)}, outside the model's vocabulary "
                                f"of {self.vocab_size}", "logit_bias")

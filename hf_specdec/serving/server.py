@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 # Fields of OpenAI's API this server takes; anything else with a non-default value is refused (400), never ignored.
 _IGNORED = {"model", "user", "stream_options", "metadata", "store", "service_tier", "parallel_tool_calls"}
 _COMMON = {"max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed", "top_k", "response_format",
-           "repetition_penalty"}
+           "repetition_penalty", "min_tokens", "ignore_eos"}  # the last three: vLLM's extra fields
 _COMPLETIONS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "presence_penalty", "frequency_penalty",
                           "suffix", "logit_bias"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "presence_penalty",
@@ -491,7 +491,7 @@ def parse_request(body: dict, chat: bool, engine: ServingEngine) -> dict:
                 temperature, top_p, top_k, seed, _number(body, "presence_penalty", 0.0, -2.0, 2.0),
                 _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
                 _number(body, "repetition_penalty", 1.0, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY),
-                _logit_bias(body, engine.vocab_size))}
+                _logit_bias(body, engine.vocab_size), _min_tokens(body, max_tokens), _flag(body, "ignore_eos"))}
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -514,6 +514,24 @@ def _logprobs(body: dict, chat: bool) -> int | None:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
         return top if wanted else None
     return 0 if wanted else None
+
+
+def _min_tokens(body: dict, max_tokens: int | None) -> int:
+    value = body.get("min_tokens")
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise RequestError(f"min_tokens must be a non-negative integer, got {value!r}", "min_tokens")
+    if max_tokens is not None and value > max_tokens:
+        raise RequestError(f"min_tokens ({value}) is more than max_tokens ({max_tokens})", "min_tokens")
+    return value
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise RequestError(f"{name} must be true or false, got {value!r}", name)
+    return bool(value)
 
 
 def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
