@@ -924,7 +924,7 @@ def test_logprob_tokens_join_into_the_answer_where_characters_span_tokens(fallba
     assert len(ids) > len(answer) + 1  # characters did span tokens
     entries = [(-0.5, [(t, -0.5)]) for t in ids]
     for chat in (True, False):
-        formatter, texts, spelled = TokenLogprobs(tokenizer, chat), [], b""
+        formatter, texts, spelled, named = TokenLogprobs(tokenizer, chat), [], b"", []
         for start in range(0, len(ids), 3):
             out = formatter.format(ids[start:start + 3], entries[start:start + 3])
             if chat:
@@ -933,10 +933,13 @@ def test_logprob_tokens_join_into_the_answer_where_characters_span_tokens(fallba
                 assert all(t["top_logprobs"][0]["token"] == t["token"] for t in out["content"])
             else:
                 texts += out["tokens"]
+                named += [key for alternatives in out["top_logprobs"] for key in alternatives]
         decoded = tokenizer.decode(ids, skip_special_tokens=True)
         assert "".join(texts) == decoded == answer and texts[-1] == ""
         if chat:
             assert spelled == answer.encode("utf-8")
+        else:  # an alternative that is part of a character is named by its bytes, as OpenAI names it
+            assert any(key.startswith("bytes:\\x") for key in named)
 
 
 def test_models_health_metrics(server):

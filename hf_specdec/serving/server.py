@@ -329,9 +329,15 @@ class TokenLogprobs:
             offsets.append(self.offset)
             self.offset += len(text)
         return {"tokens": [text for text, _ in chosen], "token_logprobs": [value for value, _ in entries],
-                "top_logprobs": [{t: v for t, _, v in top} | {text: value}
+                "top_logprobs": [{_key(t, b): v for t, b, v in top} | {text: value}
                                  for (text, _), (value, _), top in zip(chosen, entries, tops)],
                 "text_offset": offsets}
+
+
+def _key(text: str, data: list[int]) -> str:
+    """An alternative's name in the completions API's `top_logprobs`: its text, or, for one that adds no text yet
+    (part of a character), its bytes as OpenAI writes them (`bytes:\\xe2\\x80`), so such alternatives stay apart."""
+    return text if text or not data else "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
 def usage_of(streams, prompt_tokens: int) -> dict:
