@@ -75,8 +75,10 @@ class SamplingParams:
         if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise ValueError(f"repetition_penalty must be from {MIN_REPETITION_PENALTY} to {MAX_REPETITION_PENALTY} "
                              f"(1: off), got {self.repetition_penalty}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.logit_bias and not all(isinstance(t, int) and t >= 0 and -100 <= b <= 100
                                        for t, b in self.logit_bias.items()):
             raise ValueError("logit_bias maps token ids (non-negative integers) to biases from -100 to 100")
@@ -161,7 +163,7 @@ class RowSampling:
         self.history_start = torch.zeros(num_rows, dtype=torch.long, device=device)
         self._width: int | None = None  # columns holding every history of the step (`prepare`)
         self.bias: torch.Tensor | None = None  # [rows, vocab], made when a row first asks for a logit bias
-        self._penalized = self._repeats = self._biased = self._held = False
+        self._penalized = self._repeats = self._biased = self._held = self._counted = False
 
     def set(self, row: int, params: SamplingParams | None, output_start: int | torch.Tensor = 0,
             history_start: int | torch.Tensor = 0) -> None:
@@ -180,8 +182,6 @@ class RowSampling:
         self.repetition[row] = params.repetition_penalty
         self.output_start[row] = output_start
         self.history_start[row] = history_start
-        if params.min_tokens and not len(self.eos_token_ids):
-            raise ValueError("min_tokens needs the end-of-sequence tokens: RowSampling(..., eos_token_ids=)")
         self.min_tokens[row] = params.min_tokens
         if self.bias is not None:
             self.bias[row] = 0
@@ -206,10 +206,12 @@ class RowSampling:
         self._top_k = any(s.top_k for s in sampled)
         self._top_p = any(s.top_p < 1 for s in sampled)
         penalized = [s for s in used if s is not None and s.penalized]
-        self._penalized = bool(penalized)
         self._repeats = any(s.repetition_penalty != 1 for s in penalized)
         self._biased = any(s.logit_bias for s in penalized)
         self._held = any(s.min_tokens for s in penalized)
+        # Penalties that count a history's tokens (a bias or min_tokens alone needs no counting).
+        self._counted = any(s.presence_penalty or s.frequency_penalty for s in penalized) or self._repeats
+        self._penalized = bool(penalized)
         return self._rows_sample
 
     @property
@@ -229,7 +231,9 @@ class RowSampling:
         if self._penalized:
             if history_lens is None:
                 raise ValueError("penalties need each position's history")
-            history = token_ids[rows] if self._width is None else token_ids[rows, :self._width]
+            history = None
+            if self._counted:
+                history = token_ids[rows] if self._width is None else token_ids[rows, :self._width]
             scores = self._penalize(history, settings, history_lens, scores.float())
         if not self._rows_sample:  # greedy rows take the target's argmax of the raw scores
             return scores.float()
@@ -246,6 +250,17 @@ class RowSampling:
         if self._biased:
             scores = scores + self.bias[rows, :vocab] if vocab <= self.vocab_size else torch.nn.functional.pad(
                 self.bias[rows], (0, vocab - self.vocab_size)) + scores
+        if self._counted:
+            scores = self._count_penalties(history, rows, lengths, scores)
+        if self._held:  # fewer than min_tokens generated before this position: no end-of-sequence token yet
+            early = (lengths - self.output_start[rows]) < self.min_tokens[rows]
+            eos = torch.zeros(vocab, dtype=torch.bool, device=scores.device)
+            eos[self.eos_token_ids[self.eos_token_ids < vocab]] = True
+            scores = scores.masked_fill(early[:, None] & eos, float("-inf"))
+        return scores
+
+    def _count_penalties(self, history, rows, lengths, scores) -> torch.Tensor:
+        n, vocab = scores.shape
         cols = torch.arange(history.shape[1], device=history.device)
         seen = (cols < lengths[:, None]) & (cols >= self.history_start[rows][:, None])
         tokens = history.clamp(0, vocab - 1)
@@ -257,13 +272,7 @@ class RowSampling:
                 1, torch.where(seen, tokens, vocab), True)[:, :vocab]
             factor = self.repetition[rows][:, None]
             scores = torch.where(anywhere, torch.where(scores > 0, scores / factor, scores * factor), scores)
-        scores = scores - self.frequency[rows][:, None] * counts - self.presence[rows][:, None] * (counts > 0)
-        if self._held:  # fewer than min_tokens generated before this position: no end-of-sequence token yet
-            early = (lengths - self.output_start[rows]) < self.min_tokens[rows]
-            eos = torch.zeros(vocab, dtype=torch.bool, device=scores.device)
-            eos[self.eos_token_ids[self.eos_token_ids < vocab]] = True
-            scores = scores.masked_fill(early[:, None] & eos, float("-inf"))
-        return scores
+        return scores - self.frequency[rows][:, None] * counts - self.presence[rows][:, None] * (counts > 0)
 
     def verify_arguments(self, rows: list[int], k: int) -> dict:
         rows_t = torch.tensor(rows, device=self.device)

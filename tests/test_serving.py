@@ -622,6 +622,37 @@ def test_min_tokens_and_ignore_eos(tokenizer, speculator):
     assert held.request.output_ids == expected + [EOS] and held.request.finish_reason == "stop"
 
 
+def test_min_tokens_holds_stop_strings_back_and_is_refused_with_a_grammar(tokenizer):
+    """As vLLM's: a stop string counts only where it ends past the first min_tokens tokens' text; with a grammar,
+    min_tokens is refused (where the grammar allows nothing but EOS, no token would be left)."""
+    from hf_specdec import Grammar
+
+    model = served_model(eos=None)
+    prompt = repeating(8, 5)
+    full = solo(model, prompt, 20)
+    text = tokenizer.decode(full, skip_special_tokens=True)
+    stop = text.split()[2]
+    engine = ServingEngine(model, tokenizer, "ngram", num_speculative_tokens=3, schedule="constant",
+                           max_batch_size=2).start()
+    try:
+        early = engine.generate(prompt, max_tokens=20, stop=[stop])
+        late = engine.generate(prompt, max_tokens=20, stop=[stop], sampling=SamplingParams(min_tokens=5))
+        with pytest.raises(RequestError, match="min_tokens") as refused:
+            engine.submit(prompt, 8, SamplingParams(min_tokens=2), grammar=Grammar.from_response_format(
+                {"type": "json_object"}))
+        assert refused.value.param == "min_tokens"
+    finally:
+        engine.shutdown()
+    assert early.text == text[:text.index(stop)]
+    floor = len(tokenizer.decode(full[:5], skip_special_tokens=True))
+    hit = text.find(stop, floor - len(stop) + 1)
+    assert late.text == (text if hit < 0 else text[:hit]) and len(late.text) > len(early.text)
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(ignore_eos="no")
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=True)
+
+
 def test_row_penalties_count_only_the_rows_own_tokens():
     """A row's repetition penalty counts its tokens from its first column (not the left padding before it), its
     frequency penalty only those of its output, each position up to its own history length; a row without

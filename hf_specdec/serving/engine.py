@@ -83,6 +83,7 @@ class RequestStream:
     prompt_tokens: int = 0
     _ended: bool = False
     first_token_time: float | None = None
+    _stop_floor: int | None = None  # characters of the first min_tokens tokens (stop strings count past them)
     arrival_time: float = field(default_factory=time.perf_counter)
 
     @property
@@ -392,9 +393,15 @@ class ServingEngine:
                 f"max_tokens asks for {max_tokens} more; shorten the prompt or lower max_tokens to at most "
                 f"{max(room, 0)}", "max_tokens")
         sampling = sampling or SamplingParams()
-        if (sampling.min_tokens or sampling.ignore_eos) and not self.eos_token_ids:
-            raise RequestError("this model has no end-of-sequence token, so min_tokens and ignore_eos have nothing to "
-                               "act on; drop them", "min_tokens" if sampling.min_tokens else "ignore_eos")
+        if sampling.ignore_eos and not self.eos_token_ids:
+            raise RequestError("this model has no end-of-sequence token, so ignore_eos has nothing to act on; drop it",
+                               "ignore_eos")
+        if sampling.min_tokens and not self.eos_token_ids and not stop:
+            raise RequestError("this model has no end-of-sequence token and the request no stop strings, so "
+                               "min_tokens has nothing to hold back; drop it", "min_tokens")
+        if sampling.min_tokens and grammar is not None:  # where the grammar allows only EOS, nothing would be left
+            raise RequestError("min_tokens cannot be combined with response_format (a grammar may allow nothing but "
+                               "the end of the answer); drop one", "min_tokens")
         if sampling.min_tokens > max_tokens:
             raise RequestError(f"min_tokens ({sampling.min_tokens}) is more than max_tokens ({max_tokens})",
                                "min_tokens")
@@ -601,7 +608,17 @@ class ServingEngine:
         self.counters["generation_tokens"] += len(tokens)
         text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True) if self.tokenizer else ""
         reason = request.finish_reason if finished else None
-        hit = _find_stop(text, stream.stop, stream._sent)
+        # vLLM's min_tokens holds stop strings back too: only one ending past the first min_tokens tokens counts.
+        floor = 0
+        if request.sampling.min_tokens:
+            if request.num_generated < request.sampling.min_tokens:
+                floor = None
+            else:
+                if stream._stop_floor is None:
+                    stream._stop_floor = len(self.tokenizer.decode(request.output_ids[:request.sampling.min_tokens],
+                                                                   skip_special_tokens=True).rstrip("\ufffd"))
+                floor = stream._stop_floor
+        hit = None if floor is None else _find_stop(text, stream.stop, stream._sent, floor)
         if hit is not None:  # a stop string: the text ends before it, and so does the request
             end = hit + min(len(s) for s in stream.stop if text.startswith(s, hit))
             excess = _tokens_past(self.tokenizer, request.output_ids, len(tokens), hit, text[hit:end])
@@ -643,11 +660,13 @@ def _tokens_past(tokenizer, output_ids: list[int], new: int, hit: int, stop: str
     return 0
 
 
-def _find_stop(text: str, stops: tuple[str, ...], sent: int) -> int | None:
+def _find_stop(text: str, stops: tuple[str, ...], sent: int, floor: int = 0) -> int | None:
+    """Where the first stop string begins in `text`, searching from just before the `sent` characters already
+    delivered; only a stop string ending past character `floor` counts."""
     if not stops:
         return None
     start = max(0, sent - max(len(s) for s in stops))
-    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    hits = [i for i in (text.find(s, max(start, floor - len(s) + 1)) for s in stops) if i >= 0]
     return min(hits) if hits else None
 
 

@@ -529,7 +529,7 @@ def _min_tokens(body: dict, max_tokens: int | None) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise RequestError(f"min_tokens must be a non-negative integer, got {value!r}", "min_tokens")
     if max_tokens is not None and value > max_tokens:
-        raise RequestError(f"min_tokens ({value}) is more than max_tokens ({max_tokens})", "min_tokens")
+        raise RequestError(f"min_tokens ({value}) is more than the most tokens asked for ({max_tokens})", "min_tokens")
     return value
 
 
