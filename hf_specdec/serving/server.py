@@ -53,6 +53,11 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+    from ..tokenizers import token_bytes
+
+    if engine.tokenizer is not None:  # read the tokenizer's byte spelling now, not on the first logprobs request
+        token_bytes(engine.tokenizer)
+
     @asynccontextmanager
     async def lifespan(app):
         await asyncio.to_thread(engine.start)  # returns after the warm-up, if any; /health answers from then on
