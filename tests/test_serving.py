@@ -637,10 +637,11 @@ def test_min_tokens_holds_stop_strings_back_and_is_refused_with_a_grammar(tokeni
     try:
         early = engine.generate(prompt, max_tokens=20, stop=[stop])
         late = engine.generate(prompt, max_tokens=20, stop=[stop], sampling=SamplingParams(min_tokens=5))
-        with pytest.raises(RequestError, match="min_tokens") as refused:
-            engine.submit(prompt, 8, SamplingParams(min_tokens=2), grammar=Grammar.from_response_format(
-                {"type": "json_object"}))
-        assert refused.value.param == "min_tokens"
+        for field, sampling in (("min_tokens", SamplingParams(min_tokens=2)), ("ignore_eos", SamplingParams(
+                ignore_eos=True))):
+            with pytest.raises(RequestError, match=f"{field} cannot be combined with response_format") as refused:
+                engine.submit(prompt, 8, sampling, grammar=Grammar.from_response_format({"type": "json_object"}))
+            assert refused.value.param == field
     finally:
         engine.shutdown()
     assert early.text == text[:text.index(stop)]
@@ -1043,6 +1044,10 @@ def test_bad_chat_logprobs_get_400(server, extra, param):
 
 def test_neutral_values_some_sdks_send_are_taken(server):
     import httpx
+
+    response = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "w5", "max_tokens": 2,
+                                                                 "logprobs": False})
+    assert response.status_code == 200 and response.json()["choices"][0]["logprobs"] is None, response.text
 
     for extra in ({"logit_bias": {}}, {"tools": []}, {"logprobs": False}, {"presence_penalty": 0}):
         response = httpx.post(server.url + "/v1/chat/completions", json={

@@ -393,18 +393,21 @@ class ServingEngine:
                 f"max_tokens asks for {max_tokens} more; shorten the prompt or lower max_tokens to at most "
                 f"{max(room, 0)}", "max_tokens")
         sampling = sampling or SamplingParams()
-        if sampling.ignore_eos and not self.eos_token_ids:
-            raise RequestError("this model has no end-of-sequence token, so ignore_eos has nothing to act on; drop it",
-                               "ignore_eos")
-        if sampling.min_tokens and not self.eos_token_ids and not stop:
-            raise RequestError("this model has no end-of-sequence token and the request no stop strings, so "
-                               "min_tokens has nothing to hold back; drop it", "min_tokens")
+        if sampling.ignore_eos and grammar is not None:  # a finished grammar allows only EOS: EOS to max_tokens
+            raise RequestError("ignore_eos cannot be combined with response_format (once the grammar is complete, "
+                               "only the end of the answer is allowed); drop one", "ignore_eos")
         if sampling.min_tokens and grammar is not None:  # where the grammar allows only EOS, nothing would be left
             raise RequestError("min_tokens cannot be combined with response_format (a grammar may allow nothing but "
                                "the end of the answer); drop one", "min_tokens")
         if sampling.min_tokens > max_tokens:
             raise RequestError(f"min_tokens ({sampling.min_tokens}) is more than max_tokens ({max_tokens})",
                                "min_tokens")
+        if sampling.ignore_eos and not self.eos_token_ids:
+            raise RequestError("this model has no end-of-sequence token, so ignore_eos has nothing to act on; drop it",
+                               "ignore_eos")
+        if sampling.min_tokens and not self.eos_token_ids and not stop:
+            raise RequestError("this model has no end-of-sequence token and the request no stop strings, so "
+                               "min_tokens has nothing to hold back; drop it", "min_tokens")
         if sampling.logit_bias and max(sampling.logit_bias) >= self.vocab_size:
             raise RequestError(f"logit_bias names token {max(sampling.logit_bias)}, outside the model's vocabulary "
                                f"of {self.vocab_size}", "logit_bias")

@@ -514,8 +514,8 @@ def _logprobs(body: dict, chat: bool) -> int | None:
             raise RequestError(f"{name} must be an integer from 0 to {MAX_LOGPROBS}, got {value!r}", name)
         return value
 
-    if not chat:
-        return None if body.get("logprobs") is None else count("logprobs")
+    if not chat:  # `false` is what some clients send for none
+        return None if body.get("logprobs") is None or body.get("logprobs") is False else count("logprobs")
     wanted = body.get("logprobs")
     if wanted is not None and not isinstance(wanted, bool):
         raise RequestError(f"logprobs must be true or false, got {wanted!r}", "logprobs")
