@@ -213,11 +213,16 @@ def load_profile(model) -> Profile | None:
 def save_profile(model, profile: Profile):
     """Writes `profile` as `model`'s cached profile (atomically) and returns its path."""
     path = profile_path(model)
+    _write_atomically(path, json.dumps(profile.to_json(), indent=1))
+    return path
+
+
+def _write_atomically(path, text: str) -> None:
+    """Writes `text` to `path` through a temporary file beside it: a reader sees the old file or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.partial")
-    partial.write_text(json.dumps(profile.to_json(), indent=1))
+    partial.write_text(text)
     partial.replace(path)
-    return path
 
 
 # What a call uses -------------------------------------------------------------------------------------------------
@@ -345,10 +350,7 @@ def _note_unsteady(model, what: str, failed: bool) -> None:
     elif notes.pop(what, None) is None:
         return
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.partial")
-        partial.write_text(json.dumps(notes))
-        partial.replace(path)
+        _write_atomically(path, json.dumps(notes))
     except OSError as error:  # a read-only cache: the next call tries again, no harm
         logger.debug(f"could not note the calibration outcome in {path}: {error}")
 

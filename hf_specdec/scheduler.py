@@ -147,6 +147,7 @@ class RowSampling:
         # End-of-sequence tokens, which `min_tokens` holds back.
         self.eos_token_ids = torch.as_tensor(list(eos_token_ids or []), dtype=torch.long, device=device)
         self.min_tokens = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self._eos_masks: dict[int, torch.Tensor] = {}
         self.vocab_size = vocab_size  # for logit biases
         self.temperature = torch.ones(num_rows, device=device)
         self.top_k = torch.zeros(num_rows, dtype=torch.long, device=device)
@@ -254,10 +255,16 @@ class RowSampling:
             scores = self._count_penalties(history, rows, lengths, scores)
         if self._held:  # fewer than min_tokens generated before this position: no end-of-sequence token yet
             early = (lengths - self.output_start[rows]) < self.min_tokens[rows]
-            eos = torch.zeros(vocab, dtype=torch.bool, device=scores.device)
-            eos[self.eos_token_ids[self.eos_token_ids < vocab]] = True
-            scores = scores.masked_fill(early[:, None] & eos, float("-inf"))
+            scores = scores.masked_fill(early[:, None] & self._eos_mask(vocab), float("-inf"))
         return scores
+
+    def _eos_mask(self, vocab: int) -> torch.Tensor:
+        """`[vocab]` whether each token ends a sequence, made once per logits width."""
+        if vocab not in self._eos_masks:
+            mask = torch.zeros(vocab, dtype=torch.bool, device=self.device)
+            mask[self.eos_token_ids[self.eos_token_ids < vocab]] = True
+            self._eos_masks[vocab] = mask
+        return self._eos_masks[vocab]
 
     def _count_penalties(self, history, rows, lengths, scores) -> torch.Tensor:
         n, vocab = scores.shape
