@@ -30,9 +30,13 @@ import torch
 from .kernels.sampling import apply_sampling_params
 from .metrics import SpeculativeMetrics
 from .model_runner import TargetHiddenStates, committed_hidden_states
+from .step import emitted_logprobs
 from .types import SequenceBatch, gather_right_aligned
 
 
+# Prompt tokens per forward for a prompt whose log probabilities are reported (`Request.prompt_logprobs`): each
+# position's logits are kept, `[tokens, vocab]` of them.
+PROMPT_LOGPROBS_PIECE = 256
 # Bounds of `SamplingParams.repetition_penalty`: logits divided or multiplied by it stay finite in float32.
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
@@ -109,6 +113,12 @@ class Request:
             top-k/top-p, grammars), at the position that produced the token, whichever step verified it.
         output_logprobs: with `logprobs`, one `(log probability, [(token id, log probability), ...])` per token of
             `output_ids`, the alternatives likeliest first.
+        prompt_logprobs: `None`, or how many alternatives to list with the log probability of each prompt token after
+            the first, given the tokens before it (vLLM's `prompt_logprobs`; the completions API's `echo` with
+            `logprobs`). Such a prompt is fed in pieces of its own whose every position gives logits, never from
+            the prefix cache; with `max_new_tokens=0` the request ends once its prompt is scored.
+        prompt_token_logprobs: with `prompt_logprobs`, one `(log probability, alternatives)` per prompt token after
+            the first, as `output_logprobs`.
         num_generated: how many tokens were generated.
         finish_reason: `"stop"` (EOS or a stop rule), `"length"` (max_new_tokens), `"cancelled"`, or `"error"`
             (refused as it joined the batch: `error` says why); `None` while running.
@@ -122,6 +132,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None
     output_logprobs: list = field(default_factory=list)
+    prompt_logprobs: int | None = None
+    prompt_token_logprobs: list = field(default_factory=list)
     num_generated: int = 0
     finish_reason: str | None = None
     slot: int | None = None
@@ -343,7 +355,7 @@ class Scheduler:
         self.free_slots = list(range(len(batch.lengths)))[::-1]
         self._fresh: dict[int, None] = {}  # rows admitted but not yet fed, in order of admission
         self._reserved: dict[int, int] = {}  # row -> worst-case KV blocks
-        self._refused: list[Request] = []
+        self._refused: list[Request] = []  # ended as they left the queue: refused, or with nothing to do
 
     # --- the queue ---------------------------------------------------------------------------------------------
 
@@ -386,6 +398,7 @@ class Scheduler:
         batch, step = self.batch, self.step_fn
         step.timed = True
         chunked = self._feed_chunks()  # rows still reading a long prompt: a piece of it, and no step this time
+        events += self._finish_scored(chunked)
         everyone = [r for r in sorted(self.running) if r not in chunked]
         if not everyone:
             return events
@@ -443,15 +456,21 @@ class Scheduler:
         block boundaries, fed in a forward of their own. With nobody running yet, every prompt within the budget
         joins at once and only longer ones go in pieces. Returns the rows that sit this step out: those fed a piece,
         and those left waiting."""
-        limit = self.prefill_chunk
-        if limit is None or not self._fresh:
+        if not self._fresh:
             return set()
         target, batch = self.target, self.batch
+        scoring = [r for r in self._fresh if self.running[r].prompt_logprobs is not None
+                   and target.length(r) < batch.lengths[r] - 1]
+        if scoring:
+            self._score_prompts(scoring)
+        limit = self.prefill_chunk
+        if limit is None:
+            return set(scoring)
         manager = getattr(getattr(target, "cache", None), "manager", None)
         block = manager.block_size if manager is not None else 1
         limit = -(-limit // block) * block  # whole blocks: the prefix cache stores whole blocks, with their states
         running = len(self.running) > len(self._fresh)  # streams a newcomer's prefill would hold up
-        fresh = list(self._fresh)
+        fresh = [r for r in self._fresh if r not in scoring]
         cached = {r: target.length(r) for r in fresh}
         pending = {r: batch.lengths[r] - cached[r] for r in fresh}
         budget, out = limit, set()
@@ -472,9 +491,40 @@ class Scheduler:
                 budget -= amount
         if rows:
             self._feed(rows, amounts, [cached[r] for r in rows])
-        return out
+        return out | set(scoring)
 
-    def _feed(self, rows: list[int], amounts: list[int], cached: list[int]) -> None:
+    def _score_prompts(self, rows: list[int]) -> None:
+        """A piece of each prompt whose log probabilities are reported, in a forward of its own with logits at every
+        position: position i's give prompt token i + 1's log probability. The pieces end on block boundaries (the
+        prefix cache stores whole blocks) but the last, which stops before the last prompt token: the row's first
+        step feeds that one, whose logits give the first generated token."""
+        target, batch = self.target, self.batch
+        block = getattr(getattr(getattr(target, "cache", None), "manager", None), "block_size", 1)
+        piece = min(PROMPT_LOGPROBS_PIECE, self.prefill_chunk or PROMPT_LOGPROBS_PIECE)
+        for row in rows:
+            cached, end = target.length(row), batch.lengths[row] - 1
+            amount = min(piece, end - cached)
+            if cached + amount < end and (cached + amount) % block < amount:
+                amount -= (cached + amount) % block
+            out = self._feed([row], [amount], [cached], num_logits=amount)
+            first = int(batch.first_col[row]) + cached + 1
+            tokens = batch.token_ids[row, first:first + amount][None]
+            request = self.running[row]
+            request.prompt_token_logprobs += emitted_logprobs(out.logits[:, -amount:], tokens, [row], [amount],
+                                                              {row: request.prompt_logprobs})[row]
+
+    def _finish_scored(self, rows) -> list[tuple[Request, list[int], bool]]:
+        """Requests for a prompt's log probabilities alone (`max_new_tokens=0`) whose prompts are scored: they end
+        here, without a step."""
+        done = [r for r in rows if r in self.running and self.running[r].max_new_tokens == 0
+                and self.target.length(r) >= self.batch.lengths[r] - 1]
+        for row in done:
+            self.running[row].finish_reason = "length"
+        events = [(self.running[row], [], True) for row in done]
+        self._retire(done)
+        return events
+
+    def _feed(self, rows: list[int], amounts: list[int], cached: list[int], num_logits: int = 1):
         """Feeds `amounts[i]` more prompt tokens of `rows[i]` to the target's cache. A speculator reading the target's
         states gets those of the pieces when the row joins a step, ahead of that step's (`Step.prefix_states`, see
         `_hand_over_pieces`), as from a stored prefix: until then it has nothing to draft from for the row. The prefix
@@ -486,7 +536,7 @@ class Scheduler:
             torch.tensor(amounts, device=batch.device), max(amounts))
         wants_states = speculator.needs_hidden_states
         layers = tuple(speculator.hidden_state_layers) if wants_states else False
-        out = target.forward(rows, input_ids, amounts, num_logits=1, output_hidden_states=layers,
+        out = target.forward(rows, input_ids, amounts, num_logits=num_logits, output_hidden_states=layers,
                              packed_states=wants_states)
         self.num_prefill_chunks += len(rows)
         self.step_fn.timed = False  # the next step's timers may wait for this forward (a GPU runs it meanwhile)
@@ -498,6 +548,7 @@ class Scheduler:
                 self._pieces.setdefault(row, (cached[i], []))[1].append(states.row(i))
         if self.prefix_cache is not None:
             self._store_prefixes(rows, states)
+        return out
 
     def _hand_over_pieces(self, rows: list[int]) -> None:
         """The states of the pieces of rows joining this step, after a stored prefix's (if any), as one entry of
@@ -548,6 +599,10 @@ class Scheduler:
             if self.max_num_blocks is not None and sum(self._reserved.values()) + need > self.max_num_blocks - 1:
                 return  # first come, first served: it waits for blocks to come back
             self.waiting.popleft()
+            if request.max_new_tokens == 0 and (request.prompt_logprobs is None or len(request.prompt_ids) < 2):
+                request.finish_reason = "length"  # nothing to generate, nothing to score
+                self._refused.append(request)
+                continue
             # The lowest free slot: running rows stay packed at the front, where their KV regions (if the runner gave
             # the slots any) lie one after another and attention reads them in place.
             request.slot = min(self.free_slots)
@@ -555,8 +610,8 @@ class Scheduler:
             try:
                 self._write_prompt(request)
                 self._admit(request, need)
-                if self.prefix_cache is not None:
-                    self._load_prefix(request)
+                if self.prefix_cache is not None and request.prompt_logprobs is None:  # (a stored prefix has no
+                    self._load_prefix(request)  # logits for the prompt's positions)
             except Exception as error:  # noqa: BLE001 - this request cannot run (a draft that cannot read its
                 # prompt, say); it is refused alone and the batch runs on
                 request.error = f"{type(error).__name__}: {error}"

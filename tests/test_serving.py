@@ -431,7 +431,9 @@ def test_bad_requests_are_refused_and_the_rest_run_on(tokenizer):
             engine.submit(repeating(40, 0), 30)
         assert info.value.param == "max_tokens"
         with pytest.raises(RequestError, match="max_tokens"):
-            engine.submit(repeating(4, 0), 0)
+            engine.submit(repeating(4, 0), -1)
+        nothing = engine.generate(repeating(4, 0), max_tokens=0)  # nothing to do: it ends as it leaves the queue
+        assert nothing.request.output_ids == [] and nothing.request.finish_reason == "length"
         good = engine.generate(repeating(6, 1), max_tokens=8)
         assert good.request.output_ids == solo(model, repeating(6, 1), 8)
     finally:
@@ -778,6 +780,65 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+def prompt_reference(model, prompt: list[int]) -> torch.Tensor:
+    """`[len(prompt) - 1, vocab]` the target's log-softmax at each prompt position but the last (position i gives
+    token i + 1's log probability), from one plain forward on the twin of `model`."""
+    solo(model, prompt, 1)
+    with torch.no_grad():
+        logits = _TWINS[id(model)][1](torch.tensor([prompt])).logits[0, :-1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def assert_prompt_logprobs(model, request, top: int) -> None:
+    reference = prompt_reference(model, request.prompt_ids)
+    entries = request.prompt_token_logprobs
+    assert len(entries) == len(request.prompt_ids) - 1
+    chosen = reference.gather(-1, torch.tensor(request.prompt_ids[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor([value for value, _ in entries]), chosen, atol=1e-4, rtol=0)
+    for row, (_, alternatives) in zip(reference, entries):
+        values, ids = row.topk(top) if top else (row[:0], row[:0].long())
+        assert [t for t, _ in alternatives] == ids.tolist()
+        torch.testing.assert_close(torch.tensor([v for _, v in alternatives]), values, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("speculator", ["ngram", "draft"])
+def test_prompt_logprobs_are_the_targets(tokenizer, speculator):
+    """`prompt_logprobs`: each prompt token's log probability given those before it, and its likeliest alternatives,
+    equal one plain forward's, for prompts fed in pieces (longer than a prefill chunk) beside running requests and
+    for a prompt whose prefix the prefix cache holds; the answers after them equal their solo runs, and
+    `max_tokens=0` scores the prompt alone, ending at once, every block back."""
+    model = served_model(eos=None)
+    spec = served_model(seed=3, eos=None) if speculator == "draft" else "ngram"
+    engine = ServingEngine(model, tokenizer, spec, num_speculative_tokens=3, schedule="constant", max_batch_size=4,
+                           prefill_chunk_tokens=16, prefix_cache_tokens=256).start()
+    long_prompt, short_prompt = repeating(45, 11), repeating(9, 12)
+    try:
+        running = engine.submit(repeating(12, 13), 40)
+        next(iter(running))  # a batch is running when the scored prompts arrive
+        warm = engine.generate(long_prompt, max_tokens=2)  # the prefix cache now holds the long prompt's blocks
+        scored = [engine.submit(long_prompt, 10, prompt_logprobs=3, logprobs=1),
+                  engine.submit(short_prompt, 0, prompt_logprobs=0),
+                  engine.submit(long_prompt[:30], 0, prompt_logprobs=2),
+                  engine.submit([short_prompt[0]], 0, prompt_logprobs=1)]
+        deltas = [list(s) for s in scored]
+        for _ in running:
+            pass
+        time.sleep(0.05)
+        assert no_blocks_held(engine)
+    finally:
+        engine.shutdown()
+    assert warm.request.prompt_token_logprobs == []
+    assert running.request.output_ids == solo(model, running.request.prompt_ids, 40)
+    assert scored[0].request.output_ids == solo(model, long_prompt, 10)
+    assert len(scored[0].request.output_logprobs) == 10
+    for stream, top in zip(scored[:3], (3, 0, 2)):
+        assert_prompt_logprobs(model, stream.request, top)
+    for stream, got in zip(scored[1:], deltas[1:]):  # max_tokens=0: one delta, no tokens
+        assert [(d.token_ids, d.finish_reason) for d in got] == [([], "length")]
+        assert stream.request.output_ids == []
+    assert scored[3].request.prompt_token_logprobs == []  # a one-token prompt: nothing before its token
+
+
 
 class Server:
     """`create_app` under uvicorn on a free loopback port, in a thread; stopped by the test."""
@@ -898,6 +959,58 @@ def test_logprobs_through_the_client(server, tokenizer):
     assert plain.choices[0].logprobs is None
 
 
+def test_echo_and_prompt_logprobs_through_the_client(server, tokenizer):
+    """Completions' `echo`: the text starts with the prompt's; with `logprobs`, the prompt's tokens come first, the
+    first without a log probability and the others with the target's, whole and streamed (lm-eval's loglikelihood
+    requests: token-id prompts, `echo`, `max_tokens` 0 or 1, `logprobs: 1`)."""
+    client = server.client()
+    prompt = repeating(9, 6)
+    prompt_text = tokenizer.decode(prompt, skip_special_tokens=True)
+    reference = prompt_reference(server.model, prompt)
+    expected = solo(server.model, prompt, 5)
+    answer = tokenizer.decode(expected, skip_special_tokens=True)
+
+    alone = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    choice = alone.choices[0]
+    assert choice.text == prompt_text and choice.finish_reason == "length"
+    assert alone.usage.completion_tokens == 0 and alone.usage.prompt_tokens == len(prompt)
+    logprobs = choice.logprobs
+    assert "".join(logprobs.tokens) == prompt_text and len(logprobs.tokens) == len(prompt)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    torch.testing.assert_close(torch.tensor(logprobs.token_logprobs[1:]),
+                               reference.gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0], atol=1e-4, rtol=0)
+    for token, value, top, row in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:],
+                                      reference):
+        assert top[token] == value and 2 <= len(top) <= 3
+        assert sorted(top.values(), reverse=True)[:2] == pytest.approx(row.topk(2).values.tolist(), abs=1e-4)
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(prompt))]
+
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0, echo=True,
+                                      logprobs=1)
+    assert whole.choices[0].text == prompt_text + answer
+    logprobs = whole.choices[0].logprobs
+    assert "".join(logprobs.tokens) == prompt_text + answer and len(logprobs.tokens) == len(prompt) + 5
+    assert logprobs.token_logprobs[:len(prompt)] == pytest.approx(alone.choices[0].logprobs.token_logprobs, abs=1e-5)
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0, echo=True,
+                                            logprobs=1, stream=True))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert texts[0] == prompt_text and "".join(texts) == prompt_text + answer
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for lp in streamed for t in lp.tokens] == logprobs.tokens
+    assert [v for lp in streamed for v in lp.token_logprobs] == logprobs.token_logprobs
+    assert [o for lp in streamed for o in lp.text_offset] == logprobs.text_offset
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+
+    words = "w5 w6 w7 w5 w6"
+    plain = client.completions.create(model="tiny", prompt=words, max_tokens=4, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith(words) and plain.choices[0].logprobs is None
+    batch = client.completions.create(model="tiny", prompt=[prompt, prompt[:5]], max_tokens=1, temperature=0,
+                                      echo=True, logprobs=1)
+    assert [len(c.logprobs.token_logprobs) for c in batch.choices] == [len(prompt) + 1, 6]
+    assert batch.choices[1].logprobs.token_logprobs[1:5] == pytest.approx(
+        alone.choices[0].logprobs.token_logprobs[1:5], abs=1e-5)
+
+
 def test_penalties_through_the_client(server):
     """`presence_penalty`, `frequency_penalty`, `logit_bias` (OpenAI's) and `repetition_penalty` (vLLM's, as an
     extra field), each equal to decoding with the reference formulas."""
@@ -998,7 +1111,8 @@ def test_models_health_metrics(server):
     ({"prompt": "w1", "frobnicate": 1}, "frobnicate"),
     ({"prompt": "w1 " * 100, "max_tokens": 100}, "max_tokens"),
     ({"prompt": "w1", "response_format": {"type": "json_schema"}}, "response_format"),
-    ({"prompt": "w1", "echo": True}, "echo"),
+    ({"prompt": "w1", "echo": 1}, "echo"),
+    ({"prompt": "w1", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
     ({"prompt": "w1", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "w1", "frequency_penalty": "high"}, "frequency_penalty"),
     ({"prompt": "w1", "repetition_penalty": 0}, "repetition_penalty"),

@@ -367,11 +367,14 @@ class ServingEngine:
 
     def submit(self, prompt_ids: list[int], max_tokens: int | None = None, sampling: SamplingParams | None = None,
                stop: list[str] | None = None, grammar=None, loop: asyncio.AbstractEventLoop | None = None,
-               request_id: str | None = None, logprobs: int | None = None) -> RequestStream:
+               request_id: str | None = None, logprobs: int | None = None,
+               prompt_logprobs: int | None = None) -> RequestStream:
         """Queues a request. `grammar` is an `hf_specdec.Grammar` (compiled here, so a bad one fails now). With
         `loop`, the stream is consumed with `async for` on that loop; without, with a plain `for`. `logprobs`: report
         each token's log probability and that many likeliest alternatives (0 to `MAX_LOGPROBS`; see
-        `Request.logprobs`), in every `Delta` and in `stream.request.output_logprobs`.
+        `Request.logprobs`), in every `Delta` and in `stream.request.output_logprobs`. `prompt_logprobs`: the same for
+        each prompt token after the first (`Request.prompt_logprobs`), in `stream.request.prompt_token_logprobs`
+        once the first delta arrives; with `max_tokens=0` the prompt alone is scored.
 
         Raises `RequestError` for a request that cannot be served (the field named), `QueueFullError` when the queue
         is full, `RuntimeError` when the engine is shutting down or has failed."""
@@ -385,8 +388,9 @@ class ServingEngine:
         room = self.max_model_len - len(prompt_ids)
         if max_tokens is None:
             max_tokens = room
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}", "max_tokens")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+            raise RequestError(f"max_tokens must be a non-negative integer (0: nothing generated, the prompt scored "
+                               f"with prompt_logprobs), got {max_tokens!r}", "max_tokens")
         if max_tokens > room:
             raise RequestError(
                 f"this model's context is {self.max_model_len} tokens, but the prompt has {len(prompt_ids)} and "
@@ -411,10 +415,11 @@ class ServingEngine:
         if sampling.logit_bias and max(sampling.logit_bias) >= self.vocab_size:
             raise RequestError(f"logit_bias names token {max(sampling.logit_bias)}, outside the model's vocabulary "
                                f"of {self.vocab_size}", "logit_bias")
-        if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)
-                                     or not 0 <= logprobs <= MAX_LOGPROBS):
-            raise RequestError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS} (the alternatives to list "
-                               f"with each token), got {logprobs!r}", "logprobs")
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise RequestError(f"{name} must be an integer from 0 to {MAX_LOGPROBS} (the alternatives to list "
+                                   f"with each token), got {value!r}", name)
         if logprobs is not None and self.step.tree_nodes is not None:
             raise RequestError("log probabilities are not reported with draft trees; drop logprobs", "logprobs")
         if (stop or grammar is not None) and self.tokenizer is None:
@@ -432,7 +437,8 @@ class ServingEngine:
             if not first_position_spellable(compiled):
                 raise RequestError("the model's tokenizer cannot spell the start of this grammar (it allows no token "
                                    "of the vocabulary)", "response_format")
-        request = Request(list(prompt_ids), max_tokens, sampling, compiled, logprobs=logprobs, **(
+        request = Request(list(prompt_ids), max_tokens, sampling, compiled, logprobs=logprobs,
+                          prompt_logprobs=prompt_logprobs, **(
             {"request_id": request_id} if request_id else {}))
         if loop is not None:
             stream = RequestStream(request, tuple(stop or ()), self, loop, asyncio.Queue())

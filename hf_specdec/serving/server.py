@@ -33,7 +33,7 @@ _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprob
                    "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
 # Accepted only at their neutral values (compared by type too: `0 == False` in Python). Empty `logit_bias` and
 # `tools` are what some SDKs send by default.
-_NEUTRAL = {"echo": (False, None), "best_of": (1, None), "suffix": (None, ""), "tools": (None, []),
+_NEUTRAL = {"best_of": (1, None), "suffix": (None, ""), "tools": (None, []),
             "tool_choice": (None, "none")}
 # Chat roles a template understands; `developer` (OpenAI's newer name for system instructions) is sent as `system`.
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -155,7 +155,8 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
                     if sampling.seed is not None and parsed["n"] > 1:  # n different samples, each reproducible
                         sampling = dataclasses.replace(sampling, seed=sampling.seed + j)
                     streams.append(engine.submit(prompt, parsed["max_tokens"], sampling, parsed["stop"],
-                                                 parsed["grammar"], loop=loop, logprobs=parsed["logprobs"]))
+                                                 parsed["grammar"], loop=loop, logprobs=parsed["logprobs"],
+                                                 prompt_logprobs=parsed["prompt_logprobs"]))
         except RequestError as bad:
             cancel_unfinished(streams)
             return error(400, str(bad), "invalid_request_error", bad.param)
@@ -170,9 +171,12 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
             raise
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         prompt_tokens = sum(len(p) for p in parsed["prompts"])
+        # With `echo`, each choice's text starts with its prompt's (streams are prompt by prompt, n of each).
+        echoes = [text for text in parsed["echo"] for _ in range(parsed["n"])] if parsed["echo"] else None
         if parsed["stream"]:  # the generator cancels what is unfinished when it ends or the client goes
             return StreamingResponse(stream_events(streams, rid, chat, model_name, parsed["include_usage"],
-                                                   prompt_tokens, engine.tokenizer), media_type="text/event-stream")
+                                                   prompt_tokens, engine.tokenizer, echoes),
+                                     media_type="text/event-stream")
         try:
             results = await asyncio.gather(*(collect(s, request) for s in streams))
         except RequestError as bad:
@@ -183,7 +187,7 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
             cancel_unfinished(streams)
         if any(reason is None for _, reason in results):  # the client went away
             return error(499, "client disconnected", "invalid_request_error")
-        choices = [choice(i, text, reason, chat, stream.request, engine.tokenizer)
+        choices = [choice(i, text, reason, chat, stream.request, engine.tokenizer, echoes and echoes[i])
                    for i, ((text, reason), stream) in enumerate(zip(results, streams))]
         usage = usage_of(streams, prompt_tokens)
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
@@ -245,11 +249,19 @@ async def _watch(stream, request, every_s: float = 0.5):
             return
 
 
-def choice(index: int, text: str, reason: str, chat: bool, request=None, tokenizer=None) -> dict:
+def choice(index: int, text: str, reason: str, chat: bool, request=None, tokenizer=None,
+           echo: str | None = None) -> dict:
+    """One choice of a whole (not streamed) answer; `echo`: the prompt's text, which the completion's follows."""
     reason = "stop" if reason == "cancelled" else reason
     logprobs = None
     if request is not None and request.logprobs is not None:
-        logprobs = TokenLogprobs(tokenizer, chat).format(request.output_ids, request.output_logprobs)
+        # An echoed prompt's tokens join into its text, and the answer's into its own after it.
+        offset = len(echo) if echo is not None else 0
+        logprobs = TokenLogprobs(tokenizer, chat, offset).format(request.output_ids, request.output_logprobs)
+        if echo is not None:
+            logprobs = join_logprobs(TokenLogprobs(tokenizer, chat).prompt(request), logprobs)
+    if echo is not None:
+        text = echo + text
     if chat:
         return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": reason}
@@ -266,12 +278,12 @@ class TokenLogprobs:
     each token is decoded with the few before it (a tokenizer that drops a word's leading space when a token is
     decoded alone still shows it). An alternative's text is what it would have added in the token's place. The
     completions API's form lists `tokens`, `token_logprobs`, `top_logprobs` (per token, the alternatives and the token
-    itself, text -> log probability) and `text_offset` (characters from the start of the completion); the chat
+    itself, text -> log probability) and `text_offset` (characters from the start of the choice's text); the chat
     API's lists `content`, one object per token with its `token`, `logprob`, `bytes` and `top_logprobs`."""
 
     CONTEXT = 4  # tokens decoded before each one, without a byte spelling
 
-    def __init__(self, tokenizer, chat: bool):
+    def __init__(self, tokenizer, chat: bool, offset: int = 0):
         import codecs
 
         from ..tokenizers import token_bytes
@@ -281,7 +293,7 @@ class TokenLogprobs:
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self.strip = self.spelling.strip_start if self.spelling is not None else 0  # leading spaces still to drop
         self.history: list[int] = []
-        self.offset = 0
+        self.offset = offset  # characters of the choice's text before the first token's (an echoed prompt's)
 
     def _decoded(self, ids: list[int]) -> str:
         # Without the replacement marks of a character not complete yet: its token adds nothing until it is.
@@ -314,9 +326,19 @@ class TokenLogprobs:
         text = self._decoded(context + [token])[len(before):]
         return text, list(text.encode("utf-8"))
 
+    def prompt(self, request) -> dict:
+        """The completions API's form for a request's prompt tokens (`echo`), to come before its answer's: the
+        first token has no log probability (nothing comes before it), the others theirs given the tokens before
+        them (`Request.prompt_token_logprobs`) when they were asked for, else none either."""
+        entries = [None] + list(request.prompt_token_logprobs)
+        return self.format(request.prompt_ids, entries + [None] * (len(request.prompt_ids) - len(entries)))
+
     def format(self, token_ids: list[int], entries: list) -> dict:
+        """`entries`: one `(log probability, alternatives)` per token, or `None` for a token without (the first of
+        an echoed prompt), whose log probability and alternatives are then `null`."""
         chosen, tops = [], []
-        for token, (_, alternatives) in zip(token_ids, entries):
+        for token, entry in zip(token_ids, entries):
+            alternatives = entry[1] if entry is not None else []
             context, before = [], ""
             if self.spelling is None and self.tokenizer is not None and self.history:
                 context = self.history[len(self.history) - self.CONTEXT:]
@@ -333,10 +355,16 @@ class TokenLogprobs:
         for text, _ in chosen:
             offsets.append(self.offset)
             self.offset += len(text)
-        return {"tokens": [text for text, _ in chosen], "token_logprobs": [value for value, _ in entries],
-                "top_logprobs": [{_key(t, b): v for t, b, v in top} | {text: value}
-                                 for (text, _), (value, _), top in zip(chosen, entries, tops)],
+        return {"tokens": [text for text, _ in chosen],
+                "token_logprobs": [entry[0] if entry is not None else None for entry in entries[:len(chosen)]],
+                "top_logprobs": [{_key(t, b): v for t, b, v in top} | {text: entry[0]} if entry is not None else None
+                                 for (text, _), entry, top in zip(chosen, entries, tops)],
                 "text_offset": offsets}
+
+
+def join_logprobs(first: dict, then: dict) -> dict:
+    """Two pieces of the completions API's `logprobs` one after the other (an echoed prompt's, then the answer's)."""
+    return {key: first[key] + then[key] for key in first}
 
 
 def _key(text: str, data: list[int]) -> str:
@@ -351,19 +379,20 @@ def usage_of(streams, prompt_tokens: int) -> dict:
 
 
 async def stream_events(streams, rid: str, chat: bool, model_name: str, include_usage: bool, prompt_tokens: int,
-                        tokenizer=None):
+                        tokenizer=None, echoes: list[str] | None = None):
     """Server-sent events: one chunk per delta of every choice, then `data: [DONE]`. A client that disconnects
     cancels every choice (their KV blocks are freed at the next step). With log probabilities, a chunk carries
     those of the tokens since the last chunk (a delta whose text is held back, say the start of a stop string,
-    sends no chunk: its tokens' go with the next)."""
+    sends no chunk: its tokens' go with the next). With `echoes` (completions' `echo`), a choice's first chunk is
+    its prompt's text (and its prompt tokens' log probabilities), sent with its first delta, when they are known."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
-    formatters = [TokenLogprobs(tokenizer, chat) if s.request.logprobs is not None else None for s in streams]
+    formatters = [TokenLogprobs(tokenizer, chat, len(echoes[i]) if echoes else 0)
+                  if s.request.logprobs is not None else None for i, s in enumerate(streams)]
     held: list[tuple[list, list]] = [([], []) for _ in streams]  # per choice: tokens and entries not yet sent
 
-    def chunk(index: int, text: str | None, reason: str | None, first: bool = False) -> str:
-        logprobs = None
-        if formatters[index] is not None and not first:
+    def chunk(index: int, text: str | None, reason: str | None, first: bool = False, logprobs=None) -> str:
+        if formatters[index] is not None and not first and logprobs is None:
             logprobs = formatters[index].format(*held[index])
             held[index] = ([], [])
         if chat:
@@ -399,6 +428,11 @@ async def stream_events(streams, rid: str, chat: bool, model_name: str, include_
                 open_streams -= 1
                 continue
             reason = delta.finish_reason
+            if echoes is not None and echoes[index] is not None:
+                request = streams[index].request
+                logprobs = TokenLogprobs(tokenizer, chat).prompt(request) if formatters[index] is not None else None
+                yield chunk(index, echoes[index], None, logprobs=logprobs)
+                echoes[index] = None
             if delta.logprobs:
                 held[index][0].extend(delta.token_ids)
                 held[index][1].extend(delta.logprobs)
@@ -433,17 +467,22 @@ def parse_request(body: dict, chat: bool, engine: ServingEngine) -> dict:
         prompts = [chat_prompt(body.get("messages"), tokenizer, **_template_options(body))]
     else:
         prompts = completion_prompts(body.get("prompt"), tokenizer)
+    echo = False if chat else body.get("echo", False)
+    if echo is not None and not isinstance(echo, bool):
+        raise RequestError(f"echo must be true or false, got {echo!r}", "echo")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens", 16)
     param = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
-        raise RequestError(f"{param} must be a positive integer, got {max_tokens!r}", param)
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                   or max_tokens < (0 if echo else 1)):
+        raise RequestError(f"{param} must be a positive integer (0 only with echo: the prompt alone), got "
+                           f"{max_tokens!r}", param)
     for prompt in prompts:
         room = engine.max_model_len - len(prompt)
         if max_tokens is None and room < 1:
             field = "messages" if chat else "prompt"
             raise RequestError(f"this model's context is {engine.max_model_len} tokens and the prompt has "
                                f"{len(prompt)}, which leaves no room for an answer; shorten the prompt", field)
-        if (max_tokens or 1) > room:
+        if (1 if max_tokens is None else max_tokens) > room:
             raise RequestError(
                 f"this model's context is {engine.max_model_len} tokens, but the prompt has {len(prompt)} and "
                 f"{param} asks for {max_tokens} more; shorten the prompt or lower {param}", param)
@@ -488,6 +527,11 @@ def parse_request(body: dict, chat: bool, engine: ServingEngine) -> dict:
             raise RequestError(f"stream_options must be an object with at most include_usage (true or false), got "
                                f"{options!r}", "stream_options")
     logprobs = _logprobs(body, chat)
+    texts = None
+    if echo:  # the text each choice starts with: the prompt as sent, or its tokens' text
+        raw = body.get("prompt")
+        texts = [raw] if isinstance(raw, str) else list(raw) if all(isinstance(p, str) for p in raw) else [
+            tokenizer.decode(p, skip_special_tokens=True) if tokenizer is not None else "" for p in prompts]
     grammar = None
     if body.get("response_format") is not None:
         from ..structured import Grammar
@@ -498,6 +542,7 @@ def parse_request(body: dict, chat: bool, engine: ServingEngine) -> dict:
             raise RequestError(f"response_format: {bad}", "response_format") from None
     return {"prompts": prompts, "max_tokens": max_tokens, "n": n, "stop": stop, "stream": bool(stream),
             "include_usage": bool(options and options.get("include_usage")), "logprobs": logprobs,
+            "echo": texts, "prompt_logprobs": logprobs if echo else None,
             "grammar": grammar, "sampling": SamplingParams(
                 temperature, top_p, top_k, seed, _number(body, "presence_penalty", 0.0, -2.0, 2.0),
                 _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
