@@ -899,6 +899,11 @@ def test_completions_equal_generate(server, tokenizer):
     assert "".join(c.choices[0].text for c in pieces) == tokenizer.decode(
         solo(server.model, tokenizer(words)["input_ids"], 24), skip_special_tokens=True)
     assert pieces[-1].choices[0].finish_reason in ("stop", "length")
+    # More stop strings than OpenAI's 4, as lm-eval's code tasks send: the last of six ends the answer.
+    cut = " ".join(text.split()[3:5])
+    stops = ["w1 w1 w1", "nowhere", "\n\n", "</s>x", "w2 w2 w2 w2", cut]
+    stopped = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=stops)
+    assert stopped.choices[0].text == text[:text.index(cut)] and stopped.choices[0].finish_reason == "stop"
 
 
 def test_chat_equals_generate(server, tokenizer):
@@ -1106,6 +1111,7 @@ def test_models_health_metrics(server):
     ({"prompt": 5}, "prompt"),
     ({"prompt": "w1", "n": 0}, "n"),
     ({"prompt": "w1", "stop": [1]}, "stop"),
+    ({"prompt": "w1", "stop": ["w2"] * 33}, "stop"),
     ({"prompt": "w1", "logprobs": 21}, "logprobs"),
     ({"prompt": "w1", "logprobs": True}, "logprobs"),  # the completions API takes a count
     ({"prompt": "w1", "frobnicate": 1}, "frobnicate"),

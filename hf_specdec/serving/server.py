@@ -35,6 +35,8 @@ _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprob
 # `tools` are what some SDKs send by default.
 _NEUTRAL = {"best_of": (1, None), "suffix": (None, ""), "tools": (None, []),
             "tool_choice": (None, "none")}
+# Stop strings a request may give: OpenAI's API takes 4, vLLM's any number (lm-eval's code tasks send 6 or more).
+MAX_STOP_STRINGS = 32
 # Chat roles a template understands; `developer` (OpenAI's newer name for system instructions) is sent as `system`.
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Routes answered without the API key (a load balancer's probe, a metrics scraper); everything else needs it.
@@ -512,9 +514,9 @@ def parse_request(body: dict, chat: bool, engine: ServingEngine) -> dict:
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
-    if stop is not None and (not isinstance(stop, list) or len(stop) > 4 or
+    if stop is not None and (not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS or
                              not all(isinstance(s, str) and s for s in stop)):
-        raise RequestError("stop must be a non-empty string or a list of at most 4 of them", "stop")
+        raise RequestError(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them", "stop")
     stream = body.get("stream", False)
     if not isinstance(stream, bool) and stream is not None:
         raise RequestError(f"stream must be true or false, got {stream!r}", "stream")
