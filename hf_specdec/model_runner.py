@@ -123,7 +123,7 @@ class ModelRunner(CacheRows):
 
     def forward(self, seq_ids: list[int], input_ids: torch.Tensor, num_tokens: list[int], num_logits: int,
                 output_hidden_states: bool | tuple[int, ...] = False, tree=None, logit_counts: list[int] | None = None,
-                packed_states: bool = False, **model_kwargs):
+                packed_states: bool = False, state_window: int | None = None, **model_kwargs):
         """Appends `num_tokens[i]` tokens to row `seq_ids[i]` and returns the model output.
 
         Args:
@@ -138,6 +138,9 @@ class ModelRunner(CacheRows):
                 left-aligned, columns past them repeating its last. A packed step then runs the LM head over those
                 positions alone, not over `num_logits` per row (a row verifying 10 drafts beside rows feeding one
                 token would otherwise pay for 11 positions in every row).
+            state_window: recurrent layers keep their state after each of each row's last this many positions (the
+                positions a row may roll back to; default `num_logits`): a prompt scored at every position rolls
+                back nowhere, and keeps one.
             model_kwargs: passed on to the model (a draft head's input features, say).
         Returns:
             The model output; `logits` is `[rows, num_logits, vocab]`, right-aligned (each row's trailing positions)
@@ -153,7 +156,8 @@ class ModelRunner(CacheRows):
                 and width == max(num_tokens) and all(not isinstance(v, torch.Tensor) or v.shape[:2] == (rows, width)
                                                      for v in model_kwargs.values()))
         starts = self.cache.reserve(seq_ids, num_tokens)
-        self.cache.num_logits = num_logits  # recurrent layers keep their state after each of these positions
+        # Recurrent layers keep their state after each of these positions.
+        self.cache.num_logits = num_logits if state_window is None else state_window
         plan = self.cache.plan_step(seq_ids, starts, num_tokens, self.device, _tree_to(tree, self.device), pack)
         self.num_forwards += 1
         layout, keep, expand = plan.packed, num_logits, None

@@ -300,11 +300,14 @@ class RecurrentPagedCache(PagedKVCache):
         self.num_slots = num_slots
 
     def _grow_history(self, seq_ids, starts, history: int) -> None:
-        # Only states from each row's floor to its current length are live: re-index them by the new ring size.
+        # Only states from each row's floor to its current length are live: re-index them by the new ring size, for
+        # every row the cache holds (the rows of this step at the length they start it from, and the others too:
+        # a newcomer's long prompt grows the ring while the running rows wait for their next step).
         history = max(history, 2 * self.history)
+        current = dict(zip(seq_ids, starts))
         rows, lengths = [], []
-        for seq_id, start in zip(seq_ids, starts):
-            for length in range(self._floor.get(seq_id, 0), start + 1):
+        for seq_id, floor in self._floor.items():
+            for length in range(floor, current.get(seq_id, self.length(seq_id)) + 1):
                 rows.append(seq_id)
                 lengths.append(length)
         for key, pool in self.states.items():

@@ -454,64 +454,74 @@ class Scheduler:
         prompt, so that it is never starved). While requests run, newcomers whose prompts fit join the step whole,
         oldest first, as far as the budget goes; what is left goes to the others, oldest first, as pieces ending on
         block boundaries, fed in a forward of their own. With nobody running yet, every prompt within the budget
-        joins at once and only longer ones go in pieces. Returns the rows that sit this step out: those fed a piece,
-        and those left waiting."""
+        joins at once and only longer ones go in pieces. Prompts whose log probabilities are reported
+        (`Request.prompt_logprobs`) always go in pieces, scored (`_score`), up to their last token. Returns the rows
+        that sit this step out: those fed a piece, and those left waiting."""
         if not self._fresh:
             return set()
         target, batch = self.target, self.batch
-        scoring = [r for r in self._fresh if self.running[r].prompt_logprobs is not None
-                   and target.length(r) < batch.lengths[r] - 1]
-        if scoring:
-            self._score_prompts(scoring)
+        scoring = {r for r in self._fresh if self.running[r].prompt_logprobs is not None
+                   and target.length(r) < batch.lengths[r] - 1}
         limit = self.prefill_chunk
         if limit is None:
-            return set(scoring)
+            # Chunked prefill is off for this target (recurrent layers, the masked dense cache: a piece costs more
+            # than its share), so scored prompts go whole, in a forward of their own.
+            if scoring:
+                rows = sorted(scoring)
+                cached = [target.length(r) for r in rows]
+                self._score(rows, [batch.lengths[r] - 1 - c for r, c in zip(rows, cached)], cached)
+            return scoring
         manager = getattr(getattr(target, "cache", None), "manager", None)
         block = manager.block_size if manager is not None else 1
         limit = -(-limit // block) * block  # whole blocks: the prefix cache stores whole blocks, with their states
         running = len(self.running) > len(self._fresh)  # streams a newcomer's prefill would hold up
-        fresh = [r for r in self._fresh if r not in scoring]
+        fresh = list(self._fresh)
         cached = {r: target.length(r) for r in fresh}
         pending = {r: batch.lengths[r] - cached[r] for r in fresh}
         budget, out = limit, set()
         for row in fresh:
-            if pending[row] <= limit and (not running or pending[row] <= budget):
+            if row not in scoring and pending[row] <= limit and (not running or pending[row] <= budget):
                 budget -= pending[row] if running else 0
                 continue  # joins this step with its whole prompt (or what is left of it)
             out.add(row)
         rows, amounts = [], []
         for i, row in enumerate([r for r in fresh if r in out]):
             # A piece ending on a block boundary, never taking the last prompt token: its logits are the row's first
-            # verify. The oldest gets a block at least (over the budget if need be), so it is never starved.
-            end = min(cached[row] + (max(budget, block) if i == 0 else budget), batch.lengths[row] - 1)
-            amount = end - end % block - cached[row]
+            # verify. The oldest gets a block at least (over the budget if need be), so it is never starved. A
+            # scored prompt's last piece ends just before its last token, wherever that is.
+            room = max(budget, block) if i == 0 else budget
+            if row in scoring:
+                room = min(room, PROMPT_LOGPROBS_PIECE)
+            end = min(cached[row] + room, batch.lengths[row] - 1)
+            amount = end - cached[row] if row in scoring and end == batch.lengths[row] - 1 else (
+                end - end % block - cached[row])
             if amount >= 1:
                 rows.append(row)
                 amounts.append(amount)
                 budget -= amount
-        if rows:
-            self._feed(rows, amounts, [cached[r] for r in rows])
-        return out | set(scoring)
+        plain = [i for i, r in enumerate(rows) if r not in scoring]
+        scored = [i for i, r in enumerate(rows) if r in scoring]
+        if plain:
+            self._feed([rows[i] for i in plain], [amounts[i] for i in plain], [cached[rows[i]] for i in plain])
+        if scored:
+            self._score([rows[i] for i in scored], [amounts[i] for i in scored], [cached[rows[i]] for i in scored])
+        return out
 
-    def _score_prompts(self, rows: list[int]) -> None:
-        """A piece of each prompt whose log probabilities are reported, in a forward of its own with logits at every
-        position: position i's give prompt token i + 1's log probability. The pieces end on block boundaries (the
-        prefix cache stores whole blocks) but the last, which stops before the last prompt token: the row's first
-        step feeds that one, whose logits give the first generated token."""
-        target, batch = self.target, self.batch
-        block = getattr(getattr(getattr(target, "cache", None), "manager", None), "block_size", 1)
-        piece = min(PROMPT_LOGPROBS_PIECE, self.prefill_chunk or PROMPT_LOGPROBS_PIECE)
+    def _score(self, rows: list[int], amounts: list[int], cached: list[int]) -> None:
+        """Feeds pieces of prompts whose log probabilities are reported, in one forward with logits at every position
+        fed: position i's give prompt token i + 1's log probability (the target's raw log-softmax, with the
+        requests' alternatives)."""
+        batch = self.batch
+        out = self._feed(rows, amounts, cached, logit_counts=amounts)
+        width = max(amounts)
+        first = batch.first_col[torch.tensor(rows, device=batch.device)] + torch.tensor(cached, device=batch.device) + 1
+        cols = (first[:, None] + torch.arange(width, device=batch.device)).clamp(max=batch.token_ids.shape[1] - 1)
+        tokens = batch.token_ids[torch.tensor(rows, device=batch.device)[:, None], cols]
+        wanted = {row: self.running[row].prompt_logprobs for row in rows}
+        # Row i's positions come left-aligned (`logit_counts`): its tokens' logits are its first `amounts[i]` columns.
+        entries = emitted_logprobs(out.logits, tokens, rows, amounts, wanted)
         for row in rows:
-            cached, end = target.length(row), batch.lengths[row] - 1
-            amount = min(piece, end - cached)
-            if cached + amount < end and (cached + amount) % block < amount:
-                amount -= (cached + amount) % block
-            out = self._feed([row], [amount], [cached], num_logits=amount)
-            first = int(batch.first_col[row]) + cached + 1
-            tokens = batch.token_ids[row, first:first + amount][None]
-            request = self.running[row]
-            request.prompt_token_logprobs += emitted_logprobs(out.logits[:, -amount:], tokens, [row], [amount],
-                                                              {row: request.prompt_logprobs})[row]
+            self.running[row].prompt_token_logprobs += entries[row]
 
     def _finish_scored(self, rows) -> list[tuple[Request, list[int], bool]]:
         """Requests for a prompt's log probabilities alone (`max_new_tokens=0`) whose prompts are scored: they end
@@ -524,7 +534,7 @@ class Scheduler:
         self._retire(done)
         return events
 
-    def _feed(self, rows: list[int], amounts: list[int], cached: list[int], num_logits: int = 1):
+    def _feed(self, rows: list[int], amounts: list[int], cached: list[int], logit_counts: list[int] | None = None):
         """Feeds `amounts[i]` more prompt tokens of `rows[i]` to the target's cache. A speculator reading the target's
         states gets those of the pieces when the row joins a step, ahead of that step's (`Step.prefix_states`, see
         `_hand_over_pieces`), as from a stored prefix: until then it has nothing to draft from for the row. The prefix
@@ -536,8 +546,10 @@ class Scheduler:
             torch.tensor(amounts, device=batch.device), max(amounts))
         wants_states = speculator.needs_hidden_states
         layers = tuple(speculator.hidden_state_layers) if wants_states else False
-        out = target.forward(rows, input_ids, amounts, num_logits=num_logits, output_hidden_states=layers,
-                             packed_states=wants_states)
+        # With `logit_counts` (scoring: every position), recurrent layers still keep only the state after the last.
+        out = target.forward(rows, input_ids, amounts, num_logits=max(logit_counts) if logit_counts else 1,
+                             output_hidden_states=layers, packed_states=wants_states, logit_counts=logit_counts,
+                             state_window=1)
         self.num_prefill_chunks += len(rows)
         self.step_fn.timed = False  # the next step's timers may wait for this forward (a GPU runs it meanwhile)
         states = None

@@ -83,6 +83,14 @@ class Grammar:
         return cls("ebnf", text)
 
     @classmethod
+    def choice(cls, options) -> Grammar:
+        """Exactly one of the strings `options` (vLLM's `guided_choice`)."""
+        if not isinstance(options, (list, tuple)) or not options or not all(
+                isinstance(o, str) and o for o in options):
+            raise GrammarError(f"a choice takes a non-empty list of non-empty strings, got {options!r}")
+        return cls("ebnf", "root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options))
+
+    @classmethod
     def json(cls) -> Grammar:
         """Any JSON value (JSON mode)."""
         return cls("json")

@@ -239,3 +239,25 @@ def test_history_grows_past_its_ring_and_keeps_the_live_states():
         want = _feed(reference, [0], [[tokens[9]]], 1)
         have = _feed(long_step, [0], [[tokens[9]]], 1)
         torch.testing.assert_close(have, want, rtol=1e-9, atol=1e-9)
+
+
+def test_a_long_step_of_one_row_keeps_the_other_rows_states():
+    """A newcomer's long prompt grows the ring while the running row sits the step out: the running row's live
+    states are re-indexed too, so its next token equals a run where the ring never grew."""
+    model = make("mamba2")
+    g = torch.Generator().manual_seed(6)
+    running, newcomer = torch.randint(3, VOCAB, (8,), generator=g).tolist(), None
+    with torch.no_grad(), paged_attention(model):
+        grown, reference = ModelRunner(model), ModelRunner(model)
+        for runner in (grown, reference):
+            runner.add_sequence(1)
+            _feed(runner, [1], [running[:6]], 1)
+            _feed(runner, [1], [running[6:8]], 2)  # a verify: states after both positions kept
+        history = grown.cache.history
+        newcomer = torch.randint(3, VOCAB, (2 * history,), generator=g).tolist()
+        grown.add_sequence(0)
+        _feed(grown, [0], [newcomer], 1)
+        assert grown.cache.history > history
+        want = _feed(reference, [1], [[running[0]]], 1)
+        have = _feed(grown, [1], [[running[0]]], 1)
+    torch.testing.assert_close(have, want, rtol=1e-9, atol=1e-9)

@@ -839,6 +839,56 @@ def test_prompt_logprobs_are_the_targets(tokenizer, speculator):
     assert scored[3].request.prompt_token_logprobs == []  # a one-token prompt: nothing before its token
 
 
+@pytest.mark.parametrize("kind", ["eagle", "mamba2", "falcon_h1", "falcon"])
+def test_prompt_logprobs_on_every_kind_of_target(kind, tmp_path):
+    """Prompt log probabilities where the target reads prompts its own way: an EAGLE head that drafts from the
+    states of the scored pieces, recurrent layers (chunked prefill off: the prompt scored in one forward that keeps
+    the state after its last position only), the masked dense cache. Each equals a plain forward, and the answer
+    after it, and the request running beside, their plain greedy runs."""
+    import test_masked_cache
+    import test_recurrent
+
+    if kind == "eagle":
+        from hf_specdec import EagleSpeculator
+        from test_eagle import convert
+
+        target, twin = served_model(eos=None), served_model(eos=None)
+        speculator = EagleSpeculator.from_pretrained(convert(tmp_path, target, 1))
+    else:
+        make = test_recurrent.make if kind in test_recurrent.ARCHITECTURES else test_masked_cache.make
+        target, twin, speculator = make(kind), make(kind), "ngram"
+    engine = ServingEngine(target, None, speculator, num_speculative_tokens=3, max_batch_size=3, schedule="constant",
+                           prefill_chunk_tokens=16 if kind == "eagle" else None).start()
+    plan = [(repeating(40, 21), 8, 2), (repeating(7, 22), 0, 1)]
+    try:
+        running = engine.submit(repeating(10, 23), 20)
+        next(iter(running))
+        scored = [engine.submit(p, n, prompt_logprobs=top) for p, n, top in plan]
+        for stream in scored + [running]:
+            for _ in stream:
+                pass
+        drafted = engine.metrics.num_draft_tokens
+    finally:
+        engine.shutdown()
+
+    def greedy(prompt, n):
+        with torch.no_grad():
+            out = twin.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+        return out[0, len(prompt):].tolist()
+
+    assert running.request.output_ids == greedy(running.request.prompt_ids, 20)
+    assert drafted > 0
+    for stream, (prompt, n, top) in zip(scored, plan):
+        with torch.no_grad():
+            reference = torch.log_softmax(twin(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+        entries = stream.request.prompt_token_logprobs
+        assert len(entries) == len(prompt) - 1
+        torch.testing.assert_close(torch.tensor([v for v, _ in entries]),
+                                   reference.gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0], atol=1e-4, rtol=0)
+        assert [[t for t, _ in alternatives] for _, alternatives in entries] == reference.topk(top).indices.tolist()
+        assert stream.request.output_ids == (greedy(prompt, n) if n else [])
+
+
 
 class Server:
     """`create_app` under uvicorn on a free loopback port, in a thread; stopped by the test."""
@@ -973,7 +1023,9 @@ def test_echo_and_prompt_logprobs_through_the_client(server, tokenizer):
     prompt_text = tokenizer.decode(prompt, skip_special_tokens=True)
     reference = prompt_reference(server.model, prompt)
     expected = solo(server.model, prompt, 5)
-    answer = tokenizer.decode(expected, skip_special_tokens=True)
+    # The answer's text continues the prompt's as decoding them together does: this tokenizer puts a space
+    # between words, which the answer decoded alone does not start with.
+    full = tokenizer.decode(prompt + expected, skip_special_tokens=True)
 
     alone = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=2)
     choice = alone.choices[0]
@@ -992,14 +1044,14 @@ def test_echo_and_prompt_logprobs_through_the_client(server, tokenizer):
 
     whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0, echo=True,
                                       logprobs=1)
-    assert whole.choices[0].text == prompt_text + answer
+    assert whole.choices[0].text == full and full != prompt_text + tokenizer.decode(expected)
     logprobs = whole.choices[0].logprobs
-    assert "".join(logprobs.tokens) == prompt_text + answer and len(logprobs.tokens) == len(prompt) + 5
+    assert "".join(logprobs.tokens) == full and len(logprobs.tokens) == len(prompt) + 5
     assert logprobs.token_logprobs[:len(prompt)] == pytest.approx(alone.choices[0].logprobs.token_logprobs, abs=1e-5)
     chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0, echo=True,
                                             logprobs=1, stream=True))
     texts = [c.choices[0].text for c in chunks if c.choices]
-    assert texts[0] == prompt_text and "".join(texts) == prompt_text + answer
+    assert texts[0] == prompt_text and "".join(texts) == full
     streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     assert [t for lp in streamed for t in lp.tokens] == logprobs.tokens
     assert [v for lp in streamed for v in lp.token_logprobs] == logprobs.token_logprobs
@@ -1247,6 +1299,59 @@ def test_json_mode(server, tokenizer):
         "model": "tiny", "prompt": [5, 6], "max_tokens": 4, "response_format": {"type": "json_object"}})
     # The word tokenizer cannot spell JSON: the grammar is refused before queueing, naming the field.
     assert response.status_code == 400 and response.json()["error"]["param"] == "response_format"
+
+
+def test_vllm_structured_output_fields():
+    """vLLM's `guided_choice`, `guided_regex`, `guided_json`, `guided_grammar` and `structured_outputs` ask for the
+    grammar they name: each answer equals the engine's with that grammar (whose exactness the grammar tests check);
+    two ways at once, or a malformed one, get a 400 naming the field."""
+    pytest.importorskip("xgrammar")
+    pytest.importorskip("openai")
+    import httpx
+
+    from hf_specdec import Grammar
+    from test_structured import SCHEMA, constrained_model, piece_tokenizer
+
+    tokenizer = piece_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    engine = ServingEngine(constrained_model(), tokenizer, "ngram", num_speculative_tokens=4, max_batch_size=4)
+    srv = Server(engine)
+    try:
+        client = srv.client()
+        prompt = repeating(6, seed=41)
+
+        def ask(**extra) -> str:
+            return client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0,
+                                             extra_body=extra).choices[0].text
+
+        def direct(grammar) -> str:
+            out = engine.generate(prompt, max_tokens=40, grammar=grammar).request.output_ids
+            return tokenizer.decode(out, skip_special_tokens=True)
+
+        choices = ["ab", "bca", "cc"]
+        assert ask(guided_choice=choices) == direct(Grammar.choice(choices))
+        assert ask(guided_choice=choices).replace(" ", "") in choices
+        assert ask(guided_regex="[a-c]{2,6}") == ask(structured_outputs={"regex": "[a-c]{2,6}"}) == direct(
+            Grammar.regex("[a-c]{2,6}"))
+        assert ask(guided_json=SCHEMA) == ask(structured_outputs={"json": SCHEMA}) == direct(
+            Grammar.json_schema(SCHEMA))
+        assert ask(guided_grammar='root ::= "a" ("b" | "c")+') == direct(Grammar.ebnf('root ::= "a" ("b" | "c")+'))
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a b"}],
+                                              max_tokens=10, temperature=0, extra_body={"guided_choice": choices})
+        assert chat.choices[0].message.content.replace(" ", "") in choices
+        for body, param in [({"guided_regex": "[a-c]+", "guided_choice": ["a"]}, "guided_choice"),
+                            ({"guided_regex": "[a-c]+", "response_format": {"type": "json_object"}}, "guided_regex"),
+                            ({"guided_choice": []}, "guided_choice"), ({"guided_regex": 5}, "guided_regex"),
+                            ({"guided_json": "{not json"}, "guided_json"),
+                            ({"structured_outputs": {"regex": "a", "json": {}}}, "structured_outputs"),
+                            ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+                            ({"structured_outputs": "a"}, "structured_outputs"),
+                            ({"guided_choice": ["\u2603"]}, "guided_choice")]:  # a choice it cannot spell
+            response = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": prompt,
+                                                                      "max_tokens": 4, **body})
+            assert response.status_code == 400 and response.json()["error"]["param"] == param, (body, response.text)
+    finally:
+        srv.stop()
 
 
 def test_disconnect_mid_stream_frees_every_block(server):

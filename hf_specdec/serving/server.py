@@ -23,8 +23,12 @@ logger = logging.getLogger(__name__)
 
 # Fields of OpenAI's API this server takes; anything else with a non-default value is refused (400), never ignored.
 _IGNORED = {"model", "user", "stream_options", "metadata", "store", "service_tier", "parallel_tool_calls"}
+# vLLM's structured-output fields: the older top-level ones (what each asks for), and `structured_outputs`' keys.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+_STRUCTURED_OUTPUTS = ("json", "regex", "choice", "grammar", "json_object")
 _COMMON = {"max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed", "top_k", "response_format",
-           "repetition_penalty", "min_tokens", "ignore_eos"}  # the last three: vLLM's extra fields
+           # vLLM's extra fields
+           "repetition_penalty", "min_tokens", "ignore_eos", "structured_outputs", *_GUIDED}
 _COMPLETIONS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "presence_penalty", "frequency_penalty",
                           "suffix", "logit_bias"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "presence_penalty",
@@ -161,6 +165,9 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
                                                  prompt_logprobs=parsed["prompt_logprobs"]))
         except RequestError as bad:
             cancel_unfinished(streams)
+            field = parsed["grammar_field"]
+            if bad.param == "response_format" and field not in (None, "response_format"):  # vLLM's field asked
+                return error(400, str(bad).replace("response_format", field), "invalid_request_error", field)
             return error(400, str(bad), "invalid_request_error", bad.param)
         except QueueFullError as full:
             cancel_unfinished(streams)
@@ -257,13 +264,15 @@ def choice(index: int, text: str, reason: str, chat: bool, request=None, tokeniz
     reason = "stop" if reason == "cancelled" else reason
     logprobs = None
     if request is not None and request.logprobs is not None:
-        # An echoed prompt's tokens join into its text, and the answer's into its own after it.
-        offset = len(echo) if echo is not None else 0
-        logprobs = TokenLogprobs(tokenizer, chat, offset).format(request.output_ids, request.output_logprobs)
+        # An echoed prompt's tokens join into its text, and the answer's after it into the rest.
         if echo is not None:
-            logprobs = join_logprobs(TokenLogprobs(tokenizer, chat).prompt(request), logprobs)
+            answer = TokenLogprobs(tokenizer, chat, len(echo), request.prompt_ids)
+            logprobs = join_logprobs(TokenLogprobs(tokenizer, chat).prompt(request),
+                                     answer.format(request.output_ids, request.output_logprobs))
+        else:
+            logprobs = TokenLogprobs(tokenizer, chat).format(request.output_ids, request.output_logprobs)
     if echo is not None:
-        text = echo + text
+        text = echo + echo_gap(tokenizer, request, text) + text
     if chat:
         return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": reason}
@@ -285,7 +294,9 @@ class TokenLogprobs:
 
     CONTEXT = 4  # tokens decoded before each one, without a byte spelling
 
-    def __init__(self, tokenizer, chat: bool, offset: int = 0):
+    def __init__(self, tokenizer, chat: bool, offset: int = 0, after: list[int] | None = None):
+        """`offset`: characters of the choice's text before the first token's; `after`: the token ids of an echoed
+        prompt the tokens follow, whose text theirs continues (a leading space is theirs, not dropped)."""
         import codecs
 
         from ..tokenizers import token_bytes
@@ -293,9 +304,10 @@ class TokenLogprobs:
         self.tokenizer, self.chat = tokenizer, chat
         self.spelling = token_bytes(tokenizer) if tokenizer is not None else None
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        self.strip = self.spelling.strip_start if self.spelling is not None else 0  # leading spaces still to drop
-        self.history: list[int] = []
-        self.offset = offset  # characters of the choice's text before the first token's (an echoed prompt's)
+        # Leading spaces still to drop (as the decoder drops them at the start of a text).
+        self.strip = self.spelling.strip_start if self.spelling is not None and after is None else 0
+        self.history: list[int] = list(after[len(after) - self.CONTEXT:]) if after else []
+        self.offset = offset
 
     def _decoded(self, ids: list[int]) -> str:
         # Without the replacement marks of a character not complete yet: its token adds nothing until it is.
@@ -364,6 +376,22 @@ class TokenLogprobs:
                 "text_offset": offsets}
 
 
+def echo_gap(tokenizer, request, text: str) -> str:
+    """The whitespace between an echoed prompt and its answer: what the answer's first tokens add after the prompt's
+    last, that they do not show alone (a SentencePiece tokenizer drops a text's leading space: "... is" + "Paris"
+    where the model wrote "... is Paris"); empty for byte-level tokenizers, which drop nothing."""
+    if tokenizer is None or not text or not request.output_ids or not request.prompt_ids:
+        return ""
+    head, first = request.prompt_ids[-TokenLogprobs.CONTEXT:], request.output_ids[:TokenLogprobs.CONTEXT]
+    before = tokenizer.decode(head, skip_special_tokens=True)
+    joined = tokenizer.decode(head + first, skip_special_tokens=True)
+    alone = tokenizer.decode(first, skip_special_tokens=True)
+    if not joined.startswith(before) or not joined.endswith(alone):
+        return ""
+    gap = joined[len(before):len(joined) - len(alone)]
+    return gap if gap.isspace() else ""
+
+
 def join_logprobs(first: dict, then: dict) -> dict:
     """Two pieces of the completions API's `logprobs` one after the other (an echoed prompt's, then the answer's)."""
     return {key: first[key] + then[key] for key in first}
@@ -389,8 +417,10 @@ async def stream_events(streams, rid: str, chat: bool, model_name: str, include_
     its prompt's text (and its prompt tokens' log probabilities), sent with its first delta, when they are known."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
-    formatters = [TokenLogprobs(tokenizer, chat, len(echoes[i]) if echoes else 0)
+    formatters = [TokenLogprobs(tokenizer, chat, *((len(echoes[i]), s.request.prompt_ids) if echoes else ()))
                   if s.request.logprobs is not None else None for i, s in enumerate(streams)]
+    unsent = list(echoes) if echoes else [None] * len(streams)  # echoed prompts not sent yet
+    gaps = [echoes is not None] * len(streams)  # choices whose text after the echo has not started yet
     held: list[tuple[list, list]] = [([], []) for _ in streams]  # per choice: tokens and entries not yet sent
 
     def chunk(index: int, text: str | None, reason: str | None, first: bool = False, logprobs=None) -> str:
@@ -430,17 +460,20 @@ async def stream_events(streams, rid: str, chat: bool, model_name: str, include_
                 open_streams -= 1
                 continue
             reason = delta.finish_reason
-            if echoes is not None and echoes[index] is not None:
+            text = delta.text
+            if unsent[index] is not None:
                 request = streams[index].request
                 logprobs = TokenLogprobs(tokenizer, chat).prompt(request) if formatters[index] is not None else None
-                yield chunk(index, echoes[index], None, logprobs=logprobs)
-                echoes[index] = None
+                yield chunk(index, unsent[index], None, logprobs=logprobs)
+                unsent[index] = None
+            if gaps[index] and text:
+                text = echo_gap(tokenizer, streams[index].request, text) + text
+                gaps[index] = False
             if delta.logprobs:
                 held[index][0].extend(delta.token_ids)
                 held[index][1].extend(delta.logprobs)
-            if delta.text or reason is not None:
-                yield chunk(index, delta.text, None if reason is None else ("stop" if reason == "cancelled"
-                                                                              else reason))
+            if text or reason is not None:
+                yield chunk(index, text, None if reason is None else ("stop" if reason == "cancelled" else reason))
             if reason is not None:
                 open_streams -= 1
         if include_usage:
@@ -534,22 +567,67 @@ def parse_request(body: dict, chat: bool, engine: ServingEngine) -> dict:
         raw = body.get("prompt")
         texts = [raw] if isinstance(raw, str) else list(raw) if all(isinstance(p, str) for p in raw) else [
             tokenizer.decode(p, skip_special_tokens=True) if tokenizer is not None else "" for p in prompts]
-    grammar = None
-    if body.get("response_format") is not None:
-        from ..structured import Grammar
-
-        try:
-            grammar = Grammar.from_response_format(body["response_format"])
-        except (ValueError, TypeError) as bad:
-            raise RequestError(f"response_format: {bad}", "response_format") from None
+    grammar, grammar_field = _grammar(body)
     return {"prompts": prompts, "max_tokens": max_tokens, "n": n, "stop": stop, "stream": bool(stream),
             "include_usage": bool(options and options.get("include_usage")), "logprobs": logprobs,
-            "echo": texts, "prompt_logprobs": logprobs if echo else None,
+            "echo": texts, "prompt_logprobs": logprobs if echo else None, "grammar_field": grammar_field,
             "grammar": grammar, "sampling": SamplingParams(
                 temperature, top_p, top_k, seed, _number(body, "presence_penalty", 0.0, -2.0, 2.0),
                 _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
                 _number(body, "repetition_penalty", 1.0, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY),
                 _logit_bias(body, engine.vocab_size), _min_tokens(body, max_tokens), _flag(body, "ignore_eos"))}
+
+
+def _grammar(body: dict):
+    """`(grammar, the field that asked for it)` from OpenAI's `response_format` or vLLM's structured-output fields
+    (`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, or `structured_outputs` with one of `json`,
+    `regex`, `choice`, `grammar`, `json_object`); `(None, None)` for free text. At most one may be given."""
+    from ..structured import Grammar
+
+    asked = []
+    for name in ("response_format", *_GUIDED):
+        if body.get(name) is None:
+            continue
+        try:
+            grammar = (Grammar.from_response_format(body[name]) if name == "response_format"
+                       else _vllm_grammar(_GUIDED[name], body[name]))
+        except (ValueError, TypeError) as bad:
+            raise RequestError(f"{name}: {bad}", name) from None
+        if grammar is not None:
+            asked.append((name, grammar))
+    options = body.get("structured_outputs")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise RequestError(f"structured_outputs must be an object, got {options!r}", "structured_outputs")
+        unknown = sorted(k for k, v in options.items() if k not in _STRUCTURED_OUTPUTS and v not in (None, False))
+        if unknown:
+            raise RequestError(f"structured_outputs.{unknown[0]} is not supported; give one of "
+                               f"{list(_STRUCTURED_OUTPUTS)}", "structured_outputs")
+        given = [k for k in _STRUCTURED_OUTPUTS if options.get(k) not in (None, False)]
+        if len(given) != 1:
+            raise RequestError(f"structured_outputs takes exactly one of {list(_STRUCTURED_OUTPUTS)}, got "
+                               f"{given or 'none'}", "structured_outputs")
+        try:
+            asked.append(("structured_outputs", _vllm_grammar(given[0], options[given[0]])))
+        except (ValueError, TypeError) as bad:
+            raise RequestError(f"structured_outputs.{given[0]}: {bad}", "structured_outputs") from None
+    if len(asked) > 1:
+        raise RequestError(f"give one way to constrain the output, not {[name for name, _ in asked]}", asked[1][0])
+    return asked[0][::-1] if asked else (None, None)
+
+
+def _vllm_grammar(kind: str, value):
+    from ..structured import Grammar
+
+    if kind == "json":
+        return Grammar.json_schema(value)
+    if kind == "json_object":
+        if value is not True:
+            raise ValueError(f"json_object must be true, got {value!r}")
+        return Grammar.json_schema({"type": "object"})
+    if kind == "choice":
+        return Grammar.choice(value)
+    return Grammar.regex(value) if kind == "regex" else Grammar.ebnf(value)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
