@@ -48,8 +48,11 @@ from .model_runner import input_device
 
 logger = logging.getLogger("hf_specdec")
 
-FORMAT, VERSION = "hf_specdec-calibration", 2  # 2: measured as measure.py says
-LINEAR_ROWS = (1, 2, 3, 4, 6, 8)  # rows of a linear layer's input timed both ways
+FORMAT, VERSION = "hf_specdec-calibration", 3  # 2: measured as measure.py says; 3: linear rows up to 64
+# Rows of a linear layer's input timed both ways; a count between two takes the choice made at the lower, and past
+# the last the stock form stays. A CPU step's linear layers see one row per token fed (a server's batch of 16 rows
+# verifying 2 drafts each: 48), its LM head one per position that needs logits.
+LINEAR_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 LINEAR_MARGIN = 0.8  # `(W @ x.T).T` must take at most this fraction of F.linear's time to be used
 PROBE_REPEATS = 9  # one-token forwards timed first: if they disagree, the host is too busy to measure
 # After a measurement found this host's timing unsteady, calls that calibrate on their own (`hf-specdec run`, `serve`,
@@ -66,6 +69,8 @@ class Profile:
         key: what the measurement depends on (`profile_key`).
         step_cost: the target's forward cost.
         thin_linear_rows: input row counts at which `(W @ x.T).T` beat `F.linear` (empty: never).
+        linear_rows: the row counts measured; a count between two takes the choice made at the lower one
+            (`thin_linear`).
         draft_costs: per speculator (`speculator_key`), the cost of one drafted token relative to a plain step.
         details: what was measured, for people (timings, seconds taken).
     """
@@ -75,12 +80,14 @@ class Profile:
     thin_linear_rows: tuple[int, ...] = ()
     draft_costs: dict[str, float] = field(default_factory=dict)
     details: dict = field(default_factory=dict)
+    linear_rows: tuple[int, ...] = ()
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "key": self.key,
                 "step_cost": {"per_row": self.step_cost.per_row, "points": [list(p) for p in self.step_cost.points],
                               "per_context_token": self.step_cost.per_context_token},
-                "thin_linear_rows": list(self.thin_linear_rows), "draft_costs": self.draft_costs,
+                "thin_linear_rows": list(self.thin_linear_rows), "linear_rows": list(self.linear_rows),
+                "draft_costs": self.draft_costs,
                 "details": self.details}
 
     @classmethod
@@ -100,7 +107,8 @@ class Profile:
         if not all(v >= 0.0 for v in draft_costs.values()):
             raise ValueError("negative draft cost")
         rows = tuple(int(r) for r in data.get("thin_linear_rows", ()))
-        return cls(key, step_cost, rows, draft_costs, dict(data.get("details", {})))
+        measured = tuple(int(r) for r in data.get("linear_rows", ()))
+        return cls(key, step_cost, rows, draft_costs, dict(data.get("details", {})), measured)
 
 
 def enabled() -> bool:
@@ -280,13 +288,13 @@ def host_linear(model, speculator=None, use_profile: bool = True):
         yield
         return
     modules = [model, *(_speculator_modules(speculator) if speculator is not None else [])]
-    with thin_linear(modules, profile.thin_linear_rows):
+    with thin_linear(modules, profile.thin_linear_rows, profile.linear_rows or None):
         yield
 
 
-def _thin_forward(linear: torch.nn.Linear, rows: frozenset[int]):
+def _thin_forward(linear: torch.nn.Linear, thin: list[bool]):
     def forward(x):
-        if x.dim() == 0 or x.numel() // x.shape[-1] not in rows:
+        if x.dim() == 0 or not (x.numel() // max(x.shape[-1], 1) < len(thin) and thin[x.numel() // x.shape[-1]]):
             return F.linear(x, linear.weight, linear.bias)
         y = (linear.weight @ x.reshape(-1, x.shape[-1]).t()).t()  # the same product, another BLAS call shape
         if linear.bias is not None:
@@ -295,13 +303,29 @@ def _thin_forward(linear: torch.nn.Linear, rows: frozenset[int]):
     return forward
 
 
+def thin_row_table(rows, measured=None) -> list[bool]:
+    """`table[n]`: whether an input of n rows takes the thin form. Without `measured`, exactly the counts in `rows`;
+    with it (the counts timed, `rows` those where thin won), a count between two measured ones takes the choice made
+    at the lower, and past the last measured count the stock form stays."""
+    chosen = frozenset(rows)
+    if not measured:
+        return [n in chosen for n in range(max(chosen, default=0) + 1)]
+    measured = sorted(measured)
+    table = []
+    for n in range(measured[-1] + 1):
+        below = [m for m in measured if m <= n]
+        table.append(bool(below) and below[-1] in chosen)
+    return table
+
+
 @contextmanager
-def thin_linear(modules, rows):
+def thin_linear(modules, rows, measured=None):
     """Within the block, every plain `torch.nn.Linear` (full-precision weight, computed on the CPU) inside `modules`
-    computes inputs of `rows` rows as `(W @ x.T).T`; restored on exit. Quantized or wrapped layers are left alone. A
-    layer under an accelerate hook (`device_map`, offload) keeps its hook: the hook's inner forward is the one
-    switched, so the weights it streams in are the ones multiplied."""
-    rows = frozenset(rows)
+    computes inputs of `rows` rows as `(W @ x.T).T` (with `measured`, the row counts timed: counts between them as
+    `thin_row_table` says); restored on exit. Quantized or wrapped layers are left alone. A layer under an accelerate
+    hook (`device_map`, offload) keeps its hook: the hook's inner forward is the one switched, so the weights it
+    streams in are the ones multiplied."""
+    rows = thin_row_table(rows, measured)
     patched = []
     try:
         for module in {id(m): m for root in modules for m in root.modules()}.values():
@@ -404,7 +428,7 @@ def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] 
                 thin_rows = ()
             thin_rows = thin_rows if thin_linear_enabled() else ()
             say(f"measuring target forwards (batch {', '.join(map(str, rows))})")
-            with thin_linear([model], thin_rows):
+            with thin_linear([model], thin_rows, linear_rows):
                 step_cost, measurement = measure_step_cost(model, rows, tokens, contexts, repeats, timer, attempts)
             if measurement.problem is not None:
                 _distrust("the step cost measured now", measurement.problem,
@@ -412,7 +436,7 @@ def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] 
                 _note_unsteady(model, "step", True)
                 return None
             details.update(seconds=round(time.perf_counter() - start, 1), step_attempts=measurement.attempts)
-            profile = Profile(profile_key(model), step_cost, thin_rows, {}, details)
+            profile = Profile(profile_key(model), step_cost, thin_rows, {}, details, tuple(linear_rows))
             save_profile(model, profile)
             _note_unsteady(model, "step", False)
         for spec in speculators:
@@ -447,7 +471,15 @@ def describe(profile: Profile | None) -> str:
         relative = [float(cost.relative(rows, torch.tensor(float(q)), rows * 128)) for q in (2, 3, 4, 6)]
         lines.append(f"  batch {rows}: a forward of 2 / 3 / 4 / 6 tokens per row costs "
                      f"{' / '.join(f'{r:.2f}' for r in relative)} plain steps (128 cached tokens per row)")
-    lines.append(f"  linear layers as (W @ x.T).T at {list(profile.thin_linear_rows) or 'no'} input rows")
+    table = thin_row_table(profile.thin_linear_rows, profile.linear_rows or None)
+    spans, start = [], None
+    for n, thin in enumerate(table + [False]):
+        if thin and start is None:
+            start = n
+        elif not thin and start is not None:
+            spans.append(f"{start}" if n - 1 == start else f"{start}-{n - 1}")
+            start = None
+    lines.append(f"  linear layers as (W @ x.T).T at {', '.join(spans) or 'no'} input rows")
     for key, value in profile.draft_costs.items():
         name = profile.details.get(f"draft {key}", {}).get("speculator", key)
         lines.append(f"  {name} ({key[:8]}): a drafted token costs {value:.3f} plain steps")

@@ -272,6 +272,34 @@ def test_thin_linear_is_exact_in_float64_and_only_inside_our_calls():
     assert "forward" not in vars(layer)
 
 
+def test_thin_linear_between_measured_row_counts(monkeypatch):
+    """A row count between two measured ones takes the choice made at the lower; past the last measured count, and
+    below the first, the stock form stays; without measured counts, exactly the counts given. A profile keeps the
+    counts it measured, and `host_linear` reads them."""
+    table = calibration.thin_row_table((2, 16), (1, 2, 4, 16, 32))
+    assert [n for n, thin in enumerate(table) if thin] == [2, 3, *range(16, 32)]
+    assert [n for n, thin in enumerate(calibration.thin_row_table((3, 5))) if thin] == [3, 5]
+    assert calibration.thin_row_table((), (1, 2)) == [False] * 3
+    layer = torch.nn.Linear(8, 4).double()
+    stock = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: stock.append(a[0].shape[0]) or linear(*a, **k))
+    with calibration.thin_linear([layer], (2, 16), (1, 2, 4, 16, 32)):
+        for rows in (1, 2, 3, 4, 15, 16, 31, 32, 33):
+            x = torch.randn(rows, 8, dtype=torch.float64)
+            torch.testing.assert_close(layer(x), linear(x, layer.weight, layer.bias), rtol=0, atol=1e-12)
+    assert stock == [1, 4, 15, 32, 33]
+
+    target = make_model("llama", dtype=torch.float64)
+    profile = Profile(profile_key(target), FLAT, (2,), {}, {}, (1, 2, 4))
+    assert Profile.from_json(json.loads(json.dumps(profile.to_json())), profile_key(target)) == profile
+    save_profile(target, profile)
+    with calibration.host_linear(target):
+        stock.clear()
+        target.model.layers[0].mlp.down_proj(torch.randn(3, target.config.intermediate_size, dtype=torch.float64))
+    assert stock == []  # 3 rows: between 2 (thin) and 4
+
+
 def test_cli_calibrate_writes_a_profile(tmp_path, monkeypatch, capsys):
     from hf_specdec import cli
 
