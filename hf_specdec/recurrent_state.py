@@ -307,6 +307,8 @@ class RecurrentPagedCache(PagedKVCache):
         current = dict(zip(seq_ids, starts))
         rows, lengths = [], []
         for seq_id, floor in self._floor.items():
+            if seq_id >= self.num_slots:  # added but never stepped: no state yet (its slot comes when it steps)
+                continue
             for length in range(floor, current.get(seq_id, self.length(seq_id)) + 1):
                 rows.append(seq_id)
                 lengths.append(length)

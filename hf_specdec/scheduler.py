@@ -465,11 +465,12 @@ class Scheduler:
         limit = self.prefill_chunk
         if limit is None:
             # Chunked prefill is off for this target (recurrent layers, the masked dense cache: a piece costs more
-            # than its share), so scored prompts go whole, in a forward of their own.
+            # than its share), so a scored prompt goes whole, the oldest first, one a step (its logits are
+            # `[prompt tokens, vocab]`).
             if scoring:
-                rows = sorted(scoring)
-                cached = [target.length(r) for r in rows]
-                self._score(rows, [batch.lengths[r] - 1 - c for r, c in zip(rows, cached)], cached)
+                row = next(r for r in self._fresh if r in scoring)
+                cached = target.length(row)
+                self._score([row], [batch.lengths[row] - 1 - cached], [cached])
             return scoring
         manager = getattr(getattr(target, "cache", None), "manager", None)
         block = manager.block_size if manager is not None else 1
@@ -491,7 +492,7 @@ class Scheduler:
             # scored prompt's last piece ends just before its last token, wherever that is.
             room = max(budget, block) if i == 0 else budget
             if row in scoring:
-                room = min(room, PROMPT_LOGPROBS_PIECE)
+                room = min(room, max(PROMPT_LOGPROBS_PIECE, block))
             end = min(cached[row] + room, batch.lengths[row] - 1)
             amount = end - cached[row] if row in scoring and end == batch.lengths[row] - 1 else (
                 end - end % block - cached[row])
@@ -519,9 +520,13 @@ class Scheduler:
         tokens = batch.token_ids[torch.tensor(rows, device=batch.device)[:, None], cols]
         wanted = {row: self.running[row].prompt_logprobs for row in rows}
         # Row i's positions come left-aligned (`logit_counts`): its tokens' logits are its first `amounts[i]` columns.
-        entries = emitted_logprobs(out.logits, tokens, rows, amounts, wanted)
-        for row in rows:
-            self.running[row].prompt_token_logprobs += entries[row]
+        # The log-softmax goes a slice of columns at a time (a whole prompt's, unchunked, may be long).
+        for start in range(0, width, PROMPT_LOGPROBS_PIECE):
+            end = start + PROMPT_LOGPROBS_PIECE
+            entries = emitted_logprobs(out.logits[:, start:end], tokens[:, start:end], rows,
+                                       [min(max(n - start, 0), PROMPT_LOGPROBS_PIECE) for n in amounts], wanted)
+            for row, values in entries.items():
+                self.running[row].prompt_token_logprobs += values
 
     def _finish_scored(self, rows) -> list[tuple[Request, list[int], bool]]:
         """Requests for a prompt's log probabilities alone (`max_new_tokens=0`) whose prompts are scored: they end

@@ -256,6 +256,7 @@ def test_a_long_step_of_one_row_keeps_the_other_rows_states():
         history = grown.cache.history
         newcomer = torch.randint(3, VOCAB, (2 * history,), generator=g).tolist()
         grown.add_sequence(0)
+        grown.add_sequence(grown.cache.num_slots + 2)  # admitted, not stepped yet: past the states' slots
         _feed(grown, [0], [newcomer], 1)
         assert grown.cache.history > history
         want = _feed(reference, [1], [[running[0]]], 1)

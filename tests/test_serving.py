@@ -802,15 +802,21 @@ def assert_prompt_logprobs(model, request, top: int) -> None:
 
 
 @pytest.mark.parametrize("speculator", ["ngram", "draft"])
-def test_prompt_logprobs_are_the_targets(tokenizer, speculator):
+def test_prompt_logprobs_are_the_targets(tokenizer, speculator, monkeypatch):
     """`prompt_logprobs`: each prompt token's log probability given those before it, and its likeliest alternatives,
-    equal one plain forward's, for prompts fed in pieces (longer than a prefill chunk) beside running requests and
-    for a prompt whose prefix the prefix cache holds; the answers after them equal their solo runs, and
-    `max_tokens=0` scores the prompt alone, ending at once, every block back."""
+    equal one plain forward's, for prompts fed in pieces (longer than a prefill chunk), several rows' pieces of
+    different lengths in one forward, beside running requests, and for a prompt whose prefix the prefix cache holds;
+    the answers after them equal their solo runs, and `max_tokens=0` scores the prompt alone, ending at once, every
+    block back."""
+    from hf_specdec.scheduler import Scheduler
+
+    shared, score = [], Scheduler._score
+    monkeypatch.setattr(Scheduler, "_score", lambda self, rows, amounts, cached: shared.append(len(set(amounts)))
+                        or score(self, rows, amounts, cached))
     model = served_model(eos=None)
     spec = served_model(seed=3, eos=None) if speculator == "draft" else "ngram"
     engine = ServingEngine(model, tokenizer, spec, num_speculative_tokens=3, schedule="constant", max_batch_size=4,
-                           prefill_chunk_tokens=16, prefix_cache_tokens=256).start()
+                           prefill_chunk_tokens=64, prefix_cache_tokens=256).start()
     long_prompt, short_prompt = repeating(45, 11), repeating(9, 12)
     try:
         running = engine.submit(repeating(12, 13), 40)
@@ -828,6 +834,7 @@ def test_prompt_logprobs_are_the_targets(tokenizer, speculator):
     finally:
         engine.shutdown()
     assert warm.request.prompt_token_logprobs == []
+    assert max(shared) > 1  # a forward scored rows of different lengths
     assert running.request.output_ids == solo(model, running.request.prompt_ids, 40)
     assert scored[0].request.output_ids == solo(model, long_prompt, 10)
     assert len(scored[0].request.output_logprobs) == 10

@@ -599,11 +599,11 @@ def _grammar(body: dict):
     if options is not None:
         if not isinstance(options, dict):
             raise RequestError(f"structured_outputs must be an object, got {options!r}", "structured_outputs")
-        unknown = sorted(k for k, v in options.items() if k not in _STRUCTURED_OUTPUTS and v not in (None, False))
+        unknown = sorted(k for k, v in options.items() if k not in _STRUCTURED_OUTPUTS and not _absent(v))
         if unknown:
             raise RequestError(f"structured_outputs.{unknown[0]} is not supported; give one of "
                                f"{list(_STRUCTURED_OUTPUTS)}", "structured_outputs")
-        given = [k for k in _STRUCTURED_OUTPUTS if options.get(k) not in (None, False)]
+        given = [k for k in _STRUCTURED_OUTPUTS if not _absent(options.get(k))]
         if len(given) != 1:
             raise RequestError(f"structured_outputs takes exactly one of {list(_STRUCTURED_OUTPUTS)}, got "
                                f"{given or 'none'}", "structured_outputs")
@@ -614,6 +614,10 @@ def _grammar(body: dict):
     if len(asked) > 1:
         raise RequestError(f"give one way to constrain the output, not {[name for name, _ in asked]}", asked[1][0])
     return asked[0][::-1] if asked else (None, None)
+
+
+def _absent(value) -> bool:
+    return value is None or value is False  # (not `0`, which `in (None, False)` would take for False)
 
 
 def _vllm_grammar(kind: str, value):
