@@ -48,7 +48,8 @@ from .model_runner import input_device
 
 logger = logging.getLogger("hf_specdec")
 
-FORMAT, VERSION = "hf_specdec-calibration", 3  # 2: measured as measure.py says; 3: linear rows up to 64
+# 2: measured as measure.py says; 3: linear rows up to 64; 4: the linear form chosen per weight shape
+FORMAT, VERSION = "hf_specdec-calibration", 4
 # Rows of a linear layer's input timed both ways; a count between two takes the choice made at the lower, and past
 # the last the stock form stays. A CPU step's linear layers see one row per token fed (a server's batch of 16 rows
 # verifying 2 drafts each: 48), its LM head one per position that needs logits.
@@ -71,6 +72,8 @@ class Profile:
         thin_linear_rows: input row counts at which `(W @ x.T).T` beat `F.linear` (empty: never).
         linear_rows: the row counts measured; a count between two takes the choice made at the lower one
             (`thin_linear`).
+        thin_linear_shapes: the same choice for each weight shape alone (`"out x in"` -> row counts), which is
+            what applies when measured: an LM head's weight and the layers' may want different forms.
         draft_costs: per speculator (`speculator_key`), the cost of one drafted token relative to a plain step.
         details: what was measured, for people (timings, seconds taken).
     """
@@ -81,12 +84,14 @@ class Profile:
     draft_costs: dict[str, float] = field(default_factory=dict)
     details: dict = field(default_factory=dict)
     linear_rows: tuple[int, ...] = ()
+    thin_linear_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "key": self.key,
                 "step_cost": {"per_row": self.step_cost.per_row, "points": [list(p) for p in self.step_cost.points],
                               "per_context_token": self.step_cost.per_context_token},
                 "thin_linear_rows": list(self.thin_linear_rows), "linear_rows": list(self.linear_rows),
+                "thin_linear_shapes": {k: list(v) for k, v in self.thin_linear_shapes.items()},
                 "draft_costs": self.draft_costs,
                 "details": self.details}
 
@@ -108,7 +113,8 @@ class Profile:
             raise ValueError("negative draft cost")
         rows = tuple(int(r) for r in data.get("thin_linear_rows", ()))
         measured = tuple(int(r) for r in data.get("linear_rows", ()))
-        return cls(key, step_cost, rows, draft_costs, dict(data.get("details", {})), measured)
+        shapes = {str(k): tuple(int(r) for r in v) for k, v in data.get("thin_linear_shapes", {}).items()}
+        return cls(key, step_cost, rows, draft_costs, dict(data.get("details", {})), measured, shapes)
 
 
 def enabled() -> bool:
@@ -284,11 +290,12 @@ def host_linear(model, speculator=None, use_profile: bool = True):
     """For the duration, `model`'s and the speculator's linear layers run as `(W @ x.T).T` for the input row counts
     where the cached profile found that faster (`thin_linear`); nothing changes without a profile."""
     profile = load_profile(model) if use_profile and enabled() and thin_linear_enabled() else None
-    if profile is None or not profile.thin_linear_rows:
+    if profile is None or not (profile.thin_linear_rows or profile.thin_linear_shapes):
         yield
         return
     modules = [model, *(_speculator_modules(speculator) if speculator is not None else [])]
-    with thin_linear(modules, profile.thin_linear_rows, profile.linear_rows or None):
+    with thin_linear(modules, profile.thin_linear_rows, profile.linear_rows or None,
+                     profile.thin_linear_shapes or None):
         yield
 
 
@@ -318,14 +325,27 @@ def thin_row_table(rows, measured=None) -> list[bool]:
     return table
 
 
+def shape_key(weight_shape) -> str:
+    """A linear weight's shape as profiles name it: `"out x in"`."""
+    return "x".join(str(int(n)) for n in weight_shape)
+
+
 @contextmanager
-def thin_linear(modules, rows, measured=None):
+def thin_linear(modules, rows, measured=None, shapes: dict | None = None):
     """Within the block, every plain `torch.nn.Linear` (full-precision weight, computed on the CPU) inside `modules`
     computes inputs of `rows` rows as `(W @ x.T).T` (with `measured`, the row counts timed: counts between them as
     `thin_row_table` says); restored on exit. Quantized or wrapped layers are left alone. A layer under an accelerate
     hook (`device_map`, offload) keeps its hook: the hook's inner forward is the one switched, so the weights it
-    streams in are the ones multiplied."""
-    rows = thin_row_table(rows, measured)
+    streams in are the ones multiplied. With `shapes` (`"out x in"` -> row counts), each layer takes the counts of
+    its weight's shape instead (none for a shape not named)."""
+    tables = {}
+
+    def table(module) -> list[bool]:
+        key = shape_key(module.weight.shape) if shapes is not None else None
+        if key not in tables:
+            tables[key] = thin_row_table(rows if shapes is None else shapes.get(key, ()), measured)
+        return tables[key]
+
     patched = []
     try:
         for module in {id(m): m for root in modules for m in root.modules()}.values():
@@ -333,10 +353,10 @@ def thin_linear(modules, rows, measured=None):
                 continue
             hooked = getattr(module, "_hf_hook", None) is not None and "_old_forward" in vars(module)
             name = "_old_forward" if hooked else "forward"
-            if not hooked and "forward" in vars(module):  # someone else's wrapper: leave it
-                continue
+            if (not hooked and "forward" in vars(module)) or not any(table(module)):  # someone else's wrapper, or
+                continue  # the stock form at every row count: leave it
             patched.append((module, name, vars(module).get(name)))
-            setattr(module, name, _thin_forward(module, rows))
+            setattr(module, name, _thin_forward(module, table(module)))
         yield
     finally:
         for module, name, original in patched:
@@ -421,14 +441,16 @@ def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] 
                 _note_unsteady(model, "step", True)
                 return None
             say(f"measuring linear layers over {', '.join(map(str, linear_rows))} rows")
-            thin_rows, details, problem = measure_thin_linear(model, linear_rows, LINEAR_MARGIN, repeats, timer,
-                                                              attempts)
+            thin_rows, details, problem, by_shape = measure_thin_linear(model, linear_rows, LINEAR_MARGIN, repeats,
+                                                                        timer, attempts)
             if problem is not None:
                 _distrust("the small-row linear timing", problem, "linear layers keep their stock form")
-                thin_rows = ()
-            thin_rows = thin_rows if thin_linear_enabled() else ()
+                thin_rows, by_shape = (), {}
+            if not thin_linear_enabled():
+                thin_rows, by_shape = (), {}
+            shapes = {shape_key(shape): rows for shape, rows in by_shape.items()}
             say(f"measuring target forwards (batch {', '.join(map(str, rows))})")
-            with thin_linear([model], thin_rows, linear_rows):
+            with thin_linear([model], thin_rows, linear_rows, shapes):
                 step_cost, measurement = measure_step_cost(model, rows, tokens, contexts, repeats, timer, attempts)
             if measurement.problem is not None:
                 _distrust("the step cost measured now", measurement.problem,
@@ -436,7 +458,7 @@ def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] 
                 _note_unsteady(model, "step", True)
                 return None
             details.update(seconds=round(time.perf_counter() - start, 1), step_attempts=measurement.attempts)
-            profile = Profile(profile_key(model), step_cost, thin_rows, {}, details, tuple(linear_rows))
+            profile = Profile(profile_key(model), step_cost, thin_rows, {}, details, tuple(linear_rows), shapes)
             save_profile(model, profile)
             _note_unsteady(model, "step", False)
         for spec in speculators:
@@ -471,15 +493,21 @@ def describe(profile: Profile | None) -> str:
         relative = [float(cost.relative(rows, torch.tensor(float(q)), rows * 128)) for q in (2, 3, 4, 6)]
         lines.append(f"  batch {rows}: a forward of 2 / 3 / 4 / 6 tokens per row costs "
                      f"{' / '.join(f'{r:.2f}' for r in relative)} plain steps (128 cached tokens per row)")
-    table = thin_row_table(profile.thin_linear_rows, profile.linear_rows or None)
-    spans, start = [], None
-    for n, thin in enumerate(table + [False]):
-        if thin and start is None:
-            start = n
-        elif not thin and start is not None:
-            spans.append(f"{start}" if n - 1 == start else f"{start}-{n - 1}")
-            start = None
-    lines.append(f"  linear layers as (W @ x.T).T at {', '.join(spans) or 'no'} input rows")
+    def spans(rows) -> str:
+        out, start = [], None
+        for n, thin in enumerate(thin_row_table(rows, profile.linear_rows or None) + [False]):
+            if thin and start is None:
+                start = n
+            elif not thin and start is not None:
+                out.append(f"{start}" if n - 1 == start else f"{start}-{n - 1}")
+                start = None
+        return ", ".join(out) or "no"
+
+    if profile.thin_linear_shapes:
+        for shape, rows in sorted(profile.thin_linear_shapes.items()):
+            lines.append(f"  linear layers of weight {shape} as (W @ x.T).T at {spans(rows)} input rows")
+    else:
+        lines.append(f"  linear layers as (W @ x.T).T at {spans(profile.thin_linear_rows)} input rows")
     for key, value in profile.draft_costs.items():
         name = profile.details.get(f"draft {key}", {}).get("speculator", key)
         lines.append(f"  {name} ({key[:8]}): a drafted token costs {value:.3f} plain steps")

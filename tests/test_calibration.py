@@ -409,6 +409,30 @@ def test_load_that_slows_both_forms_of_a_pair_alike_does_not_hide_the_faster_for
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+def test_the_linear_form_is_chosen_per_weight_shape(caplog):
+    """Thin steadily at half stock's time for the LM head's weight alone (as an LM head's `[vocab, hidden]` product
+    is on an AMD EPYC with MKL): the profile takes it there, for that shape only, though over all the layers the
+    forms tie; under `host_linear` the LM head runs thin and the other layers are left as they are."""
+    target = make_model("llama", dtype=torch.float32)
+    head = calibration.shape_key(target.lm_head.weight.shape)
+
+    def cost(key):
+        return steady(key) / (2 if key[:2] == ("linear", "thin") and key[2] > 1 and key[3] == tuple(
+            target.lm_head.weight.shape) else 1)
+
+    with caplog.at_level(logging.WARNING, logger="hf_specdec"):
+        profile = calibrate(target, **GRID, timer=fake_timer(cost=cost))
+    assert profile.thin_linear_rows == () and profile.thin_linear_shapes == {head: (2, 3)}
+    assert profile.details["linear_thin_over_stock_by_shape"][head] == {"1": 1.0, "2": 0.5, "3": 0.5}
+    assert load_profile(target) == profile
+    layers = [m for m in target.modules() if isinstance(m, torch.nn.Linear)]
+    with calibration.host_linear(target):
+        assert [m for m in layers if "forward" in vars(m)] == [target.lm_head]
+    assert not [m for m in layers if "forward" in vars(m)]
+    assert f"linear layers of weight {head} as (W @ x.T).T at 2-3 input rows" in calibration.describe(profile)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 def test_a_ratio_on_both_sides_of_the_margin_keeps_the_stock_form_there(caplog):
     """Over 2 rows the thin form takes half stock's time in some rounds and all of it in others: no choice there;
     over 3 rows it is steadily twice as fast: chosen. Nothing is untrustworthy about that."""
