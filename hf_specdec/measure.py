@@ -219,9 +219,9 @@ def measure_thin_linear(model, rows: tuple[int, ...], margin: float, repeats: in
                         attempts: int = ATTEMPTS
                         ) -> tuple[tuple[int, ...], dict, str | None, dict[tuple[int, int], tuple[int, ...]]]:
     """Times the model's linear layers (each weight shape, weighted by how many layers have it) over `rows` input
-    rows as `F.linear` ("stock") and as `(W @ x.T).T` ("thin"), the two forms side by side in each round; returns the
-    row counts where thin took at most `margin` of stock's time, the timings, and why they are not to be trusted
-    (None when they are). The choice rests on each round's ratio of the pair (thin over stock), not on absolute
+    rows as `F.linear` ("stock") and as `(W @ x.T).T` made row-major ("thin"), the two forms side by side in each
+    round; returns the row counts where thin took at most `margin` of stock's time, the timings, and why they are
+    not to be trusted (None when they are). The choice rests on each round's ratio of the pair (thin over stock), not on absolute
     times: load that comes and goes slows both forms of a pair alike. A row count gets the thin form only where
     every middle round (the lowest and highest quarter left out) chose it; elsewhere it keeps the stock form. The
     same choice is made for each weight shape alone (the fourth value: shape -> row counts where thin won for it),
@@ -248,7 +248,8 @@ def measure_thin_linear(model, rows: tuple[int, ...], margin: float, repeats: in
                 w, x = weights[shape], torch.randn(r, shape[1], dtype=weights[shape].dtype)
                 reps = min(shapes[shape], 8)  # a few products per timing: one alone is too short to time well
                 cells["linear", "stock", r, shape] = lambda w=w, x=x, reps=reps: [F.linear(x, w) for _ in range(reps)]
-                cells["linear", "thin", r, shape] = lambda w=w, x=x, reps=reps: [(w @ x.t()).t() for _ in range(reps)]
+                cells["linear", "thin", r, shape] = lambda w=w, x=x, reps=reps: [(w @ x.t()).t().contiguous()
+                                                                                 for _ in range(reps)]
 
         rounds: list[dict[tuple, float]] = []  # this attempt's totals per (form, rows), round by round
 

@@ -287,7 +287,9 @@ def test_thin_linear_between_measured_row_counts(monkeypatch):
     with calibration.thin_linear([layer], (2, 16), (1, 2, 4, 16, 32)):
         for rows in (1, 2, 3, 4, 15, 16, 31, 32, 33):
             x = torch.randn(rows, 8, dtype=torch.float64)
-            torch.testing.assert_close(layer(x), linear(x, layer.weight, layer.bias), rtol=0, atol=1e-12)
+            y = layer(x)
+            torch.testing.assert_close(y, linear(x, layer.weight, layer.bias), rtol=0, atol=1e-12)
+            assert y.is_contiguous()  # row-major, as the stock form's (the next ops are slow on a transposed one)
     assert stock == [1, 4, 15, 32, 33]
 
     target = make_model("llama", dtype=torch.float64)
