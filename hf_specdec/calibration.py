@@ -72,8 +72,9 @@ class Profile:
         thin_linear_rows: input row counts at which `(W @ x.T).T` beat `F.linear` (empty: never).
         linear_rows: the row counts measured; a count between two takes the choice made at the lower one
             (`thin_linear`).
-        thin_linear_shapes: the same choice for each weight shape alone (`"out x in"` -> row counts), which is
-            what applies when measured: an LM head's weight and the layers' may want different forms.
+        thin_linear_shapes: the same choice for each weight shape measured (`"out x in"` -> row counts, empty where
+            thin never won), which is what applies to layers of those shapes: an LM head's weight and the layers'
+            may want different forms. A layer of a shape not measured (a draft model's) takes `thin_linear_rows`.
         draft_costs: per speculator (`speculator_key`), the cost of one drafted token relative to a plain step.
         details: what was measured, for people (timings, seconds taken).
     """
@@ -290,7 +291,7 @@ def host_linear(model, speculator=None, use_profile: bool = True):
     """For the duration, `model`'s and the speculator's linear layers run as `(W @ x.T).T` for the input row counts
     where the cached profile found that faster (`thin_linear`); nothing changes without a profile."""
     profile = load_profile(model) if use_profile and enabled() and thin_linear_enabled() else None
-    if profile is None or not (profile.thin_linear_rows or profile.thin_linear_shapes):
+    if profile is None or not (profile.thin_linear_rows or any(profile.thin_linear_shapes.values())):
         yield
         return
     modules = [model, *(_speculator_modules(speculator) if speculator is not None else [])]
@@ -301,7 +302,8 @@ def host_linear(model, speculator=None, use_profile: bool = True):
 
 def _thin_forward(linear: torch.nn.Linear, thin: list[bool]):
     def forward(x):
-        if x.dim() == 0 or not (x.numel() // max(x.shape[-1], 1) < len(thin) and thin[x.numel() // x.shape[-1]]):
+        n = x.numel() // max(x.shape[-1], 1) if x.dim() else len(thin)
+        if not (n < len(thin) and thin[n]):
             return F.linear(x, linear.weight, linear.bias)
         # The same product, another BLAS call shape; laid out row-major again, as the stock form's output is (the
         # next ops on a transposed layout cost more than the copy: q and o projections at 32 rows took a SmolLM2
@@ -339,14 +341,14 @@ def thin_linear(modules, rows, measured=None, shapes: dict | None = None):
     computes inputs of `rows` rows as `(W @ x.T).T` (with `measured`, the row counts timed: counts between them as
     `thin_row_table` says); restored on exit. Quantized or wrapped layers are left alone. A layer under an accelerate
     hook (`device_map`, offload) keeps its hook: the hook's inner forward is the one switched, so the weights it
-    streams in are the ones multiplied. With `shapes` (`"out x in"` -> row counts), each layer takes the counts of
-    its weight's shape instead (none for a shape not named)."""
+    streams in are the ones multiplied. With `shapes` (`"out x in"` -> row counts), a layer whose weight's shape is
+    named takes that shape's counts instead (`rows` stay for the others)."""
     tables = {}
 
     def table(module) -> list[bool]:
         key = shape_key(module.weight.shape) if shapes is not None else None
         if key not in tables:
-            tables[key] = thin_row_table(rows if shapes is None else shapes.get(key, ()), measured)
+            tables[key] = thin_row_table(rows if shapes is None or key not in shapes else shapes[key], measured)
         return tables[key]
 
     patched = []
@@ -508,7 +510,9 @@ def describe(profile: Profile | None) -> str:
 
     if profile.thin_linear_shapes:
         for shape, rows in sorted(profile.thin_linear_shapes.items()):
-            lines.append(f"  linear layers of weight {shape} as (W @ x.T).T at {spans(rows)} input rows")
+            if rows:
+                lines.append(f"  linear layers of weight {shape} as (W @ x.T).T at {spans(rows)} input rows")
+        lines.append(f"  other shapes (a speculator's) as (W @ x.T).T at {spans(profile.thin_linear_rows)} input rows")
     else:
         lines.append(f"  linear layers as (W @ x.T).T at {spans(profile.thin_linear_rows)} input rows")
     for key, value in profile.draft_costs.items():

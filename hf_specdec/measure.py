@@ -224,7 +224,8 @@ def measure_thin_linear(model, rows: tuple[int, ...], margin: float, repeats: in
     not to be trusted (None when they are). The choice rests on each round's ratio of the pair (thin over stock), not on absolute
     times: load that comes and goes slows both forms of a pair alike. A row count gets the thin form only where
     every middle round (the lowest and highest quarter left out) chose it; elsewhere it keeps the stock form. The
-    same choice is made for each weight shape alone (the fourth value: shape -> row counts where thin won for it),
+    same choice is made for each weight shape alone (the fourth value: every shape -> the row counts where thin won
+    for it, empty where it never did),
     as the forms' speeds differ by shape: on an AMD EPYC with MKL the thin form is 1.6-2.9x faster for an LM head's
     `[vocab, hidden]` weight from 2 rows up, and slower for the layers' at 6-12 rows."""
     from .model_runner import input_device
@@ -305,7 +306,7 @@ def measure_thin_linear(model, rows: tuple[int, ...], margin: float, repeats: in
                    "x".join(map(str, shape)): {str(r): round(measurement.medians["linear", "thin / stock", r, shape], 3)
                                                for r in rows} for shape in shapes},
                "linear_attempts": measurement.attempts}
-    return faster, details, measurement.problem, {shape: r for shape, r in by_shape.items() if r}
+    return faster, details, measurement.problem, by_shape
 
 
 # A speculator's drafts ----------------------------------------------------------------------------------------------

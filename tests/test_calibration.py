@@ -291,6 +291,13 @@ def test_thin_linear_between_measured_row_counts(monkeypatch):
             torch.testing.assert_close(y, linear(x, layer.weight, layer.bias), rtol=0, atol=1e-12)
             assert y.is_contiguous()  # row-major, as the stock form's (the next ops are slow on a transposed one)
     assert stock == [1, 4, 15, 32, 33]
+    # A shape measured takes its own choice (here: never thin); one not measured (a draft's) the choice for all.
+    other = torch.nn.Linear(8, 5).double()
+    with calibration.thin_linear([layer, other], (2,), (1, 2, 4), {"4x8": ()}):
+        stock.clear()
+        layer(torch.randn(3, 8, dtype=torch.float64))
+        other(torch.randn(3, 8, dtype=torch.float64))
+    assert stock == [3]
 
     target = make_model("llama", dtype=torch.float64)
     profile = Profile(profile_key(target), FLAT, (2,), {}, {}, (1, 2, 4))
@@ -424,7 +431,10 @@ def test_the_linear_form_is_chosen_per_weight_shape(caplog):
 
     with caplog.at_level(logging.WARNING, logger="hf_specdec"):
         profile = calibrate(target, **GRID, timer=fake_timer(cost=cost))
-    assert profile.thin_linear_rows == () and profile.thin_linear_shapes == {head: (2, 3)}
+    assert profile.thin_linear_rows == () and {k: v for k, v in profile.thin_linear_shapes.items() if v} == {
+        head: (2, 3)}
+    assert set(profile.thin_linear_shapes) == {calibration.shape_key(m.weight.shape) for m in target.modules()
+                                               if isinstance(m, torch.nn.Linear)}  # every shape measured
     assert profile.details["linear_thin_over_stock_by_shape"][head] == {"1": 1.0, "2": 0.5, "3": 0.5}
     assert load_profile(target) == profile
     layers = [m for m in target.modules() if isinstance(m, torch.nn.Linear)]
