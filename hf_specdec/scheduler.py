@@ -514,10 +514,10 @@ class Scheduler:
         requests' alternatives)."""
         batch = self.batch
         out = self._feed(rows, amounts, cached, logit_counts=amounts)
-        width = max(amounts)
-        first = batch.first_col[torch.tensor(rows, device=batch.device)] + torch.tensor(cached, device=batch.device) + 1
+        width, rows_t = max(amounts), torch.tensor(rows, device=batch.device)
+        first = batch.first_col[rows_t] + torch.tensor(cached, device=batch.device) + 1  # the tokens being scored
         cols = (first[:, None] + torch.arange(width, device=batch.device)).clamp(max=batch.token_ids.shape[1] - 1)
-        tokens = batch.token_ids[torch.tensor(rows, device=batch.device)[:, None], cols]
+        tokens = batch.token_ids[rows_t[:, None], cols]
         wanted = {row: self.running[row].prompt_logprobs for row in rows}
         # Row i's positions come left-aligned (`logit_counts`): its tokens' logits are its first `amounts[i]` columns.
         # The log-softmax goes a slice of columns at a time (a whole prompt's, unchunked, may be long).
