@@ -8,7 +8,7 @@ alike (each repeat starting one configuration later), and medians are reported. 
   ratios: the host's slow spells, which move a call's time by 10-20% on a shared 2-core machine, hit both sides of
   most pairs); `speedup_of_medians` in the JSON is the ratio of the two medians.
 - tokens/s: new tokens of the batch / end-to-end latency.
-- TTFT: latency of the same call with `max_new_tokens=1` (prefill + first token).
+- TTFT: latency of the same call with `max_new_tokens=1` (prefill + first token), the fastest of three such calls.
 - TPOT: (latency - TTFT) / (new tokens per row - 1).
 - ideal speedup: tokens emitted per target forward, discounted by drafting cost (the draft's size relative to the
   target's, per drafted token): what speculation would give if a verify cost the same as a plain decode step.
@@ -39,6 +39,7 @@ WORKLOADS = {"grounded": list(GROUNDED.values()), "open_chat": list(OPEN_CHAT.va
 # The json workload: each row constrained by its request's schema. Its baseline is plain generate with xgrammar's
 # own transformers processor; "hf_specdec grammar" (forced tokens only) runs beside the chosen speculators.
 CONSTRAINED = {"json": EXTRACTION_SCHEMAS}
+TTFT_CALLS = 3  # one-token calls per group and repeat; their fastest is the TTFT sample
 
 
 @dataclass
@@ -57,7 +58,7 @@ class Result:
     config: str
     tokens_per_s: float
     ttft_s: float
-    tpot_s: float
+    tpot_s: float | None  # None where the host's noise outweighed the decode (reported)
     latency_s: float
     new_tokens: int
     speedup: float = 1.0
@@ -183,12 +184,16 @@ def _measure(model, groups, configs, workload, batch_size, max_new_tokens, repea
     warm_tokens = max_new_tokens if model.device.type == "cuda" else 4
     for config in configs:
         for group in groups:
+            call(config, group, 1)
             call(config, group, warm_tokens)
         bar.update(1)
     for repeat in range(repeats):
         # Each repeat starts one configuration later, so none always runs right after another.
         for config in configs[repeat % len(configs):] + configs[:repeat % len(configs)]:
-            ttfts[config.name].append(sum(call(config, group, 1)[0] for group in groups))
+            # TTFT: the fastest of three one-token calls per group (a call is short, so one slow spell of the host
+            # would otherwise outweigh the whole decode and put TPOT below zero).
+            ttfts[config.name].append(sum(min(call(config, group, 1)[0] for _ in range(TTFT_CALLS))
+                                          for group in groups))
             timed = [call(config, group, max_new_tokens) for group in groups]
             latencies[config.name].append(sum(t for t, _ in timed))
             outputs[config.name] = [out for _, out in timed]
@@ -207,8 +212,14 @@ def _measure(model, groups, configs, workload, batch_size, max_new_tokens, repea
         # Speedup: the median over repeats of plain generate's latency over this one's in the same repeat (pairs
         # timed minutes apart at most, so a slow spell of the host hits both sides of most pairs).
         paired = statistics.median(b / t for b, t in zip(base, latencies[config.name]))
+        decode = latency - ttft
+        if decode <= 0:
+            print(f"bench: {config.name} at batch {batch_size}: the one-token calls took longer than the full calls "
+                  f"(TTFT {ttft:.3f} s, latency {latency:.3f} s), TPOT not reported; the host is too noisy for "
+                  "this few new tokens, raise --repeats or --max-new-tokens")
         result = Result(workload, batch_size, config.name, new_tokens / latency, ttft / len(groups),
-                        (latency - ttft) / max(sum(per_row) - len(groups), 1), latency, new_tokens, paired,
+                        decode / max(sum(per_row) - len(groups), 1) if decode > 0 else None, latency, new_tokens,
+                        paired,
                         all(torch.equal(out.sequences, ref) for out, ref in zip(outs, references)),
                         speedup_of_medians=base_latency / latency)
         metrics = [getattr(out, "speculative_metrics", None) for out in outs]
@@ -228,7 +239,8 @@ def _measure(model, groups, configs, workload, batch_size, max_new_tokens, repea
             if drafted:
                 draft_time = sum(m.draft_time_s for m in metrics)
                 result.draft_ms_per_token = 1000 * draft_time * batch_size / drafted
-                result.draft_to_target = result.draft_ms_per_token / (1000 * results[0].tpot_s)
+                if results[0].tpot_s:
+                    result.draft_to_target = result.draft_ms_per_token / (1000 * results[0].tpot_s)
         results.append(result)
     return results
 
@@ -284,7 +296,7 @@ def table(results: list[Result]) -> str:
              "| draft ms/token | draft/target | ideal | of ideal | identical |", "|" + " --- |" * 14]
     for r in results:
         lines.append(f"| {r.workload} | {r.batch_size} | {r.config} | {r.tokens_per_s:.1f} | {r.speedup:.2f}x | "
-                     f"{r.ttft_s:.3f} | {r.tpot_s * 1000:.1f} | {fmt(r.acceptance_rate, '.2f')} | "
+                     f"{r.ttft_s:.3f} | {fmt(r.tpot_s and 1000 * r.tpot_s, '.1f')} | {fmt(r.acceptance_rate, '.2f')} | "
                      f"{fmt(r.mean_acceptance_length, '.2f')} | {fmt(r.draft_ms_per_token, '.1f')} | "
                      f"{fmt(r.draft_to_target, '.2f')} | {fmt(r.ideal_speedup, '.2f')} | "
                      f"{fmt(r.fraction_of_ideal, '.0%')} | {'yes' if r.identical else 'no'} |")

@@ -93,3 +93,32 @@ def test_bench_serve_rounds_report_medians_and_paired_ratios():
     assert rows["ngram"]["acceptance"] == pytest.approx(0.88)
     assert rows[TRANSFORMERS]["acceptance"] is None
     assert "| ngram | 88.0 | 1.76x | 1.10x |" in table(list(rows.values()))
+
+
+def test_a_decode_outweighed_by_noise_is_not_reported(monkeypatch, capsys):
+    """Where the one-token calls (TTFT) took longer than the full calls, the host's noise outweighed the decode:
+    TPOT and the draft's relative cost are left out (with a message), never reported below zero."""
+    from hf_specdec import bench
+
+    model, tokenizer = make_model("llama", dtype=torch.float32), make_tokenizer()
+    inputs = tokenizer(["the cat sat"], return_tensors="pt")
+    clock = iter(range(10_000))
+    # Every call takes 1 "second" except the one-token calls, which take 10: TTFT > latency.
+    real_generate = model.generate
+
+    def slow_first_token(**kwargs):
+        if kwargs["max_new_tokens"] == 1:
+            for _ in range(9):
+                next(clock)
+        return real_generate(**kwargs)
+
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(model, "generate", slow_first_token)
+    configs = [bench.Config("plain generate")]
+    from tqdm import tqdm
+
+    results = bench._measure(model, [(inputs, {})], configs, "grounded", 1, 4, 1, tqdm(disable=True))
+    assert results[0].tpot_s is None and results[0].ttft_s > results[0].latency_s
+    assert "TPOT not reported" in capsys.readouterr().out
+    assert "| grounded | 1 | plain generate |" in bench.table(results)
+    assert bench.table(results).splitlines()[-1].split(" | ")[6] == "-"

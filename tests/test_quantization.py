@@ -415,7 +415,7 @@ def test_bench_draft_quantization_dimension(checkpoint, tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "--model", str(directory), "--speculators", f"ngram,{directory}", "--draft-quantization",
                  "none,fp8,nf4", "--schedule", "constant", "--no-assisted", "--batch-sizes", "1",
-                 "--workloads", "grounded", "--max-new-tokens", "8", "--repeats", "1", "-k", "3",
+                 "--workloads", "grounded", "--max-new-tokens", "16", "--repeats", "1", "-k", "3",
                  "--out", str(out), "--plot", ""]) == 0
     results = {r["config"]: r for r in json.loads(out.read_text())["results"]}
     assert set(results) == {"plain generate", "hf_specdec ngram", f"hf_specdec {directory}",
