@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import LogitsProcessorList, PrefixConstrainedLogitsProcessor
-from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
+from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
+                                                       StoppingCriteriaList, StopStringCriteria)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .adaptive import StepCost
@@ -44,7 +45,9 @@ _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "
 
 @dataclass
 class SpeculativeGenerateOutput(GenerateDecoderOnlyOutput):
-    """`GenerateDecoderOnlyOutput` plus the call's `speculative_metrics` (a `SpeculativeMetrics`)."""
+    """`GenerateDecoderOnlyOutput` plus the call's `speculative_metrics` (a `SpeculativeMetrics`). Its
+    `past_key_values` is None: the keys and values lived in hf_specdec's paged cache, freed when the call returned
+    (a later `generate` given None recomputes them from the prompt, as with `use_cache=False`)."""
 
     speculative_metrics: SpeculativeMetrics | None = None
 
@@ -151,6 +154,14 @@ def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=N
             raise ValueError(
                 f"{name}= cannot be combined with speculator=; hf_specdec replaces it (pass one or the other)"
             )
+    cache_implementation = kwargs.get("cache_implementation")
+    if cache_implementation == "paged":  # transformers would switch to its continuous batching, dropping speculator=
+        raise ValueError("cache_implementation='paged' switches generate to transformers' continuous batching, "
+                         "which runs no speculator; drop it: speculator= always decodes over hf_specdec's own paged "
+                         "KV cache (for many requests, hf_specdec.ServingEngine or `hf-specdec serve`)")
+    if cache_implementation not in (None, "dynamic"):
+        raise ValueError(f"cache_implementation={cache_implementation!r} does not apply with speculator=: it decodes "
+                         "over hf_specdec's own paged KV cache, sized to the batch; drop cache_implementation=")
     check_model_supported(self, role="target model")
     spec.validate(self)
     tokenizer, assistant_tokenizer = kwargs.get("tokenizer"), kwargs.pop("assistant_tokenizer", None)
@@ -228,7 +239,8 @@ def _decode(model, speculator, k, schedule, step_cost, input_ids, logits_process
     mode = config.get_generation_mode()
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         raise ValueError(f"speculative decoding runs greedy search or sampling, not {mode.value} (set by "
-                         "penalty_alpha, dola_layers, ...); drop those options or call generate without speculator=")
+                         f"{_MODE_OPTIONS.get(mode, 'the generation config')}); drop it or call generate without "
+                         "speculator=")
     requested = [name for name in _UNSUPPORTED_OUTPUTS if getattr(config, name, False)]
     if requested:
         raise NotImplementedError(f"{', '.join(requested)} are not supported with speculator= yet; drop them")
@@ -255,6 +267,16 @@ def _decode(model, speculator, k, schedule, step_cost, input_ids, logits_process
         )
     eos = config._eos_token_tensor
     pad = config._pad_token_tensor
+    per_row = [type(c).__name__ for c in stopping_criteria or []
+               if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria, MaxTimeCriteria))]
+    if eos is None and per_row and input_ids.shape[0] > 1:
+        # Without an EOS plain generate pads nothing: a row its criterion stopped goes on generating until every row
+        # has stopped, and all end at one length. Rows here end where they stop, so the outputs would differ.
+        raise ValueError(
+            f"stopping criteria ({', '.join(per_row)}: stop_strings= or stopping_criteria=) at batch size "
+            f"{input_ids.shape[0]} need an eos_token_id with speculator=: without one, plain generate keeps "
+            "generating a stopped row until every row has stopped, which speculative decoding does not reproduce; "
+            "pass eos_token_id= (stopped rows are then padded, as plain generate pads them) or one row per call")
     pad_token_id = int(pad) if pad is not None else (int(eos.flatten()[0]) if eos is not None else 0)
     logits_processor, constraints = _constraints(model, speculator, input_ids.shape[0], logits_processor,
                                                  constraint, config)
@@ -267,6 +289,17 @@ def _decode(model, speculator, k, schedule, step_cost, input_ids, logits_process
     if config.return_dict_in_generate:
         return SpeculativeGenerateOutput(sequences=sequences, speculative_metrics=metrics)
     return sequences
+
+
+# The options that turn on each decoding mode speculation cannot run, as `GenerationConfig.get_generation_mode` reads
+# them.
+_MODE_OPTIONS = {
+    GenerationMode.CONTRASTIVE_SEARCH: "penalty_alpha with top_k > 1",
+    GenerationMode.DOLA_GENERATION: "dola_layers",
+    GenerationMode.CONSTRAINED_BEAM_SEARCH: "force_words_ids or constraints",
+    GenerationMode.ASSISTED_GENERATION: "use_mtp, assistant_early_exit, assistant_model or prompt_lookup_num_tokens",
+    GenerationMode.GROUP_BEAM_SEARCH: "num_beam_groups",
+}
 
 
 def _vocab_size(model) -> int:

@@ -160,13 +160,27 @@ class LogitsProcessing:
         for p in self.processors:
             per_row = getattr(p, "prompt_ignore_length", None)
             if isinstance(per_row, torch.Tensor) and per_row.ndim == 1:
-                saved.append((p, per_row))
+                saved.append((p, "prompt_ignore_length", per_row))
                 p.prompt_ignore_length = per_row.to(batch_rows.device)[batch_rows]
+            # The encoder-prompt processors hold the prompt per batch row (`encoder_repetition_penalty`), or its
+            # n-grams per row with the batch size they divide by (`encoder_no_repeat_ngram_size`).
+            if isinstance(p, lp.EncoderRepetitionPenaltyLogitsProcessor):
+                saved.append((p, "encoder_input_ids", p.encoder_input_ids))
+                p.encoder_input_ids = p.encoder_input_ids[self._prompt_rows(batch_rows, len(p.encoder_input_ids))]
+            elif isinstance(p, lp.EncoderNoRepeatNGramLogitsProcessor):
+                saved += [(p, "generated_ngrams", p.generated_ngrams), (p, "batch_size", p.batch_size)]
+                rows = self._prompt_rows(batch_rows, p.batch_size).tolist()
+                p.generated_ngrams, p.batch_size = [p.generated_ngrams[r] for r in rows], len(rows)
         try:
             return self._guarded(input_ids, scores) if self._unchecked else self.processors(input_ids, scores)
         finally:
-            for p, per_row in saved:
-                p.prompt_ignore_length = per_row
+            for p, name, value in reversed(saved):
+                setattr(p, name, value)
+
+    def _prompt_rows(self, batch_rows: torch.Tensor, num_prompts: int) -> torch.Tensor:
+        """The prompt (of `num_prompts`, before `num_return_sequences` repeated each) of each of `batch_rows`."""
+        per_prompt = max((self.batch_size or num_prompts) // max(num_prompts, 1), 1)
+        return batch_rows.cpu() // per_prompt
 
     def _params(self, n: int, device) -> tuple:
         key = (n, str(device))

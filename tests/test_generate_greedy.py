@@ -70,14 +70,19 @@ def test_rows_equal_their_solo_runs_with_early_eos():
     {"no_repeat_ngram_size": 2},
     {"min_new_tokens": 10, "eos_token_id": 5},
     {"eos_token_id": [5, 7, 9]},
-], ids=["repetition_penalty", "no_repeat_ngram", "min_new_tokens", "eos_list"])
+    {"encoder_repetition_penalty": 1.5},
+    {"encoder_no_repeat_ngram_size": 2},
+], ids=["repetition_penalty", "no_repeat_ngram", "min_new_tokens", "eos_list", "encoder_repetition_penalty",
+        "encoder_no_repeat_ngram"])
 @pytest.mark.parametrize("kind", ["ngram", "random_draft"])
 def test_logits_processors_and_eos_match_generate(kwargs, kind):
     target = make_model("llama")
     input_ids, mask = ragged_batch(rows=3, width=12, seed=5)
     expected = target.generate(input_ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, **kwargs)
     speculator = "ngram" if kind == "ngram" else make_model("llama", seed=1)
-    sequences, metrics = run(target, speculator, input_ids, mask, **kwargs)
+    # A constant k: drafts every step, so the processors see rows grouped by how many drafts each accepted.
+    sequences, metrics = run(target, speculator, input_ids, mask, num_speculative_tokens=3,
+                             speculative_schedule="constant", **kwargs)
     assert torch.equal(sequences, expected)
 
 
@@ -225,11 +230,40 @@ def test_stop_strings_from_a_generation_config():
     assert torch.equal(out, unstopped) and out.shape[1] > expected.shape[1]
 
 
-@pytest.mark.parametrize("options", [dict(penalty_alpha=0.6, top_k=4), dict(dola_layers="high")])
-def test_other_decoding_modes_are_refused(options):
+@pytest.mark.parametrize("options,named", [(dict(penalty_alpha=0.6, top_k=4), "penalty_alpha"),
+                                           (dict(dola_layers="high"), "dola_layers"),
+                                           (dict(force_words_ids=[[9]]), "force_words_ids"),
+                                           (dict(use_mtp=True), "use_mtp")])
+def test_other_decoding_modes_are_refused(options, named):
     target = make_model("llama")
-    with pytest.raises(ValueError, match="greedy search or sampling"):
+    with pytest.raises(ValueError, match=f"greedy search or sampling.*{named}"):
         target.generate(repetitive_prompt(width=16), max_new_tokens=4, speculator="ngram", **options)
+
+
+@pytest.mark.parametrize("implementation", ["paged", "static", "offloaded"])
+def test_a_cache_implementation_on_the_call_is_refused(implementation):
+    """`cache_implementation="paged"` would have transformers run its continuous batching with the speculator
+    dropped; the others would go unused beside the paged cache."""
+    target = make_model("llama")
+    with pytest.raises(ValueError, match=f"cache_implementation={implementation!r}"):
+        target.generate(repetitive_prompt(width=16), max_new_tokens=4, speculator="ngram",
+                        cache_implementation=implementation)
+
+
+def test_criteria_without_an_eos_at_batch_size_above_one_are_refused():
+    """Without an EOS, plain generate extends a row its criterion stopped until every row stops; refused rather than
+    answered differently. One row, or an EOS id, runs (and matches: the other criteria tests)."""
+    from transformers import StoppingCriteriaList
+
+    target = make_model("llama")
+    assert target.generation_config.eos_token_id is None
+    input_ids, mask = ragged_batch(rows=3, width=12, seed=7)
+    criteria = StoppingCriteriaList([StopOnToken(5)])
+    with pytest.raises(ValueError, match="need an eos_token_id"):
+        run(target, "ngram", input_ids, mask, stopping_criteria=criteria)
+    solo = input_ids[2:]
+    expected = target.generate(solo, max_new_tokens=MAX_NEW, do_sample=False, stopping_criteria=criteria)
+    assert torch.equal(run(target, "ngram", solo, stopping_criteria=criteria)[0], expected)
 
 
 def test_int32_input_ids():
