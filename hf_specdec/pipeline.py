@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import logging
+import types
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextGenerationPipeline
 from transformers.pipelines import PIPELINE_REGISTRY
+from transformers.pipelines.base import is_valid_message
+from transformers.pipelines.pt_utils import KeyDataset
+from transformers.pipelines.text_generation import Chat, ReturnType
 
-from .generation import resolve_speculator
+from .generation import _check_num_speculative_tokens, resolve_speculator
 from .head_convert import head_speculator_from_dir
 from .quantization import load_draft
 from .scheduler import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
@@ -80,8 +84,8 @@ class SpeculativeTextGenerationPipeline(TextGenerationPipeline):
 
     def _sanitize_parameters(self, num_speculative_tokens=None, grammar=None, response_format=None, **kwargs):
         preprocess, forward, postprocess = super()._sanitize_parameters(**kwargs)
-        if num_speculative_tokens is not None:
-            forward["num_speculative_tokens"] = num_speculative_tokens
+        if num_speculative_tokens is not None:  # checked here: continuous batching would not check it
+            forward["num_speculative_tokens"] = _check_num_speculative_tokens(num_speculative_tokens)
         if response_format is not None:
             if grammar is not None:
                 raise ValueError("pass grammar= or response_format=, not both")
@@ -100,10 +104,13 @@ class SpeculativeTextGenerationPipeline(TextGenerationPipeline):
     def __call__(self, text_inputs, **kwargs):
         """As `text-generation`; given many prompts (a list, a dataset, a generator) and `batch_size=N`, runs them
         with continuous batching: N requests in flight, each slot refilled as soon as its request finishes. Options
-        continuous batching does not take (a repetition penalty, stop strings, ... given to the call or set in the
-        generation config) run the stock pipeline's batches instead, with speculation: the output is the same, and
-        nothing is dropped."""
+        continuous batching does not take (stop strings, ... given to the call or set in the generation config), and
+        outputs that show the stock batches' padding (`return_tensors=True`, a pad token the text keeps), run the
+        stock pipeline's batches instead, with speculation: the output is the same, and nothing is dropped."""
         batch_size = kwargs.get("batch_size")
+        text_inputs = _as_stock_reads(text_inputs)
+        if text_inputs is None:  # an empty generator, which the stock pipeline answers with []
+            return []
         if batch_size and batch_size > 1 and _many(text_inputs):
             plan = self._continuous_plan({k: v for k, v in kwargs.items() if k != "batch_size"})
             if isinstance(plan, dict):
@@ -151,6 +158,13 @@ class SpeculativeTextGenerationPipeline(TextGenerationPipeline):
                 unsupported.append(name)
         if config.max_new_tokens is None:
             unsupported.append("max_length")  # a length counted with the prompt: the stock batches honour it
+        # The stock batches pad: each prompt on the left to its batch's longest, each row that ended early on the
+        # right with pad_token_id. Token ids show both, and text shows the right padding unless it is skipped as a
+        # special token; continuous batching pads nothing, so those calls run the stock batches.
+        if postprocess_params.get("return_type") == ReturnType.TENSORS:
+            unsupported.append("return_tensors")
+        if config.eos_token_id is not None and self._padding_shows(config, postprocess_params):
+            unsupported.append("pad_token_id")
         penalty = config.repetition_penalty
         if penalty not in (None, 1.0) and not (isinstance(penalty, float)
                                                and MIN_REPETITION_PENALTY <= penalty <= MAX_REPETITION_PENALTY):
@@ -160,10 +174,18 @@ class SpeculativeTextGenerationPipeline(TextGenerationPipeline):
         return {"preprocess": preprocess_params, "postprocess": postprocess_params, "k": k, "grammar": grammar,
                 **{name: getattr(config, name) for name in self._CONTINUOUS}}
 
-    def _continuous(self, inputs, batch_size: int, plan: dict):
-        from transformers.pipelines.base import is_valid_message
-        from transformers.pipelines.text_generation import Chat
+    def _padding_shows(self, config, postprocess_params: dict) -> bool:
+        """Whether the pad token `generate` appends to rows that ended early shows in the decoded text."""
+        pad = config.pad_token_id
+        if pad is None:  # generate pads with the (first) EOS then
+            eos = config.eos_token_id
+            pad = eos[0] if isinstance(eos, (list, tuple)) else eos
+        skip = postprocess_params.get("skip_special_tokens")
+        if getattr(self.tokenizer, "response_template", None) or skip is False:  # as `postprocess` decides
+            return True
+        return int(pad) not in self.tokenizer.all_special_ids
 
+    def _continuous(self, inputs, batch_size: int, plan: dict):
         from .scheduler import SamplingParams
         from .serving.engine import ServingEngine
         from .serving.offline import generate_stream
@@ -208,9 +230,29 @@ class SpeculativeTextGenerationPipeline(TextGenerationPipeline):
             engine.shutdown()
 
 
+def _as_stock_reads(inputs):
+    """The inputs as `Pipeline.__call__` reads them: message dicts (a list, tuple, KeyDataset or generator of them)
+    are one `Chat`. A generator's first item is looked at, then put back; None for an empty generator."""
+    if isinstance(inputs, types.GeneratorType):
+        try:
+            first = next(inputs)
+        except StopIteration:
+            return None
+        return Chat([first, *inputs]) if is_valid_message(first) else _put_back(first, inputs)
+    if isinstance(inputs, (list, tuple, KeyDataset)) and len(inputs) > 0 and is_valid_message(inputs[0]):
+        return Chat(inputs)
+    return inputs
+
+
+def _put_back(first, rest):
+    """A generator again (the pipeline streams generators only), starting with `first`."""
+    yield first
+    yield from rest
+
+
 def _many(inputs) -> bool:
     """A collection of prompts, not one prompt (a string, or one chat: a list of message dicts)."""
-    if isinstance(inputs, (str, dict)):
+    if isinstance(inputs, (str, dict, Chat)):
         return False
     if isinstance(inputs, (list, tuple)):
         return len(inputs) > 0 and not isinstance(inputs[0], dict)

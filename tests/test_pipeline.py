@@ -3,6 +3,7 @@
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, pipeline
+from transformers.pipelines.text_generation import ReturnType
 
 import hf_specdec
 from conftest import COMMON, make_model, make_tokenizer, word_prompt
@@ -135,3 +136,61 @@ def test_cli_help_for_every_command(capsys):
             main([*command, "--help"])
         assert exit_info.value.code == 0
     assert "usage" in capsys.readouterr().out
+
+
+def ended_early_batch(target, tokenizer):
+    """Five prompts of different lengths and an EOS (set on the model) that some of them reach early."""
+    prompts = [word_prompt(seed, length) for seed, length in ((1, 6), (2, 11), (3, 3), (4, 8), (5, 14))]
+    ids = tokenizer(prompts[0], return_tensors="pt").input_ids
+    target.generation_config.eos_token_id = int(target.generate(ids, **GREEDY)[0, ids.shape[1] + 2])
+    return prompts
+
+
+def test_batched_output_keeps_the_stock_padding(target, monkeypatch):
+    """Stock batches pad each prompt on the left to its batch's longest and each row that ended early on the right
+    with pad_token_id: `return_tensors=True` shows both, and a pad token that is no special token shows in the text.
+    Those calls run the stock batches; text whose padding is skipped still runs with continuous batching."""
+    tokenizer = make_tokenizer()
+    prompts = ended_early_batch(target, tokenizer)
+    stock = pipeline("text-generation", model=target, tokenizer=tokenizer)
+    ours = pipeline("speculative-text-generation", model=target, tokenizer=tokenizer, assistant="ngram")
+    continuous = []
+    original = type(ours)._continuous
+    monkeypatch.setattr(type(ours), "_continuous", lambda self, *args: continuous.append(1) or original(self, *args))
+    visible = stock(prompts, batch_size=2, pad_token_id=5, **GREEDY)
+    assert visible != stock(prompts, batch_size=2, **GREEDY)  # a row ended early, padded with the word w5
+    assert ours(prompts, batch_size=2, pad_token_id=5, **GREEDY) == visible
+    for options in (dict(return_tensors=True), dict(return_type=ReturnType.TENSORS),
+                    dict(return_tensors=True, pad_token_id=5)):
+        assert ours(prompts, batch_size=2, **options, **GREEDY) == stock(prompts, batch_size=2, **options, **GREEDY)
+    assert not continuous
+    assert ours(prompts, batch_size=2, pad_token_id=2, **GREEDY) == stock(prompts, batch_size=2, pad_token_id=2,
+                                                                           **GREEDY)
+    assert len(continuous) == 1  # a special pad token is skipped in the text: nothing to reproduce
+
+
+def test_a_generator_of_messages_is_one_chat(target):
+    """As the stock pipeline reads it: message dicts, from a generator, a tuple or a KeyDataset, are one chat."""
+    from transformers.pipelines.pt_utils import KeyDataset
+
+    tokenizer = make_tokenizer()
+    stock = pipeline("text-generation", model=target, tokenizer=tokenizer)
+    ours = pipeline("speculative-text-generation", model=target, tokenizer=tokenizer, assistant="ngram")
+    chat = [{"role": "user", "content": PROMPTS[0]}, {"role": "assistant", "content": "w7 w8"}]
+    for inputs in (lambda: (m for m in chat), lambda: tuple(chat),
+                   lambda: KeyDataset([{"message": m} for m in chat], "message")):
+        assert ours(inputs(), batch_size=2, **GREEDY) == stock(inputs(), batch_size=2, **GREEDY)
+    many = ours((p for p in PROMPTS), batch_size=2, **GREEDY)  # a generator of prompts is still many prompts
+    assert list(many) == list(stock((p for p in PROMPTS), batch_size=2, **GREEDY))
+    assert ours((p for p in ()), batch_size=2, **GREEDY) == stock((p for p in ()), batch_size=2, **GREEDY) == []
+
+
+@pytest.mark.parametrize("k", [0, -1, 1000, "3", 2.5, True])
+def test_num_speculative_tokens_is_checked_with_batch_size(target, k):
+    tokenizer = make_tokenizer()
+    ours = pipeline("speculative-text-generation", model=target, tokenizer=tokenizer, assistant="ngram")
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an int from 1 to 64"):
+        ours(PROMPTS, batch_size=2, num_speculative_tokens=k, **GREEDY)
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an int from 1 to 64"):
+        pipeline("speculative-text-generation", model=target, tokenizer=tokenizer, assistant="ngram",
+                 num_speculative_tokens=k)
