@@ -128,7 +128,10 @@ def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=N
                 raise ValueError(f"{name}= only applies together with speculator=")
         return _speculative_generate.original(self, *args, **kwargs)
     if grammar is not None:  # an invalid schema, regex or grammar is refused before anything runs
-        for g in {id(g): g for g in (grammar if isinstance(grammar, (list, tuple)) else [grammar])}.values():
+        grammars = grammar if isinstance(grammar, (list, tuple)) else [grammar]
+        if any(g is not None for g in grammars) and _eos_ids(self, kwargs) is None:
+            raise ValueError(_NO_EOS_WITH_GRAMMAR.format("grammar="))
+        for g in {id(g): g for g in grammars}.values():
             if isinstance(g, Grammar):
                 g.compile(kwargs.get("tokenizer"), _vocab_size(self), _eos_ids(self, kwargs))
     spec = resolve_speculator(speculator)
@@ -302,15 +305,26 @@ _MODE_OPTIONS = {
 }
 
 
+# Without an EOS, plain constrained generate goes on past the grammar's end, and xgrammar's processor decides what
+# follows there, which speculation does not reproduce: the outputs would differ, so the call is refused.
+_NO_EOS_WITH_GRAMMAR = ("{} with speculator= needs an eos_token_id (none on the call or in the model's generation "
+                        "config): a grammar's answer ends with the EOS token, and without one plain generate goes on "
+                        "past the grammar's end, which speculative decoding does not reproduce; pass "
+                        "eos_token_id=tokenizer.eos_token_id (or set model.generation_config.eos_token_id)")
+
+
 def _vocab_size(model) -> int:
     return model.config.get_text_config().vocab_size
 
 
 def _eos_ids(model, kwargs) -> list[int] | None:
-    """The EOS ids a plain `generate` call with these kwargs stops at (a grammar's completion token)."""
+    """The EOS ids a plain `generate` call with these kwargs stops at (a grammar's completion token). Without any,
+    xgrammar would take the tokenizer's EOS as the grammar's stop token, one generate does not stop at."""
     eos = kwargs.get("eos_token_id")
     if eos is None:
-        eos = getattr(kwargs.get("generation_config") or model.generation_config, "eos_token_id", None)
+        eos = getattr(kwargs.get("generation_config"), "eos_token_id", None)
+    if eos is None:  # transformers fills what the call's generation config leaves unset from the model's
+        eos = model.generation_config.eos_token_id
     if eos is None:
         return None
     return [int(e) for e in (eos.flatten().tolist() if hasattr(eos, "flatten") else
@@ -346,6 +360,9 @@ def _constraints(model, speculator, num_rows, logits_processor, constraint, conf
         if isinstance(grammar, (list, tuple)) and num_rows % len(grammar) == 0 and num_rows != len(grammar):
             grammar = [g for g in grammar for _ in range(num_rows // len(grammar))]  # num_return_sequences
         eos = config._eos_token_tensor
+        constrained = any(g is not None for g in (grammar if isinstance(grammar, (list, tuple)) else [grammar]))
+        if eos is None and constrained:
+            raise ValueError(_NO_EOS_WITH_GRAMMAR.format(" or ".join(found)))
         compiled = compile_grammars(grammar, num_rows, tokenizer, _vocab_size(model),
                                     eos.flatten().tolist() if eos is not None else None)
     if getattr(speculator, "needs_constraint", False) and compiled is None and prefix_fn is None:

@@ -165,6 +165,8 @@ class SpeculativeTextGenerationPipeline(TextGenerationPipeline):
             unsupported.append("return_tensors")
         if config.eos_token_id is not None and self._padding_shows(config, postprocess_params):
             unsupported.append("pad_token_id")
+        if grammar is not None and config.eos_token_id is None:
+            unsupported.append("grammar")  # needs an EOS to end on: generate(speculator=) says so
         penalty = config.repetition_penalty
         if penalty not in (None, 1.0) and not (isinstance(penalty, float)
                                                and MIN_REPETITION_PENALTY <= penalty <= MAX_REPETITION_PENALTY):

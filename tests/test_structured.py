@@ -274,6 +274,34 @@ def test_misuse_is_refused(tokenizer):
         Grammar.json_schema("{not json")
 
 
+
+def test_a_grammar_without_an_eos_is_refused(tokenizer):
+    """Without an EOS, plain constrained generate goes on past the grammar's end and xgrammar's processor decides
+    what follows, which speculation does not reproduce: refused (the pipeline too), naming eos_token_id=."""
+    from tokenizers import pre_tokenizers
+    from transformers import pipeline
+
+    model = constrained_model()
+    model.generation_config.eos_token_id = None
+    input_ids, mask = prompts()
+    grammar = Grammar.regex("[a-c]{2}")
+    run = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with pytest.raises(ValueError, match="grammar= with speculator= needs an eos_token_id.*eos_token_id="):
+        model.generate(input_ids, speculator="ngram", grammar=grammar, tokenizer=tokenizer, **run)
+    processor = xgr.contrib.hf.LogitsProcessor(grammar.compile(tokenizer, VOCAB, [EOS]))
+    with pytest.raises(ValueError, match="xgrammar's LogitsProcessor with speculator= needs an eos_token_id"):
+        model.generate(input_ids, speculator="ngram", logits_processor=[processor], **run)
+    expected = model.generate(input_ids, grammar=grammar, tokenizer=tokenizer, eos_token_id=EOS, **run)
+    assert torch.equal(model.generate(input_ids, speculator="ngram", grammar=grammar, tokenizer=tokenizer,
+                                      eos_token_id=EOS, **run), expected)
+    piece = piece_tokenizer()
+    piece.backend_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    piece.padding_side = "left"
+    pipe = pipeline("speculative-text-generation", model=model, tokenizer=piece, assistant="ngram")
+    for batch in (dict(), dict(batch_size=2)):  # one prompt, and the continuous batches
+        with pytest.raises(ValueError, match="needs an eos_token_id"):
+            pipe(["name age", "a b c", "true"], grammar=grammar, max_new_tokens=8, do_sample=False, **batch)
+
 def test_draft_trees_with_a_constraint_are_refused(tokenizer):
     class TreeSpeculator(Speculator):
         supports_trees = True
