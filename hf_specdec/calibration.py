@@ -34,6 +34,7 @@ import logging
 import os
 import platform
 import time
+import weakref
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -42,19 +43,22 @@ import torch
 import torch.nn.functional as F
 
 from .adaptive import DEFAULT_STEP_COST, StepCost
-from .measure import (ATTEMPTS, Timer, check_step_cost, measure_draft_cost, measure_step_cost, measure_thin_linear,
+from .measure import (ATTEMPTS, Timer, check_step_cost, measure_draft_cost, measure_packed_linear, measure_step_cost,
+                      measure_thin_linear, pack_linear_weight, packed_linear, packed_linear_supported,
                       thin_linear_candidate)
 from .model_runner import input_device
 
 logger = logging.getLogger("hf_specdec")
 
-# 2: measured as measure.py says; 3: linear rows up to 64; 4: the linear form chosen per weight shape
-FORMAT, VERSION = "hf_specdec-calibration", 4
+# 2: measured as measure.py says; 3: linear rows up to 64; 4: the linear form chosen per weight shape; 5: the packed
+# form
+FORMAT, VERSION = "hf_specdec-calibration", 5
 # Rows of a linear layer's input timed both ways; a count between two takes the choice made at the lower, and past
 # the last the stock form stays. A CPU step's linear layers see one row per token fed (a server's batch of 16 rows
 # verifying 2 drafts each: 48), its LM head one per position that needs logits.
 LINEAR_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 LINEAR_MARGIN = 0.8  # `(W @ x.T).T` must take at most this fraction of F.linear's time to be used
+PACKED_MARGIN = 0.85  # the packed form must take at most this fraction of the other form's time to be used
 PROBE_REPEATS = 9  # one-token forwards timed first: if they disagree, the host is too busy to measure
 # After a measurement found this host's timing unsteady, calls that calibrate on their own (`hf-specdec run`, `serve`,
 # the demo) do not try it again for this long: on a busy host each try costs up to minutes and is rejected again.
@@ -75,6 +79,9 @@ class Profile:
         thin_linear_shapes: the same choice for each weight shape measured (`"out x in"` -> row counts, empty where
             thin never won), which is what applies to layers of those shapes: an LM head's weight and the layers'
             may want different forms. A layer of a shape not measured (a draft model's) takes `thin_linear_rows`.
+        packed_linear_shapes: per weight shape, the row counts (between measured ones as for thin) at which the
+            weight packed once for oneDNN (`measure.packed_linear`) beat the form chosen above; it takes precedence
+            there. Float32 CPU layers only; a shape not named never takes it.
         draft_costs: per speculator (`speculator_key`), the cost of one drafted token relative to a plain step.
         details: what was measured, for people (timings, seconds taken).
     """
@@ -86,6 +93,7 @@ class Profile:
     details: dict = field(default_factory=dict)
     linear_rows: tuple[int, ...] = ()
     thin_linear_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    packed_linear_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "key": self.key,
@@ -93,6 +101,7 @@ class Profile:
                               "per_context_token": self.step_cost.per_context_token},
                 "thin_linear_rows": list(self.thin_linear_rows), "linear_rows": list(self.linear_rows),
                 "thin_linear_shapes": {k: list(v) for k, v in self.thin_linear_shapes.items()},
+                "packed_linear_shapes": {k: list(v) for k, v in self.packed_linear_shapes.items()},
                 "draft_costs": self.draft_costs,
                 "details": self.details}
 
@@ -115,7 +124,8 @@ class Profile:
         rows = tuple(int(r) for r in data.get("thin_linear_rows", ()))
         measured = tuple(int(r) for r in data.get("linear_rows", ()))
         shapes = {str(k): tuple(int(r) for r in v) for k, v in data.get("thin_linear_shapes", {}).items()}
-        return cls(key, step_cost, rows, draft_costs, dict(data.get("details", {})), measured, shapes)
+        packed = {str(k): tuple(int(r) for r in v) for k, v in data.get("packed_linear_shapes", {}).items()}
+        return cls(key, step_cost, rows, draft_costs, dict(data.get("details", {})), measured, shapes, packed)
 
 
 def enabled() -> bool:
@@ -124,8 +134,16 @@ def enabled() -> bool:
 
 
 def thin_linear_enabled() -> bool:
-    """Whether `host_linear` may switch linear layers to `(W @ x.T).T` (`HF_SPECDEC_THIN_LINEAR=off` stops it)."""
+    """Whether `host_linear` may switch linear layers to another form than `F.linear` (`HF_SPECDEC_THIN_LINEAR=off`
+    stops it: neither `(W @ x.T).T` nor the packed form)."""
     return os.environ.get("HF_SPECDEC_THIN_LINEAR", "on").lower() not in ("0", "off", "false", "no")
+
+
+def packed_linear_enabled() -> bool:
+    """Whether `host_linear` may use the packed form where the profile chose it (`HF_SPECDEC_PACKED_LINEAR=off`
+    stops it alone)."""
+    return thin_linear_enabled() and os.environ.get("HF_SPECDEC_PACKED_LINEAR", "on").lower() not in (
+        "0", "off", "false", "no")
 
 
 # Keys -------------------------------------------------------------------------------------------------------------
@@ -288,22 +306,31 @@ def report_idle(policy, model, speculator, cost_source: str) -> None:
 
 @contextmanager
 def host_linear(model, speculator=None, use_profile: bool = True):
-    """For the duration, `model`'s and the speculator's linear layers run as `(W @ x.T).T` for the input row counts
-    where the cached profile found that faster (`thin_linear`); nothing changes without a profile."""
+    """For the duration, `model`'s and the speculator's linear layers run as `(W @ x.T).T`, or with their weight
+    packed for oneDNN, for the input row counts where the cached profile found that faster (`thin_linear`); nothing
+    changes without a profile."""
     profile = load_profile(model) if use_profile and enabled() and thin_linear_enabled() else None
-    if profile is None or not (profile.thin_linear_rows or any(profile.thin_linear_shapes.values())):
+    packed = profile.packed_linear_shapes if profile is not None and packed_linear_enabled() else {}
+    if profile is None or not (profile.thin_linear_rows or any(profile.thin_linear_shapes.values())
+                               or any(packed.values())):
         yield
         return
     modules = [model, *(_speculator_modules(speculator) if speculator is not None else [])]
     with thin_linear(modules, profile.thin_linear_rows, profile.linear_rows or None,
-                     profile.thin_linear_shapes or None):
+                     profile.thin_linear_shapes or None, packed or None):
         yield
 
 
-def _thin_forward(linear: torch.nn.Linear, thin: list[bool]):
+STOCK, THIN, PACKED = 0, 1, 2  # a linear layer's forms (`thin_linear`'s tables)
+
+
+def _thin_forward(linear: torch.nn.Linear, forms: list[int], packed: torch.Tensor | None = None):
     def forward(x):
-        n = x.numel() // max(x.shape[-1], 1) if x.dim() else len(thin)
-        if not (n < len(thin) and thin[n]):
+        n = x.numel() // max(x.shape[-1], 1) if x.dim() else len(forms)
+        form = forms[n] if n < len(forms) else STOCK
+        if form == PACKED:
+            return packed_linear(x if x.is_contiguous() else x.contiguous(), packed, linear.bias)
+        if form != THIN:
             return F.linear(x, linear.weight, linear.bias)
         # The same product, another BLAS call shape; laid out row-major again, as the stock form's output is (the
         # next ops on a transposed layout cost more than the copy: q and o projections at 32 rows took a SmolLM2
@@ -313,6 +340,35 @@ def _thin_forward(linear: torch.nn.Linear, thin: list[bool]):
             y += linear.bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
     return forward
+
+
+# Packed weights kept between calls (packing SmolLM2-135M's layers takes about 1.5 s here, longer than many calls):
+# layer -> (what identifies its weight's contents, the packed copy). An in-place change of the weight bumps its
+# version and the layer is packed again.
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _weight_identity(weight: torch.Tensor) -> tuple:
+    return weight.data_ptr(), weight._version, tuple(weight.shape)
+
+
+def _packed_weights(layers: list[torch.nn.Linear]) -> dict[int, torch.Tensor]:
+    """The packed copy of each layer's weight (`id(layer)` -> copy), packing those not kept yet, unless the copies
+    would take more than half the memory available now (then none: a warning says so and the layers keep the other
+    forms)."""
+    missing = [m for m in layers if m not in _PACKED or _PACKED[m][0] != _weight_identity(m.weight)]
+    need = sum(m.weight.numel() * m.weight.element_size() for m in missing)
+    if need:
+        import psutil
+
+        available = psutil.virtual_memory().available
+        if need > available / 2:
+            logger.warning(f"linear layers keep their unpacked forms: packing their weights needs {need / 2**30:.1f} "
+                           f"GiB, more than half the {available / 2**30:.1f} GiB available now")
+            return {}
+    for m in missing:
+        _PACKED[m] = (_weight_identity(m.weight), pack_linear_weight(m.weight))
+    return {id(m): _PACKED[m][1] for m in layers}
 
 
 def thin_row_table(rows, measured=None) -> list[bool]:
@@ -336,32 +392,47 @@ def shape_key(weight_shape) -> str:
 
 
 @contextmanager
-def thin_linear(modules, rows, measured=None, shapes: dict | None = None):
+def thin_linear(modules, rows, measured=None, shapes: dict | None = None, packed: dict | None = None):
     """Within the block, every plain `torch.nn.Linear` (full-precision weight, computed on the CPU) inside `modules`
     computes inputs of `rows` rows as `(W @ x.T).T` (with `measured`, the row counts timed: counts between them as
     `thin_row_table` says); restored on exit. Quantized or wrapped layers are left alone. A layer under an accelerate
     hook (`device_map`, offload) keeps its hook: the hook's inner forward is the one switched, so the weights it
     streams in are the ones multiplied. With `shapes` (`"out x in"` -> row counts), a layer whose weight's shape is
-    named takes that shape's counts instead (`rows` stay for the others)."""
+    named takes that shape's counts instead (`rows` stay for the others). With `packed` (the same mapping), a float32
+    layer of a named shape, not under a hook, computes those row counts with its weight packed for oneDNN
+    (`measure.packed_linear`, the copy kept between blocks), before any thin choice."""
     tables = {}
 
-    def table(module) -> list[bool]:
-        key = shape_key(module.weight.shape) if shapes is not None else None
-        if key not in tables:
-            tables[key] = thin_row_table(rows if shapes is None or key not in shapes else shapes[key], measured)
-        return tables[key]
+    def table(module) -> list[int]:
+        key = shape_key(module.weight.shape)
+        hooked = getattr(module, "_hf_hook", None) is not None
+        pack = (packed is not None and key in packed and not hooked and packed_linear_supported(module.weight))
+        if (key, pack) not in tables:
+            thin = thin_row_table(rows if shapes is None or key not in shapes else shapes[key], measured)
+            chosen = thin_row_table(packed[key], measured) if pack else []
+            tables[key, pack] = [PACKED if n < len(chosen) and chosen[n] else THIN if n < len(thin) and thin[n]
+                                 else STOCK for n in range(max(len(thin), len(chosen)))]
+        return tables[key, pack]
 
     patched = []
     try:
-        for module in {id(m): m for root in modules for m in root.modules()}.values():
-            if not thin_linear_candidate(module):
-                continue
+        candidates = [m for m in {id(m): m for root in modules for m in root.modules()}.values()
+                      if thin_linear_candidate(m) and any(table(m))]
+        weights = _packed_weights([m for m in candidates if PACKED in table(m)])
+        for module in candidates:
+            forms = table(module)
+            if PACKED in forms and id(module) not in weights:  # not packed after all (memory): the other forms
+                thin = thin_row_table(rows if shapes is None or shape_key(module.weight.shape) not in shapes
+                                      else shapes[shape_key(module.weight.shape)], measured)
+                forms = [THIN if t else STOCK for t in thin]
+                if not any(forms):
+                    continue
             hooked = getattr(module, "_hf_hook", None) is not None and "_old_forward" in vars(module)
             name = "_old_forward" if hooked else "forward"
-            if (not hooked and "forward" in vars(module)) or not any(table(module)):  # someone else's wrapper, or
-                continue  # the stock form at every row count: leave it
+            if not hooked and "forward" in vars(module):  # someone else's wrapper: leave it
+                continue
             patched.append((module, name, vars(module).get(name)))
-            setattr(module, name, _thin_forward(module, table(module)))
+            setattr(module, name, _thin_forward(module, forms, weights.get(id(module))))
         yield
     finally:
         for module, name, original in patched:
@@ -454,8 +525,18 @@ def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] 
             if not thin_linear_enabled():
                 thin_rows, by_shape = (), {}
             shapes = {shape_key(shape): rows for shape, rows in by_shape.items()}
+            packed = {}
+            if packed_linear_enabled():
+                forms = {shape: thin_row_table(rows, linear_rows) for shape, rows in by_shape.items()}
+                by_shape_packed, packed_details, problem = measure_packed_linear(
+                    model, linear_rows, PACKED_MARGIN, forms, repeats, timer, attempts)
+                details.update(packed_details)
+                if problem is not None:
+                    _distrust("the packed linear timing", problem, "linear layers keep their unpacked forms")
+                else:
+                    packed = {shape_key(shape): rows for shape, rows in by_shape_packed.items()}
             say(f"measuring target forwards (batch {', '.join(map(str, rows))})")
-            with thin_linear([model], thin_rows, linear_rows, shapes):
+            with thin_linear([model], thin_rows, linear_rows, shapes, packed or None):
                 step_cost, measurement = measure_step_cost(model, rows, tokens, contexts, repeats, timer, attempts)
             if measurement.problem is not None:
                 _distrust("the step cost measured now", measurement.problem,
@@ -463,7 +544,8 @@ def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] 
                 _note_unsteady(model, "step", True)
                 return None
             details.update(seconds=round(time.perf_counter() - start, 1), step_attempts=measurement.attempts)
-            profile = Profile(profile_key(model), step_cost, thin_rows, {}, details, tuple(linear_rows), shapes)
+            profile = Profile(profile_key(model), step_cost, thin_rows, {}, details, tuple(linear_rows), shapes,
+                              packed)
             save_profile(model, profile)
             _note_unsteady(model, "step", False)
         for spec in speculators:
@@ -515,6 +597,10 @@ def describe(profile: Profile | None) -> str:
         lines.append(f"  other shapes (a speculator's) as (W @ x.T).T at {spans(profile.thin_linear_rows)} input rows")
     else:
         lines.append(f"  linear layers as (W @ x.T).T at {spans(profile.thin_linear_rows)} input rows")
+    for shape, rows in sorted(profile.packed_linear_shapes.items()):
+        if rows:
+            lines.append(f"  linear layers of weight {shape} packed for oneDNN at {spans(rows)} input rows (before "
+                         "the above)")
     for key, value in profile.draft_costs.items():
         name = profile.details.get(f"draft {key}", {}).get("speculator", key)
         lines.append(f"  {name} ({key[:8]}): a drafted token costs {value:.3f} plain steps")

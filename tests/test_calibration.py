@@ -531,3 +531,90 @@ def test_calls_that_calibrate_on_their_own_do_not_retry_an_unsteady_host_at_once
         assert calibration.recently_unsteady(target, "step") is None
     assert calibrate(target, **GRID, timer=fake_timer(), retry=True) == load_profile(target) is not None
     assert calibration.recently_unsteady(target, "step") is None
+
+
+needs_onednn = pytest.mark.skipif(not measure.packed_linear_supported(torch.zeros(1)),
+                                  reason="torch built without oneDNN")
+
+
+@needs_onednn
+def test_the_packed_form_is_chosen_where_it_beats_the_other_and_taken_before_thin(monkeypatch):
+    """The packed form steadily at half the chosen form's time for the LM head over 2 and 3 rows (thin chosen there
+    too): the profile names it for that shape and those rows, `host_linear` computes the head packed there (and
+    thin/stock elsewhere), and `HF_SPECDEC_PACKED_LINEAR=off` leaves only the thin choice."""
+    target = make_model("llama", dtype=torch.float32)
+    head = tuple(target.lm_head.weight.shape)
+
+    def cost(key):
+        if key[0] == "linear" and key[1] == "thin" and key[2] > 1 and key[3] == head:
+            return steady(key) / 2
+        if key[0] == "packed" and key[1] == "packed" and key[2] > 1 and key[3] == head:
+            return steady(key) / 2
+        return steady(key)
+
+    profile = calibrate(target, **GRID, timer=fake_timer(cost=cost))
+    key = calibration.shape_key(head)
+    assert {k: v for k, v in profile.packed_linear_shapes.items() if v} == {key: (2, 3)}
+    assert profile.details["linear_packed_over_chosen_by_shape"][key] == {"1": 1.0, "2": 0.5, "3": 0.5}
+    assert f"linear layers of weight {key} packed for oneDNN at 2-3 input rows" in calibration.describe(profile)
+    calls = []
+    packed = calibration.packed_linear
+    monkeypatch.setattr(calibration, "packed_linear", lambda x, *a: calls.append(x.shape[0]) or packed(x, *a))
+    hidden = target.config.hidden_size
+    with calibration.host_linear(target):
+        for rows in (1, 2, 3):
+            x = torch.randn(rows, hidden)
+            torch.testing.assert_close(target.lm_head(x), torch.nn.functional.linear(x, target.lm_head.weight))
+    assert calls == [2, 3]
+    monkeypatch.setenv("HF_SPECDEC_PACKED_LINEAR", "off")
+    calls.clear()
+    with calibration.host_linear(target):
+        target.lm_head(torch.randn(2, hidden))
+        assert "forward" in vars(target.lm_head)  # thin there still
+    assert calls == []
+
+
+@needs_onednn
+def test_packed_linear_follows_plain_generate_and_the_weights(monkeypatch):
+    """Every float32 layer packed at every row count: greedy output equals plain `generate` (float32 rounding
+    differs in the last bits, as any other product kernel's; these prompts sit on no near-tie), each product is
+    within float32 rounding of `F.linear`, the copy is kept between calls, and packed again once the weight
+    changes in place. Nothing packed when the copies would not fit in memory."""
+    target = make_model("llama", dtype=torch.float32)
+    input_ids, mask = ragged_batch()
+    plain = target.generate(input_ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    every = {calibration.shape_key(m.weight.shape): tuple(range(1, 65)) for m in target.modules()
+             if isinstance(m, torch.nn.Linear)}
+    save_profile(target, Profile(profile_key(target), FLAT, (), {}, {}, tuple(range(1, 65)), {}, every))
+    packs = []
+    pack = calibration.pack_linear_weight
+    monkeypatch.setattr(calibration, "pack_linear_weight", lambda w: packs.append(w.shape) or pack(w))
+    for _ in range(2):
+        out = target.generate(input_ids, attention_mask=mask, max_new_tokens=20, do_sample=False, speculator="ngram",
+                              num_speculative_tokens=3, speculative_schedule="constant")
+        assert torch.equal(out, plain)
+    layers = [m for m in target.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(packs) == len(layers)  # packed once, kept for the second call
+    assert not any("forward" in vars(m) for m in layers)
+    layer = target.model.layers[0].mlp.down_proj
+    x = torch.randn(5, layer.in_features)
+    with torch.no_grad():
+        layer.weight.mul_(2.0)
+    with calibration.host_linear(target), torch.no_grad():
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer(x[None]), torch.nn.functional.linear(x[None], layer.weight), rtol=1e-5,
+                                   atol=1e-5)  # 3-d input, as a model's
+    assert len(packs) == len(layers) + 1  # the changed weight alone packed again
+
+    class Scarce:
+        available = 1024
+
+    import psutil
+
+    other = make_model("llama", seed=3, dtype=torch.float32)
+    save_profile(other, Profile(profile_key(other), FLAT, (), {}, {}, tuple(range(1, 65)), {}, every))
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Scarce())
+    packs.clear()
+    with calibration.host_linear(other):
+        assert not any("forward" in vars(m) for m in other.modules())
+    assert packs == []
