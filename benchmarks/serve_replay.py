@@ -9,7 +9,8 @@ without the measured step cost), `-noweight` (rows not weighed by the work they 
 pays: the speculator's cost when it drafts nothing), `-uncalibrated` (expected gains not scaled by the drafts
 accepted over expected), `-unchecked` (no return check: `returns.DraftReturns`), `-unread` (a model speculator's backlog, read before
 drafting, left unpriced: `Speculator.unread`), `-grouped` (no token rows: a step verifying drafts pads or groups its rows' queries,
-`paged_cache.token_rows_pay`), `-marginX` (`min_gain` X, e.g. `ngram-margin1.25`), `-flat` (a GPU's flat step-cost curve on every model of the policy: drafts look
+`paged_cache.token_rows_pay`), `-unpacked` (no packed linear weights: `HF_SPECDEC_PACKED_LINEAR=off`; also with
+`off`), `-marginX` (`min_gain` X, e.g. `ngram-margin1.25`), `-flat` (a GPU's flat step-cost curve on every model of the policy: drafts look
 free, as they did to the H100's policy).
 
     python benchmarks/serve_replay.py --configs off,ngram,ngram-noweight,ngram-static --rounds 3
@@ -25,6 +26,7 @@ time spent in steps, the steps, and the functions taking the most time, with the
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import statistics
 import time
@@ -50,8 +52,8 @@ def configured(model, tokenizer, name: str, num_requests: int, max_batch_size: i
                            num_speculative_tokens=0 if off else None, max_batch_size=max_batch_size,
                            max_queue=num_requests, schedule="constant" if off else "adaptive")
     policy = engine.step.policy
-    if off and options:
-        raise SystemExit(f"{name!r}: speculation off takes no options")
+    if off and set(options) - {"unpacked"}:
+        raise SystemExit(f"{name!r}: speculation off takes no options but -unpacked")
     for option in options:
         if option == "static":
             policy.measured = None
@@ -67,13 +69,13 @@ def configured(model, tokenizer, name: str, num_requests: int, max_batch_size: i
             policy.read_horizon = float("inf")
         elif option.startswith("margin"):
             policy.min_gain = float(option[len("margin"):])
-        elif option == "flat":  # applied below, once every option is known
+        elif option in ("flat", "unpacked"):  # applied below, or by `run`
             pass
         elif option == "grouped":  # no token rows: steps verifying drafts pad or group their rows' queries
             PagedKVCache.token_rows = False
         else:
             raise SystemExit(f"unknown option {option!r} in {name!r}: use -static, -noweight, -never, -uncalibrated, "
-                             f"-unchecked, -unread, -grouped, -flat or -marginX")
+                             f"-unchecked, -unread, -grouped, -flat, -unpacked or -marginX")
     if "flat" in options:
         flat = DEFAULT_STEP_COST["cuda"]
         policy.step_cost = flat
@@ -99,10 +101,17 @@ def run(model, tokenizer, name: str, requests, rate: float, max_batch_size: int)
         return events
 
     engine.scheduler.step = counted
+    unpacked = "unpacked" in name.split("-")[1:]
+    saved = os.environ.get("HF_SPECDEC_PACKED_LINEAR")
     try:
+        if unpacked:  # the engine reads it as it starts (`host_linear`)
+            os.environ["HF_SPECDEC_PACKED_LINEAR"] = "off"
         streams, wall = replay(engine, requests, rate)
     finally:
         PagedKVCache.token_rows = None
+        if unpacked:
+            os.environ.pop("HF_SPECDEC_PACKED_LINEAR") if saved is None else os.environ.update(
+                HF_SPECDEC_PACKED_LINEAR=saved)
     answers = [stream.request.output_ids for stream in streams]
     tokens = sum(len(a) for a in answers)
     m = engine.metrics
