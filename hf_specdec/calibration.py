@@ -311,6 +311,8 @@ def host_linear(model, speculator=None, use_profile: bool = True):
     changes without a profile."""
     profile = load_profile(model) if use_profile and enabled() and thin_linear_enabled() else None
     packed = profile.packed_linear_shapes if profile is not None and packed_linear_enabled() else {}
+    if not packed:  # copies kept from earlier calls are not used now: free them
+        clear_packed_weights(model)
     if profile is None or not (profile.thin_linear_rows or any(profile.thin_linear_shapes.values())
                                or any(packed.values())):
         yield
@@ -324,12 +326,21 @@ def host_linear(model, speculator=None, use_profile: bool = True):
 STOCK, THIN, PACKED = 0, 1, 2  # a linear layer's forms (`thin_linear`'s tables)
 
 
-def _thin_forward(linear: torch.nn.Linear, forms: list[int], packed: torch.Tensor | None = None):
+def _thin_forward(linear: torch.nn.Linear, forms: list[int], packed: torch.Tensor | None = None,
+                  fallback: list[bool] | None = None):
+    """`linear`'s forward in the form `forms[rows]` says. Where that is PACKED but the packed copy cannot stand for
+    the weight now (the weight replaced or changed in place since, an input that is not float32, gradients wanted:
+    oneDNN's product has no backward), the thin choice `fallback` applies."""
+    identity = _weight_identity(linear.weight) if packed is not None else None
+
     def forward(x):
         n = x.numel() // max(x.shape[-1], 1) if x.dim() else len(forms)
         form = forms[n] if n < len(forms) else STOCK
         if form == PACKED:
-            return packed_linear(x if x.is_contiguous() else x.contiguous(), packed, linear.bias)
+            if (x.dtype == torch.float32 and _weight_identity(linear.weight) == identity
+                    and not (torch.is_grad_enabled() and (x.requires_grad or linear.weight.requires_grad))):
+                return packed_linear(x if x.is_contiguous() else x.contiguous(), packed, linear.bias)
+            form = THIN if fallback is not None and n < len(fallback) and fallback[n] else STOCK
         if form != THIN:
             return F.linear(x, linear.weight, linear.bias)
         # The same product, another BLAS call shape; laid out row-major again, as the stock form's output is (the
@@ -349,15 +360,40 @@ _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _weight_identity(weight: torch.Tensor) -> tuple:
-    return weight.data_ptr(), weight._version, tuple(weight.shape)
+    """What tells a weight's contents apart, cheaply: its data, version, shape, dtype and device. A change made
+    through `weight.data` bumps no version: after one, `clear_packed_weights` (or a new weight tensor)."""
+    return weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, weight.device
+
+
+def clear_packed_weights(model: torch.nn.Module | None = None) -> None:
+    """Drops the packed copies kept for `model`'s layers (every model's with None): their memory is freed and the
+    next call packs again from the weights as they are then."""
+    if model is None:
+        _PACKED.clear()
+        return
+    for m in model.modules():
+        _PACKED.pop(m, None)
+
+
+def _prune_packed(modules) -> None:
+    """Drops kept copies that no longer stand for their layer's weight (replaced, changed in place, cast, moved), so
+    they do not hold memory."""
+    for root in modules:
+        for m in root.modules():
+            entry = _PACKED.get(m)
+            if entry is not None and (not isinstance(getattr(m, "weight", None), torch.Tensor)
+                                      or entry[0] != _weight_identity(m.weight)):
+                del _PACKED[m]
 
 
 def _packed_weights(layers: list[torch.nn.Linear]) -> dict[int, torch.Tensor]:
-    """The packed copy of each layer's weight (`id(layer)` -> copy), packing those not kept yet, unless the copies
-    would take more than half the memory available now (then none: a warning says so and the layers keep the other
-    forms)."""
+    """The packed copy of each layer's weight (`id(layer)` -> copy), packing those not kept yet (layers sharing one
+    weight share one copy), unless the copies would take more than half the memory available now (then none: a
+    warning says so and the layers keep the other forms)."""
     missing = [m for m in layers if m not in _PACKED or _PACKED[m][0] != _weight_identity(m.weight)]
-    need = sum(m.weight.numel() * m.weight.element_size() for m in missing)
+    kept = {entry[0]: entry[1] for entry in _PACKED.values()}
+    distinct = {_weight_identity(m.weight): m.weight for m in missing if _weight_identity(m.weight) not in kept}
+    need = sum(w.numel() * w.element_size() for w in distinct.values())
     if need:
         import psutil
 
@@ -367,7 +403,10 @@ def _packed_weights(layers: list[torch.nn.Linear]) -> dict[int, torch.Tensor]:
                            f"GiB, more than half the {available / 2**30:.1f} GiB available now")
             return {}
     for m in missing:
-        _PACKED[m] = (_weight_identity(m.weight), pack_linear_weight(m.weight))
+        identity = _weight_identity(m.weight)
+        if identity not in kept:
+            kept[identity] = pack_linear_weight(m.weight)
+        _PACKED[m] = (identity, kept[identity])
     return {id(m): _PACKED[m][1] for m in layers}
 
 
@@ -416,14 +455,15 @@ def thin_linear(modules, rows, measured=None, shapes: dict | None = None, packed
 
     patched = []
     try:
+        _prune_packed(modules)
         candidates = [m for m in {id(m): m for root in modules for m in root.modules()}.values()
                       if thin_linear_candidate(m) and any(table(m))]
         weights = _packed_weights([m for m in candidates if PACKED in table(m)])
         for module in candidates:
             forms = table(module)
+            thin = thin_row_table(rows if shapes is None or shape_key(module.weight.shape) not in shapes
+                                  else shapes[shape_key(module.weight.shape)], measured)
             if PACKED in forms and id(module) not in weights:  # not packed after all (memory): the other forms
-                thin = thin_row_table(rows if shapes is None or shape_key(module.weight.shape) not in shapes
-                                      else shapes[shape_key(module.weight.shape)], measured)
                 forms = [THIN if t else STOCK for t in thin]
                 if not any(forms):
                     continue
@@ -432,7 +472,7 @@ def thin_linear(modules, rows, measured=None, shapes: dict | None = None, packed
             if not hooked and "forward" in vars(module):  # someone else's wrapper: leave it
                 continue
             patched.append((module, name, vars(module).get(name)))
-            setattr(module, name, _thin_forward(module, forms, weights.get(id(module))))
+            setattr(module, name, _thin_forward(module, forms, weights.get(id(module)), thin))
         yield
     finally:
         for module, name, original in patched:

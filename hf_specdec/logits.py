@@ -157,6 +157,13 @@ class LogitsProcessing:
         # A group holds any subset of the batch's rows, in any order, so settings given per batch row (the
         # repetition penalty's per-row prompt padding, say) are indexed to match for the call.
         saved = []
+        try:
+            return self._regrouped(input_ids, scores, batch_rows, saved)
+        finally:
+            for p, name, value in reversed(saved):
+                setattr(p, name, value)
+
+    def _regrouped(self, input_ids, scores, batch_rows, saved):
         for p in self.processors:
             per_row = getattr(p, "prompt_ignore_length", None)
             if isinstance(per_row, torch.Tensor) and per_row.ndim == 1:
@@ -171,11 +178,7 @@ class LogitsProcessing:
                 saved += [(p, "generated_ngrams", p.generated_ngrams), (p, "batch_size", p.batch_size)]
                 rows = self._prompt_rows(batch_rows, p.batch_size).tolist()
                 p.generated_ngrams, p.batch_size = [p.generated_ngrams[r] for r in rows], len(rows)
-        try:
-            return self._guarded(input_ids, scores) if self._unchecked else self.processors(input_ids, scores)
-        finally:
-            for p, name, value in reversed(saved):
-                setattr(p, name, value)
+        return self._guarded(input_ids, scores) if self._unchecked else self.processors(input_ids, scores)
 
     def _prompt_rows(self, batch_rows: torch.Tensor, num_prompts: int) -> torch.Tensor:
         """The prompt (of `num_prompts`, before `num_return_sequences` repeated each) of each of `batch_rows`."""

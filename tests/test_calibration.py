@@ -561,7 +561,7 @@ def test_the_packed_form_is_chosen_where_it_beats_the_other_and_taken_before_thi
     packed = calibration.packed_linear
     monkeypatch.setattr(calibration, "packed_linear", lambda x, *a: calls.append(x.shape[0]) or packed(x, *a))
     hidden = target.config.hidden_size
-    with calibration.host_linear(target):
+    with calibration.host_linear(target), torch.no_grad():  # as in our calls (the packed product has no backward)
         for rows in (1, 2, 3):
             x = torch.randn(rows, hidden)
             torch.testing.assert_close(target.lm_head(x), torch.nn.functional.linear(x, target.lm_head.weight))
@@ -618,3 +618,38 @@ def test_packed_linear_follows_plain_generate_and_the_weights(monkeypatch):
     with calibration.host_linear(other):
         assert not any("forward" in vars(m) for m in other.modules())
     assert packs == []
+
+
+@needs_onednn
+def test_packed_linear_stands_aside_where_its_copy_cannot_serve(monkeypatch):
+    """Inside one block: a weight changed in place, an input that wants gradients, a bfloat16 input all get the
+    product of the live weight (the other forms), not the copy's; two layers sharing a weight share one copy; and
+    with the packed form turned off the copies kept are freed."""
+    layer = torch.nn.Linear(64, 32)
+    twin = torch.nn.Linear(64, 32)
+    twin.weight = layer.weight  # tied, as an LM head to its embedding
+    every = {"32x64": tuple(range(1, 65))}
+    with calibration.thin_linear([layer, twin], (), tuple(range(1, 65)), None, every):
+        assert len({id(calibration._PACKED[m][1]) for m in (layer, twin)}) == 1
+        x = torch.randn(4, 64)
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+            layer.weight.mul_(-1.0)
+            torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+        wanted = torch.randn(4, 64, requires_grad=True)
+        layer(wanted).sum().backward()
+        assert wanted.grad is not None and layer.weight.grad is not None
+        with torch.no_grad():
+            half = x.bfloat16()
+            assert layer.bfloat16()(half).dtype == torch.bfloat16  # cast: the copy no longer stands for it
+    target = make_model("llama", dtype=torch.float32)
+    shapes = {calibration.shape_key(m.weight.shape): tuple(range(1, 65)) for m in target.modules()
+              if isinstance(m, torch.nn.Linear)}
+    save_profile(target, Profile(profile_key(target), FLAT, (), {}, {}, tuple(range(1, 65)), {}, shapes))
+    with calibration.host_linear(target):
+        pass
+    assert target.lm_head in calibration._PACKED
+    monkeypatch.setenv("HF_SPECDEC_PACKED_LINEAR", "off")
+    with calibration.host_linear(target):
+        pass
+    assert not any(m in calibration._PACKED for m in target.modules())
