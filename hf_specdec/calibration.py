@@ -442,12 +442,20 @@ def thin_linear(modules, rows, measured=None, shapes: dict | None = None, packed
     (`measure.packed_linear`, the copy kept between blocks), before any thin choice."""
     tables = {}
 
+    thins = {}
+
+    def thin_table(module) -> list[bool]:
+        key = shape_key(module.weight.shape)
+        if key not in thins:
+            thins[key] = thin_row_table(rows if shapes is None or key not in shapes else shapes[key], measured)
+        return thins[key]
+
     def table(module) -> list[int]:
         key = shape_key(module.weight.shape)
         hooked = getattr(module, "_hf_hook", None) is not None
         pack = (packed is not None and key in packed and not hooked and packed_linear_supported(module.weight))
         if (key, pack) not in tables:
-            thin = thin_row_table(rows if shapes is None or key not in shapes else shapes[key], measured)
+            thin = thin_table(module)
             chosen = thin_row_table(packed[key], measured) if pack else []
             tables[key, pack] = [PACKED if n < len(chosen) and chosen[n] else THIN if n < len(thin) and thin[n]
                                  else STOCK for n in range(max(len(thin), len(chosen)))]
@@ -460,9 +468,7 @@ def thin_linear(modules, rows, measured=None, shapes: dict | None = None, packed
                       if thin_linear_candidate(m) and any(table(m))]
         weights = _packed_weights([m for m in candidates if PACKED in table(m)])
         for module in candidates:
-            forms = table(module)
-            thin = thin_row_table(rows if shapes is None or shape_key(module.weight.shape) not in shapes
-                                  else shapes[shape_key(module.weight.shape)], measured)
+            forms, thin = table(module), thin_table(module)
             if PACKED in forms and id(module) not in weights:  # not packed after all (memory): the other forms
                 forms = [THIN if t else STOCK for t in thin]
                 if not any(forms):
