@@ -1175,6 +1175,12 @@ def test_models_health_metrics(server):
     ({"prompt": "w1", "logprobs": True}, "logprobs"),  # the completions API takes a count
     ({"prompt": "w1", "frobnicate": 1}, "frobnicate"),
     ({"prompt": "w1 " * 100, "max_tokens": 100}, "max_tokens"),
+    ({"prompt": "w1 " * 140, "max_tokens": 2}, "prompt"),  # the prompt alone fills the context: its fault
+    ({"prompt": "w1", "top_k": -2}, "top_k"),
+    ({"prompt": "w1", "min_p": 0.1}, "min_p"),
+    ({"prompt": "w1", "skip_special_tokens": False}, "skip_special_tokens"),
+    ({"prompt": "w1", "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ({"prompt": "w1", "use_beam_search": True}, "use_beam_search"),
     ({"prompt": "w1", "response_format": {"type": "json_schema"}}, "response_format"),
     ({"prompt": "w1", "echo": 1}, "echo"),
     ({"prompt": "w1", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
@@ -1228,10 +1234,25 @@ def test_neutral_values_some_sdks_send_are_taken(server):
                                                                  "logprobs": False})
     assert response.status_code == 200 and response.json()["choices"][0]["logprobs"] is None, response.text
 
-    for extra in ({"logit_bias": {}}, {"tools": []}, {"logprobs": False}, {"presence_penalty": 0}):
-        response = httpx.post(server.url + "/v1/chat/completions", json={
-            "model": "tiny", "messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 2, **extra})
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 2}
+    for extra in ({"logit_bias": {}}, {"tools": []}, {"logprobs": False}, {"presence_penalty": 0},
+                  {"modalities": ["text"]}, {"audio": None}, {"functions": []}, {"function_call": "none"},
+                  {"verbosity": None}, {"prompt_cache_key": "k1"}, {"safety_identifier": "u1"}, {"min_p": 0},
+                  {"skip_special_tokens": True}, {"include_stop_str_in_output": False}, {"use_beam_search": False},
+                  {"top_k": -1}):
+        response = httpx.post(server.url + "/v1/chat/completions", json={**chat, **extra})
         assert response.status_code == 200, (extra, response.text)
+    for extra in ({"modalities": ["text", "audio"]}, {"audio": {"voice": "alloy"}}, {"function_call": "auto"},
+                  {"functions": [{"name": "f", "parameters": {}}]}, {"verbosity": "low"}):
+        response = httpx.post(server.url + "/v1/chat/completions", json={**chat, **extra})
+        assert response.status_code == 400 and response.json()["error"]["param"] == next(iter(extra)), response.text
+    # The openai client sends `max_completion_tokens: null` beside `max_tokens`: null is no value
+    response = httpx.post(server.url + "/v1/chat/completions", json={**chat, "max_tokens": 3,
+                                                                      "max_completion_tokens": None})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] <= 3, response.text
+    response = httpx.post(server.url + "/v1/chat/completions", json={**chat, "max_tokens": 50,
+                                                                      "max_completion_tokens": 400})
+    assert response.json()["error"]["param"] == "max_completion_tokens", response.text
 
 
 @pytest.mark.parametrize("message", [
@@ -1257,6 +1278,17 @@ def test_chat_roles_developer_and_null_fields(server, tokenizer):
     echoed = [*messages, {"role": "assistant", "content": "w9", "refusal": None, "tool_calls": []},
               {"role": "user", "content": "w5"}]
     assert client.chat.completions.create(model="tiny", messages=echoed, max_tokens=2).choices
+    # An assistant turn with content null is an empty one (as vLLM reads it); text parts join with newlines (as
+    # vLLM joins them)
+    silent = [messages[1], {"role": "assistant", "content": None}, {"role": "user", "content": "w5"}]
+    empty = [messages[1], {"role": "assistant", "content": ""}, {"role": "user", "content": "w5"}]
+    assert (client.chat.completions.create(model="tiny", messages=silent, max_tokens=6, temperature=0)
+            .choices[0].message.content == client.chat.completions.create(
+                model="tiny", messages=empty, max_tokens=6, temperature=0).choices[0].message.content)
+    from hf_specdec.serving.server import chat_prompt
+
+    parts = [{"role": "user", "content": [{"type": "text", "text": "w5 w6"}, {"type": "text", "text": "w7"}]}]
+    assert chat_prompt(parts, tokenizer) == chat_prompt([{"role": "user", "content": "w5 w6\nw7"}], tokenizer)
 
 
 def test_chat_template_switches(server, tokenizer):
@@ -1298,14 +1330,24 @@ def test_model_route_and_openai_error_shapes(server):
         assert response.status_code in (404, 405) and "message" in response.json()["error"], response.text
 
 
-def test_json_mode(server, tokenizer):
+def test_json_mode(server, tokenizer, monkeypatch):
     pytest.importorskip("xgrammar")
     import httpx
 
+    compiled_in = []
+    compile_grammar = server.engine.compile_grammar
+
+    def recording(grammar):
+        compiled_in.append(threading.current_thread())
+        return compile_grammar(grammar)
+
+    monkeypatch.setattr(server.engine, "compile_grammar", recording)
     response = httpx.post(server.url + "/v1/completions", json={
         "model": "tiny", "prompt": [5, 6], "max_tokens": 4, "response_format": {"type": "json_object"}})
     # The word tokenizer cannot spell JSON: the grammar is refused before queueing, naming the field.
     assert response.status_code == 400 and response.json()["error"]["param"] == "response_format"
+    # compiled off the server's event loop (up to a second for a large schema), which streams the others meanwhile
+    assert compiled_in and compiled_in[0] is not server.thread
 
 
 def test_vllm_structured_output_fields():

@@ -301,6 +301,14 @@ def test_a_grammar_without_an_eos_is_refused(tokenizer):
     for batch in (dict(), dict(batch_size=2)):  # one prompt, and the continuous batches
         with pytest.raises(ValueError, match="needs an eos_token_id"):
             pipe(["name age", "a b c", "true"], grammar=grammar, max_new_tokens=8, do_sample=False, **batch)
+    # The serving engine: its answer would run on to max_tokens past the grammar's end (the tokenizer's EOS, which
+    # xgrammar allows there, means nothing to the model): refused with 400 on response_format
+    from hf_specdec.serving.engine import RequestError, ServingEngine
+
+    engine = ServingEngine(model, tokenizer, "ngram", warmup=False)
+    with pytest.raises(RequestError, match="no end-of-sequence token.*generation_config.eos_token_id") as refused:
+        engine.submit(input_ids[0].tolist(), max_tokens=8, grammar=grammar)
+    assert refused.value.param == "response_format"
 
 def test_draft_trees_with_a_constraint_are_refused(tokenizer):
     class TreeSpeculator(Speculator):

@@ -34,6 +34,7 @@ from ..speculators.grammar import GrammarSpeculator
 from ..step import Step
 from ..stopping import StopRules
 from ..types import SequenceBatch
+from .detokenize import AnswerText, decodes_locally
 
 
 DEFAULT_PREFIX_CACHE_TOKENS = 8192
@@ -84,6 +85,7 @@ class RequestStream:
     _ended: bool = False
     first_token_time: float | None = None
     _stop_floor: int | None = None  # characters of the first min_tokens tokens (stop strings count past them)
+    _answer: AnswerText | None = None  # the answer's text, decoded a few tokens at a time
     arrival_time: float = field(default_factory=time.perf_counter)
 
     @property
@@ -185,6 +187,8 @@ class ServingEngine:
             raise ValueError(f"schedule must be 'adaptive' or 'constant', got {schedule!r}")
         self.model = model
         self.tokenizer = tokenizer
+        # Answers' texts decoded a few tokens a step (`detokenize.AnswerText`); off once a tokenizer proved it inexact.
+        self.incremental_text = tokenizer is not None and decodes_locally(tokenizer)
         self.speculator = resolve_speculator(speculator)
         check_model_supported(model, role="target model")
         self.speculator.validate(model)
@@ -425,18 +429,7 @@ class ServingEngine:
         if (stop or grammar is not None) and self.tokenizer is None:
             raise RequestError("stop strings and grammars need the engine's tokenizer; pass tokenizer= to "
                                "ServingEngine", "stop" if stop else "response_format")
-        compiled = None
-        if grammar is not None:
-            if self.step.constraints is None:
-                raise RequestError("structured output needs xgrammar: pip install 'hf_specdec[structured]'",
-                                   "response_format")
-            try:
-                compiled = grammar.compile(self.tokenizer, self.vocab_size, self.eos_token_ids)
-            except ValueError as error:  # GrammarError: the library's own message
-                raise RequestError(str(error), "response_format") from None
-            if not first_position_spellable(compiled):
-                raise RequestError("the model's tokenizer cannot spell the start of this grammar (it allows no token "
-                                   "of the vocabulary)", "response_format")
+        compiled = None if grammar is None else self.compile_grammar(grammar).precompiled
         request = Request(list(prompt_ids), max_tokens, sampling, compiled, logprobs=logprobs,
                           prompt_logprobs=prompt_logprobs, **(
             {"request_id": request_id} if request_id else {}))
@@ -457,6 +450,32 @@ class ServingEngine:
             self.counters["prompt_tokens"] += len(prompt_ids)
             self._wake.notify_all()
         return stream
+
+    def compile_grammar(self, grammar):
+        """`grammar` (an `hf_specdec.Grammar`) compiled against the model's tokenizer, as a `Grammar` that `submit`
+        takes at once: compiling a large schema takes up to a second, which a server does off its event loop.
+        Raises `RequestError` (on `response_format`) for a grammar this engine cannot serve."""
+        from ..structured import Grammar
+
+        if self.tokenizer is None:
+            raise RequestError("stop strings and grammars need the engine's tokenizer; pass tokenizer= to "
+                               "ServingEngine", "response_format")
+        if self.step.constraints is None:
+            raise RequestError("structured output needs xgrammar: pip install 'hf_specdec[structured]'",
+                               "response_format")
+        if not self.eos_token_ids:  # as generate(grammar=, speculator=) refuses it
+            raise RequestError("this model has no end-of-sequence token (its generation_config.eos_token_id is "
+                               "unset), so a grammar's answer could not end: it would run on to max_tokens; "
+                               "the server's operator should set model.generation_config.eos_token_id",
+                               "response_format")
+        try:
+            compiled = grammar.compile(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        except ValueError as error:  # GrammarError: the library's own message
+            raise RequestError(str(error), "response_format") from None
+        if not first_position_spellable(compiled):
+            raise RequestError("the model's tokenizer cannot spell the start of this grammar (it allows no token "
+                               "of the vocabulary)", "response_format")
+        return Grammar.compiled(compiled)
 
     def cancel(self, stream: RequestStream) -> None:
         """Ends a request; its KV blocks return to the pool at the next step."""
@@ -615,7 +634,7 @@ class ServingEngine:
         if tokens and stream.first_token_time is None:
             stream.first_token_time = time.perf_counter()
         self.counters["generation_tokens"] += len(tokens)
-        text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True) if self.tokenizer else ""
+        text = self._answer_text(stream, request, finished)
         reason = request.finish_reason if finished else None
         # vLLM's min_tokens holds stop strings back too: only one ending past the first min_tokens tokens counts.
         floor = 0
@@ -628,6 +647,9 @@ class ServingEngine:
                                                                    skip_special_tokens=True).rstrip("\ufffd"))
                 floor = stream._stop_floor
         hit = None if floor is None else _find_stop(text, stream.stop, stream._sent, floor)
+        if hit is not None and not finished and stream._answer is not None:  # the text it ends on is checked too
+            text = self._answer_text(stream, request, True)
+            hit = _find_stop(text, stream.stop, stream._sent, floor)
         if hit is not None:  # a stop string: the text ends before it, and so does the request
             end = hit + min(len(s) for s in stream.stop if text.startswith(s, hit))
             excess = _tokens_past(self.tokenizer, request.output_ids, len(tokens), hit, text[hit:end])
@@ -657,6 +679,23 @@ class ServingEngine:
             if request.logprobs is not None:
                 logprobs = request.output_logprobs[len(request.output_logprobs) - len(tokens):] if tokens else []
             stream._put(Delta(tokens, delta, reason, logprobs))
+
+    def _answer_text(self, stream: RequestStream, request: Request, final: bool) -> str:
+        """The text of the request's tokens so far, decoded a few tokens at a time (`AnswerText`); `final`: checked
+        against the whole answer decoded at once, and if they differ, whole answers are decoded from then on."""
+        if self.tokenizer is None:
+            return ""
+        if not self.incremental_text:
+            return self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
+        if stream._answer is None:
+            stream._answer = AnswerText(self.tokenizer)
+        text = stream._answer.update(request.output_ids)
+        if final and not stream._answer.finish(request.output_ids):
+            logger.warning("hf_specdec: the tokenizer's text of a few tokens did not join into the whole answer's "
+                           "text; decoding whole answers from now on (slower, exact)")
+            self.incremental_text = False
+            text = stream._answer.text
+        return text
 
 
 def _tokens_past(tokenizer, output_ids: list[int], new: int, hit: int, stop: str) -> int:

@@ -22,23 +22,31 @@ from .engine import MAX_LOGPROBS, QueueFullError, RequestError, ServingEngine
 logger = logging.getLogger(__name__)
 
 # Fields of OpenAI's API this server takes; anything else with a non-default value is refused (400), never ignored.
-_IGNORED = {"model", "user", "stream_options", "metadata", "store", "service_tier", "parallel_tool_calls"}
+_IGNORED = {"model", "user", "stream_options", "metadata", "store", "service_tier", "parallel_tool_calls",
+            "prompt_cache_key", "safety_identifier"}
 # vLLM's structured-output fields: the older top-level ones (what each asks for), and `structured_outputs`' keys.
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _STRUCTURED_OUTPUTS = ("json", "regex", "choice", "grammar", "json_object")
 _COMMON = {"max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed", "top_k", "response_format",
            # vLLM's extra fields
-           "repetition_penalty", "min_tokens", "ignore_eos", "structured_outputs", *_GUIDED}
+           "repetition_penalty", "min_tokens", "ignore_eos", "structured_outputs", *_GUIDED,
+           # vLLM's, taken at their neutral values (what this server does anyway)
+           "min_p", "skip_special_tokens", "include_stop_str_in_output", "use_beam_search"}
 _COMPLETIONS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "presence_penalty", "frequency_penalty",
                           "suffix", "logit_bias"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "presence_penalty",
                    "frequency_penalty", "tools", "tool_choice", "logit_bias",
+                   # taken at their neutral values: a text answer, no functions (the older name of tools)
+                   "modalities", "audio", "functions", "function_call", "verbosity",
                    # the chat template's own switches, as vLLM's server takes them
                    "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
 # Accepted only at their neutral values (compared by type too: `0 == False` in Python). Empty `logit_bias` and
 # `tools` are what some SDKs send by default.
 _NEUTRAL = {"best_of": (1, None), "suffix": (None, ""), "tools": (None, []),
-            "tool_choice": (None, "none")}
+            "tool_choice": (None, "none"), "modalities": (None, ["text"]), "audio": (None,),
+            "functions": (None, []), "function_call": (None, "none"), "verbosity": (None,),
+            "min_p": (None, 0, 0.0), "skip_special_tokens": (None, True), "include_stop_str_in_output": (None, False),
+            "use_beam_search": (None, False)}
 # Stop strings a request may give: OpenAI's API takes 4, vLLM's any number (lm-eval's code tasks send 6 or more).
 MAX_STOP_STRINGS = 32
 # Chat roles a template understands; `developer` (OpenAI's newer name for system instructions) is sent as `system`.
@@ -155,6 +163,8 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
         loop = asyncio.get_running_loop()
         streams = []
         try:
+            if parsed["grammar"] is not None:  # compiled off the event loop (up to a second): the others stream on
+                parsed["grammar"] = await asyncio.to_thread(engine.compile_grammar, parsed["grammar"])
             for i, prompt in enumerate(parsed["prompts"]):
                 for j in range(parsed["n"]):
                     sampling = parsed["sampling"]
@@ -505,15 +515,16 @@ def parse_request(body: dict, chat: bool, engine: ServingEngine) -> dict:
     echo = False if chat else body.get("echo", False)
     if echo is not None and not isinstance(echo, bool):
         raise RequestError(f"echo must be true or false, got {echo!r}", "echo")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens", 16)
-    param = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    # An explicit null is no value (the openai client sends `max_completion_tokens: null` beside `max_tokens`)
+    param = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(param) if chat else body.get("max_tokens", 16)
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
                                    or max_tokens < (0 if echo else 1)):
         raise RequestError(f"{param} must be a positive integer (0 only with echo: the prompt alone), got "
                            f"{max_tokens!r}", param)
     for prompt in prompts:
         room = engine.max_model_len - len(prompt)
-        if max_tokens is None and room < 1:
+        if room < (0 if max_tokens == 0 else 1):  # the prompt alone fills the context
             field = "messages" if chat else "prompt"
             raise RequestError(f"this model's context is {engine.max_model_len} tokens and the prompt has "
                                f"{len(prompt)}, which leaves no room for an answer; shorten the prompt", field)
@@ -526,10 +537,10 @@ def parse_request(body: dict, chat: bool, engine: ServingEngine) -> dict:
     if top_p == 0:
         raise RequestError("top_p must be in (0, 1]", "top_p")
     top_k = body.get("top_k", 0)
-    if top_k is None:
+    if top_k is None or top_k == -1:  # vLLM's "off", as 0 (its clients' older default)
         top_k = 0
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
-        raise RequestError(f"top_k must be a non-negative integer (0: off), got {top_k!r}", "top_k")
+        raise RequestError(f"top_k must be a non-negative integer, or -1 (0 and -1: off), got {top_k!r}", "top_k")
     seed = body.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise RequestError(f"seed must be an integer, got {seed!r}", "seed")
@@ -740,11 +751,13 @@ def chat_prompt(messages, tokenizer, add_generation_prompt: bool = True, continu
         if extra:  # a name, tool calls, ...: the template would drop them without a word
             raise RequestError(f"messages[{i}].{extra[0]} is not supported by this server; drop it", "messages")
         content = message.get("content")
+        if content is None and message["role"] == "assistant":  # an assistant turn with nothing said (vLLM: empty)
+            content = ""
         if isinstance(content, list):  # content parts: only text
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
                 raise RequestError(f"messages[{i}].content: only text parts are supported", "messages")
-            content = "".join(p["text"] for p in content)
+            content = "\n".join(p["text"] for p in content)  # as vLLM joins them
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string or a list of text parts", "messages")
         plain.append({"role": _ROLES[message["role"]], "content": content})
