@@ -9,6 +9,7 @@ fills a bitmask of the tokens allowed next, and rolls back. How the engine keeps
 from __future__ import annotations
 
 import json
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -146,17 +147,19 @@ class Grammar:
 
 
 _COMPILERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_COMPILERS_LOCK = threading.Lock()  # a server compiles in worker threads: one tokenizer's info is built once
 
 
 def _compiler(tokenizer, vocab_size: int, stop_token_ids):
     xgr = xgrammar()
     key = (vocab_size, tuple(stop_token_ids) if stop_token_ids else None)
-    per_tokenizer = _COMPILERS.setdefault(tokenizer, {})
-    if key not in per_tokenizer:
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=list(stop_token_ids) if stop_token_ids else None)
-        per_tokenizer[key] = xgr.GrammarCompiler(info)
-    return per_tokenizer[key]
+    with _COMPILERS_LOCK:
+        per_tokenizer = _COMPILERS.setdefault(tokenizer, {})
+        if key not in per_tokenizer:
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                      stop_token_ids=list(stop_token_ids) if stop_token_ids else None)
+            per_tokenizer[key] = xgr.GrammarCompiler(info)
+        return per_tokenizer[key]
 
 
 def compile_grammars(grammar, num_rows: int, tokenizer, vocab_size: int, stop_token_ids=None) -> list | None:

@@ -106,14 +106,51 @@ class _LoudWhenLong:
         return text.upper() if len(ids) >= 30 else text
 
 
+def test_tokenizers_decoding_their_own_way_are_decoded_whole():
+    """The gate: a tokenizer with a `decode` of its own (a wrapper, a subclass as CodeGen's), or a custom Python
+    decoder in its backend, is decoded whole (and the engine builds); transformers 5 skips the cleanup for BPE models,
+    so those stay incremental with the flag set."""
+    from tokenizers import decoders
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_specdec.serving.engine import ServingEngine
+
+    assert not decodes_locally(_LoudWhenLong(byte_tokenizer(False)))
+
+    class OwnDecode(PreTrainedTokenizerFast):
+        def _decode(self, token_ids, **kwargs):
+            return super()._decode(token_ids, **kwargs).upper()
+
+    assert not decodes_locally(OwnDecode(tokenizer_object=byte_tokenizer(False).backend_tokenizer))
+
+    class Same:
+        def decode_chain(self, tokens):
+            return tokens
+
+    custom = byte_tokenizer(False)
+    custom.backend_tokenizer.decoder = decoders.Decoder.custom(Same())
+    assert not decodes_locally(custom)
+    assert not ServingEngine(served_model(), custom, "ngram", num_speculative_tokens=2, warmup=False).incremental_text
+    flagged = PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer(False).backend_tokenizer,
+                                      clean_up_tokenization_spaces=True)
+    ids = flagged("a . b 's", add_special_tokens=False)["input_ids"]
+    if hasattr(flagged, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"):
+        assert flagged.decode(ids) == "a . b 's" and decodes_locally(flagged)
+    else:  # older transformers clean BPE answers up too
+        assert not decodes_locally(flagged)
+
+
 def test_an_engine_whose_tokenizer_is_not_local_decodes_whole_answers():
-    """The first answer that ends shows the window's text differs from the whole decode: the engine warns, delivers
-    the whole decode as the final text, and decodes whole answers from then on."""
+    """A decoder that passed the gate yet is not local (forced here: the gate refuses this one): the first answer that
+    ends shows its text differs from the whole decode; the engine warns, gives the whole decode as the final text, and
+    decodes whole answers from then on."""
     from hf_specdec.serving.engine import ServingEngine
 
     tokenizer = _LoudWhenLong(byte_tokenizer(False))
     model = served_model()
-    engine = ServingEngine(model, tokenizer, "ngram", num_speculative_tokens=2, max_batch_size=2, warmup=False).start()
+    engine = ServingEngine(model, tokenizer, "ngram", num_speculative_tokens=2, max_batch_size=2, warmup=False)
+    engine.incremental_text = True
+    engine.start()
     try:
         prompt = torch.randint(3, 60, (12,), generator=torch.Generator().manual_seed(0)).tolist()
         stream = engine.submit(prompt, max_tokens=40, sampling=SamplingParams(ignore_eos=True))

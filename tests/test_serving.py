@@ -1747,7 +1747,12 @@ def test_grammar_requests_join_a_running_batch_exactly():
         next(iter(free[0]))
         grammars = [Grammar.json_schema(SCHEMA), Grammar.regex("[a-c]{2,6}"), Grammar.json_schema(SCHEMA)]
         prompts = [repeating(5 + 2 * i, seed=40 + i) for i in range(3)]
-        constrained = [engine.submit(p, 40, grammar=g) for p, g in zip(prompts, grammars)]
+        # the server's way for the last: compiled and checked first (off its event loop), then submitted as it is
+        checked = engine.compile_grammar(grammars[2])
+        constrained = [engine.submit(p, 40, grammar=g) for p, g in zip(prompts[:2], grammars[:2])]
+        engine.compile_grammar = None  # not called again: submit takes the checked grammar as it is
+        constrained.append(engine.submit(prompts[2], 40, grammar=checked))
+        del engine.compile_grammar
         for stream in free + constrained:
             for _ in stream:
                 pass

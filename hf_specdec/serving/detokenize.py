@@ -12,9 +12,10 @@ strip a leading space (both window decodes start at the same token, so they stri
 which tokenizers qualify. The window only starts where its text alone is how the answer ends (not inside a character,
 nor inside a run of byte tokens, which byte fallback decodes as one). Where the decoder rewrites text before the
 anchor (byte fallback turns a run's characters into replacement marks while its last character is incomplete), the
-window's text no longer begins with what it was, and that step decodes the whole answer instead. The engine compares
-each finished answer with one whole decode, so a decoder that breaks the assumption some other way is caught, and
-from then on it decodes whole answers.
+window's text no longer begins with what it was, and that step decodes the whole answer instead. The engine also
+compares each finished answer with one whole decode: a decoder that broke the assumption some other way is caught
+there, its final text is the whole decode, and from then on the engine decodes whole answers (text already streamed
+cannot be taken back, so the gate, `decodes_locally`, is strict).
 """
 
 from __future__ import annotations
@@ -28,15 +29,28 @@ LOCAL_DECODERS = {"Sequence", "ByteLevel", "Metaspace", "Replace", "ByteFallback
 
 
 def decodes_locally(tokenizer) -> bool:
-    """Whether `AnswerText` may decode `tokenizer`'s answers a few tokens at a time: a fast tokenizer whose decoder is
-    built of `LOCAL_DECODERS` (or has none: tokens joined by spaces), without transformers' `clean_up_tokenization_spaces`
-    (which rewrites " ." before a window's start, which the window cannot see). Others' answers are decoded whole."""
-    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+    """Whether `AnswerText` may decode `tokenizer`'s answers a few tokens at a time: a fast tokenizer decoding the
+    stock way (no `decode` of its own, as CodeGen's), whose backend decoder is built of `LOCAL_DECODERS` (or has none:
+    tokens joined by spaces), without transformers' `clean_up_tokenization_spaces` where it applies (it rewrites " ."
+    before a window's start, which the window cannot see; transformers 5 skips it for BPE models). Others' answers are
+    decoded whole."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    kind = type(tokenizer)
+    if getattr(kind, "_decode", None) is not PreTrainedTokenizerFast._decode or getattr(
+            kind, "decode", None) is not PreTrainedTokenizerBase.decode:
         return False
     try:
-        decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
-    except (AttributeError, TypeError, ValueError):
-        return False  # a slow tokenizer: its decode is Python of its own
+        backend = tokenizer.backend_tokenizer
+        decoder = json.loads(backend.to_str()).get("decoder") or {}
+    except Exception:  # noqa: BLE001 - no backend, or a custom Python decoder (it cannot be serialized): decode whole
+        return False
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        skipped_for_bpe = hasattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")
+        if not (skipped_for_bpe and type(backend.model).__name__ == "BPE"
+                and not tokenizer.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output):
+            return False
     return all(part.get("type") in LOCAL_DECODERS for part in _decoder_parts(decoder)) if decoder else True
 
 

@@ -69,6 +69,14 @@ class Delta:
     logprobs: list | None = None
 
 
+@dataclass(frozen=True, eq=False)
+class CheckedGrammar:
+    """A grammar `ServingEngine.compile_grammar` compiled and checked for `engine`; its `submit` takes it as it is."""
+
+    compiled: object
+    engine: ServingEngine
+
+
 @dataclass(eq=False)
 class RequestStream:
     """A submitted request's output, as it arrives. Iterate it (`for delta in stream`), or in async code
@@ -373,7 +381,8 @@ class ServingEngine:
                stop: list[str] | None = None, grammar=None, loop: asyncio.AbstractEventLoop | None = None,
                request_id: str | None = None, logprobs: int | None = None,
                prompt_logprobs: int | None = None) -> RequestStream:
-        """Queues a request. `grammar` is an `hf_specdec.Grammar` (compiled here, so a bad one fails now). With
+        """Queues a request. `grammar` is an `hf_specdec.Grammar` (compiled here, so a bad one fails now), or what
+        `compile_grammar` made of one. With
         `loop`, the stream is consumed with `async for` on that loop; without, with a plain `for`. `logprobs`: report
         each token's log probability and that many likeliest alternatives (0 to `MAX_LOGPROBS`; see
         `Request.logprobs`), in every `Delta` and in `stream.request.output_logprobs`. `prompt_logprobs`: the same for
@@ -429,7 +438,9 @@ class ServingEngine:
         if (stop or grammar is not None) and self.tokenizer is None:
             raise RequestError("stop strings and grammars need the engine's tokenizer; pass tokenizer= to "
                                "ServingEngine", "stop" if stop else "response_format")
-        compiled = None if grammar is None else self.compile_grammar(grammar).precompiled
+        if grammar is not None and not (isinstance(grammar, CheckedGrammar) and grammar.engine is self):
+            grammar = self.compile_grammar(grammar)
+        compiled = None if grammar is None else grammar.compiled
         request = Request(list(prompt_ids), max_tokens, sampling, compiled, logprobs=logprobs,
                           prompt_logprobs=prompt_logprobs, **(
             {"request_id": request_id} if request_id else {}))
@@ -451,12 +462,10 @@ class ServingEngine:
             self._wake.notify_all()
         return stream
 
-    def compile_grammar(self, grammar):
-        """`grammar` (an `hf_specdec.Grammar`) compiled against the model's tokenizer, as a `Grammar` that `submit`
-        takes at once: compiling a large schema takes up to a second, which a server does off its event loop.
+    def compile_grammar(self, grammar) -> CheckedGrammar:
+        """`grammar` (an `hf_specdec.Grammar`) compiled against the model's tokenizer and checked, for `submit` to
+        take as it is: compiling a large schema takes up to a second, which a server does off its event loop.
         Raises `RequestError` (on `response_format`) for a grammar this engine cannot serve."""
-        from ..structured import Grammar
-
         if self.tokenizer is None:
             raise RequestError("stop strings and grammars need the engine's tokenizer; pass tokenizer= to "
                                "ServingEngine", "response_format")
@@ -475,7 +484,7 @@ class ServingEngine:
         if not first_position_spellable(compiled):
             raise RequestError("the model's tokenizer cannot spell the start of this grammar (it allows no token "
                                "of the vocabulary)", "response_format")
-        return Grammar.compiled(compiled)
+        return CheckedGrammar(compiled, self)
 
     def cancel(self, stream: RequestStream) -> None:
         """Ends a request; its KV blocks return to the pool at the next step."""

@@ -537,7 +537,7 @@ def parse_request(body: dict, chat: bool, engine: ServingEngine) -> dict:
     if top_p == 0:
         raise RequestError("top_p must be in (0, 1]", "top_p")
     top_k = body.get("top_k", 0)
-    if top_k is None or top_k == -1:  # vLLM's "off", as 0 (its clients' older default)
+    if top_k is None or (type(top_k) is int and top_k == -1):  # vLLM's "off", as 0 (its clients' older default)
         top_k = 0
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
         raise RequestError(f"top_k must be a non-negative integer, or -1 (0 and -1: off), got {top_k!r}", "top_k")
