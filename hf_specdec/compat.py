@@ -179,6 +179,30 @@ def _groups_exactly(model, device, tokens: list[int], tolerance: float) -> bool:
     return float((logits[0] - logits[1]).abs().max()) <= tolerance
 
 
+def exact_context(model) -> tuple[int | None, str | None]:
+    """The longest sequence (prompt + new tokens) whose speculative decoding equals plain decoding: the model's
+    context (`max_position_embeddings`), or less, with the reason, where its rotary embedding changes with the
+    forward. LongRoPE (Phi-3's 128k models, Phi-4-mini) takes the short or the long factors for every token of a
+    forward by the forward's largest position: one-token steps switch as the sequence passes
+    `original_max_position_embeddings`, while a verify spanning that point, or a batch beside a longer row, turns
+    tokens plain decoding rotated with the short factors to the long ones. Below it every forward takes the short
+    factors, as plain decoding does."""
+    config = model.config.get_text_config()
+    limit = getattr(config, "max_position_embeddings", None)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = [rope] if "rope_type" in rope or "type" in rope else [p for p in rope.values() if isinstance(p, dict)]
+    for p in params:
+        if p.get("rope_type", p.get("type")) == "longrope":
+            original = p.get("original_max_position_embeddings") or getattr(
+                config, "original_max_position_embeddings", None)
+            if original and (limit is None or original < limit):
+                return int(original), (
+                    f"its LongRoPE factors switch past original_max_position_embeddings ({original}) by the largest "
+                    "position in each forward, which a verify step or a batch of rows shares and one-token decoding "
+                    "does not: speculative decoding reproduces plain decoding up to that length")
+    return limit, None
+
+
 def check_vocab_compatible(target, draft) -> None:
     """Refuses pairs whose vocabularies clearly cannot match (without tokenizers, only sizes can be compared)."""
     target_vocab = target.config.get_text_config().vocab_size

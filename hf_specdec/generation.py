@@ -20,7 +20,7 @@ from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLeng
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .adaptive import StepCost
-from .compat import check_model_supported
+from .compat import check_model_supported, exact_context
 from .constraints import RowConstraints
 from .engine import SpeculativeEngine
 from .metrics import SpeculativeMetrics
@@ -262,11 +262,13 @@ def _decode(model, speculator, k, schedule, step_cost, input_ids, logits_process
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError("streamer= needs batch size 1 (tokens of different rows arrive at different steps)")
     max_new_tokens = config.max_length - input_ids.shape[1]
-    max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    max_positions, why = exact_context(model)
     if max_positions is not None and config.max_length > max_positions:
+        limit = f"the model's context of {max_positions} tokens" if why is None else (
+            f"{max_positions} tokens, the most speculative decoding serves for this model ({why})")
         raise ValueError(
-            f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
-            f"of {max_positions} tokens; lower max_new_tokens or shorten the prompt"
+            f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds {limit}; lower "
+            "max_new_tokens or shorten the prompt"
         )
     eos = config._eos_token_tensor
     pad = config._pad_token_tensor

@@ -239,9 +239,22 @@ class MaskedKVCache(Cache):
             grown[:self.valid.shape[0], :self.valid.shape[1]] = self.valid
             self.valid = grown
 
+    def _grow_rows(self) -> None:
+        """Storage for rows `add_sequence` took since the last forward (they hold nothing yet): a compaction before
+        the next forward's `_reserve` gathers them too."""
+        rows = len(self.lengths)
+        self._reserve(self.width)
+        for store in (self.keys, self.values):
+            for layer, old in list(store.items()):
+                if old.shape[0] < rows:
+                    grown = old.new_zeros((rows, *old.shape[1:]))
+                    grown[:old.shape[0]] = old
+                    store[layer] = grown
+
     def compact(self) -> None:
         """Gathers each live row's held columns, right-aligned, into a cache as wide as the longest row; freed rows
         are dropped and the others keep their order."""
+        self._grow_rows()
         self._apply_cuts()
         live = sorted(self.row_of.items(), key=lambda item: item[1])  # (seq id, storage row)
         old_rows = [row for _, row in live]

@@ -689,14 +689,15 @@ def paged_attention_forward(
             return packed.pack(attend(packed.pad(query, rows), key, value, mask, scaling, softcap, sinks)), None
         # Each group padded to its own width only; right-aligned, its queries' mask is the last `width` columns.
         heads, total, dim = query.shape[1:]
-        out = query.new_empty(total, heads, dim)
+        value_dim = value.shape[-1]  # latent attention's (DeepSeek's) value heads are narrower than its queries'
+        out = query.new_empty(total, heads, value_dim)
         for group in packed.groups:
             n = rows if group.rows is None else group.rows.shape[0]
             q = query[0].index_select(1, group.gather).view(heads, n, group.width, dim).transpose(0, 1)
             k, v, m = (key, value, mask) if group.rows is None else (key[group.rows], value[group.rows],
                                                                    mask[group.rows])
             o = attend(q, k, v, m[:, :, m.shape[2] - group.width:], scaling, softcap, sinks)
-            out.index_copy_(0, group.targets, o.reshape(-1, heads, dim).index_select(0, group.real))
+            out.index_copy_(0, group.targets, o.reshape(-1, heads, value_dim).index_select(0, group.real))
         return out[None], None
     return attend(query, key, value, plan.mask(sliding_window), scaling, softcap, sinks).contiguous(), None
 

@@ -161,6 +161,30 @@ def test_continuous_batching_equals_generate():
             assert generated == alone[0, len(prompt):].tolist(), (arch, prompt)
 
 
+def test_rows_joining_an_idle_cache_that_is_due_for_compaction():
+    """After every row left, the cache keeps its width and is due for compaction; two rows joining then (a served
+    model's next requests after a quiet spell, or after the warm-up) take storage rows the last forward never had:
+    the compaction before their first forward gathers them too, and each equals plain generate alone."""
+    from hf_specdec.serving.engine import ServingEngine
+
+    for arch in ("falcon", "bloom"):
+        model = make(arch)
+        prompts = [repetitive_prompt(width=w, seed=i)[0].tolist() for i, w in enumerate((14, 6, 9))]
+        engine = ServingEngine(model, None, "ngram", num_speculative_tokens=3, max_batch_size=3,
+                               schedule="constant", warmup=False).start()
+        try:
+            first = engine.submit(prompts[0], 8)
+            list(first)
+            rest = [engine.submit(p, 8) for p in prompts[1:]]
+            for stream in rest:
+                list(stream)
+        finally:
+            engine.shutdown()
+        for prompt, stream in zip(prompts, [first, *rest]):
+            alone = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
+            assert stream.request.output_ids == alone[0, len(prompt):].tolist(), arch
+
+
 def test_freed_rows_are_reused_and_compacted_away():
     cache = MaskedKVCache("cpu", max_hole_fraction=0.5)
     for seq in range(3):

@@ -19,7 +19,7 @@ import torch
 
 from ..adaptive import AdaptiveK
 from ..calibration import adaptive_costs, host_linear
-from ..compat import check_model_supported
+from ..compat import check_model_supported, exact_context
 from ..constraints import RowConstraints, first_position_spellable
 from ..generation import DEFAULT_GRAMMAR_TOKENS, resolve_speculator
 from ..metrics import SpeculativeMetrics, logger
@@ -147,7 +147,8 @@ class ServingEngine:
         num_speculative_tokens (`int`): k, the most drafts per row and step.
         max_batch_size (`int`): requests running at once; the rest wait in the queue.
         max_queue (`int`): requests waiting at most; beyond that `submit` raises `QueueFullError`.
-        max_model_len (`int`, *optional*): prompt + max_tokens limit (default: the model's context).
+        max_model_len (`int`, *optional*): prompt + max_tokens limit (default: the model's context; for LongRoPE
+            models, their `original_max_position_embeddings`: `compat.exact_context`).
         schedule (`str`): `"adaptive"` or `"constant"` k.
         max_num_blocks (`int`, *optional*): cap on the target's KV pool (default: enough for every running request's
             worst case); requests wait until their worst case fits.
@@ -205,7 +206,10 @@ class ServingEngine:
         self.k = num_speculative_tokens
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
-        context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2048
+        context, why = exact_context(model)
+        context = context or 2048
+        if why is not None and (max_model_len is None or max_model_len > context):
+            logger.warning(f"hf_specdec: serving prompt + max_tokens up to {context} tokens: {why}")
         self.max_model_len = min(max_model_len or context, context)
         eos = model.generation_config.eos_token_id
         self.eos_token_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
