@@ -38,6 +38,15 @@ def test_latent_attention_rows_of_very_different_lengths(model_type):
     assert torch.equal(spec, plain)
 
 
+def test_latent_attention_attends_on_the_pytorch_path():
+    """The Triton kernel takes one head size for keys and values: a latent-attention model's cache asks for the
+    PyTorch path (on CUDA too); others keep the automatic choice."""
+    from hf_specdec.recurrent_state import make_cache
+
+    assert make_cache(build("deepseek_v3")).kernel_backend == "torch"
+    assert make_cache(build("llama")).kernel_backend == "auto"
+
+
 def longrope_model(original: int = 16):
     from transformers import Phi3Config, Phi3ForCausalLM
 
