@@ -71,7 +71,8 @@ def make_cache(model, **kwargs) -> PagedKVCache:
     """The cache a `ModelRunner` gives `model`: a `RecurrentPagedCache` when it has recurrent layers. Latent attention
     (DeepSeek's: value heads narrower than the keys') attends on the PyTorch path: the Triton kernel takes one head
     size for both."""
-    config = model.config.get_text_config()
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     value_dim, key_dim = getattr(config, "v_head_dim", None), getattr(config, "qk_head_dim", None)
     if value_dim is not None and key_dim is not None and value_dim != key_dim:
         kwargs["kernel_backend"] = "torch"
