@@ -61,6 +61,15 @@ class ByteSpelling:
     strip_start: int = 0
 
 
+def backend_decoder(tokenizer) -> dict | None:
+    """A fast tokenizer's backend decoder as its JSON (`{}` for none); `None` where it cannot be read: a slow
+    tokenizer, or a custom Python decoder (the backend cannot serialize it)."""
+    try:
+        return json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+    except Exception:  # noqa: BLE001 - the backend raises a bare Exception for a custom decoder
+        return None
+
+
 def _decoder_parts(decoder: dict) -> list[dict]:
     parts = [decoder]
     for part in decoder.get("decoders") or []:
@@ -75,11 +84,7 @@ def token_bytes(tokenizer) -> ByteSpelling | None:
     cached = getattr(tokenizer, "_hf_specdec_token_bytes", False)
     if cached is not False:
         return cached
-    try:
-        decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
-    except (AttributeError, TypeError, ValueError):
-        decoder = {}
-    parts = _decoder_parts(decoder)
+    parts = _decoder_parts(backend_decoder(tokenizer) or {})
     kinds = {part.get("type") for part in parts}
     special = set(getattr(tokenizer, "all_special_ids", ()) or ()) | {
         i for i, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()

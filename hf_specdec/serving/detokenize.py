@@ -20,9 +20,7 @@ cannot be taken back, so the gate, `decodes_locally`, is strict).
 
 from __future__ import annotations
 
-import json
-
-from ..tokenizers import _decoder_parts
+from ..tokenizers import _decoder_parts, backend_decoder
 
 # Decoder parts whose text for a token depends only on the tokens just before it (a window of them reproduces it).
 LOCAL_DECODERS = {"Sequence", "ByteLevel", "Metaspace", "Replace", "ByteFallback", "Fuse", "Strip"}
@@ -41,14 +39,12 @@ def decodes_locally(tokenizer) -> bool:
     if getattr(kind, "_decode", None) is not PreTrainedTokenizerFast._decode or getattr(
             kind, "decode", None) is not PreTrainedTokenizerBase.decode:
         return False
-    try:
-        backend = tokenizer.backend_tokenizer
-        decoder = json.loads(backend.to_str()).get("decoder") or {}
-    except Exception:  # noqa: BLE001 - no backend, or a custom Python decoder (it cannot be serialized): decode whole
+    decoder = backend_decoder(tokenizer)
+    if decoder is None:  # a slow tokenizer, or a custom Python decoder: decode whole
         return False
     if getattr(tokenizer, "clean_up_tokenization_spaces", False):
         skipped_for_bpe = hasattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")
-        if not (skipped_for_bpe and type(backend.model).__name__ == "BPE"
+        if not (skipped_for_bpe and type(tokenizer.backend_tokenizer.model).__name__ == "BPE"
                 and not tokenizer.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output):
             return False
     return all(part.get("type") in LOCAL_DECODERS for part in _decoder_parts(decoder)) if decoder else True

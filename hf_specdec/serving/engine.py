@@ -647,7 +647,9 @@ class ServingEngine:
         if tokens and stream.first_token_time is None:
             stream.first_token_time = time.perf_counter()
         self.counters["generation_tokens"] += len(tokens)
-        text = self._answer_text(stream, request, finished)
+        text = self._answer_text(stream, request)
+        if finished:
+            text = self._checked_text(stream, request, text)
         reason = request.finish_reason if finished else None
         # vLLM's min_tokens holds stop strings back too: only one ending past the first min_tokens tokens counts.
         floor = 0
@@ -660,9 +662,10 @@ class ServingEngine:
                                                                    skip_special_tokens=True).rstrip("\ufffd"))
                 floor = stream._stop_floor
         hit = None if floor is None else _find_stop(text, stream.stop, stream._sent, floor)
-        if hit is not None and not finished and stream._answer is not None:  # the text it ends on is checked too
-            text = self._answer_text(stream, request, True)
-            hit = _find_stop(text, stream.stop, stream._sent, floor)
+        if hit is not None and not finished:  # the text it ends on is checked too
+            checked = self._checked_text(stream, request, text)
+            if checked != text:
+                text, hit = checked, _find_stop(checked, stream.stop, stream._sent, floor)
         if hit is not None:  # a stop string: the text ends before it, and so does the request
             end = hit + min(len(s) for s in stream.stop if text.startswith(s, hit))
             excess = _tokens_past(self.tokenizer, request.output_ids, len(tokens), hit, text[hit:end])
@@ -693,22 +696,25 @@ class ServingEngine:
                 logprobs = request.output_logprobs[len(request.output_logprobs) - len(tokens):] if tokens else []
             stream._put(Delta(tokens, delta, reason, logprobs))
 
-    def _answer_text(self, stream: RequestStream, request: Request, final: bool) -> str:
-        """The text of the request's tokens so far, decoded a few tokens at a time (`AnswerText`); `final`: checked
-        against the whole answer decoded at once, and if they differ, whole answers are decoded from then on."""
+    def _answer_text(self, stream: RequestStream, request: Request) -> str:
+        """The text of the request's tokens so far, decoded a few tokens at a time (`AnswerText`)."""
         if self.tokenizer is None:
             return ""
         if not self.incremental_text:
             return self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
         if stream._answer is None:
             stream._answer = AnswerText(self.tokenizer)
-        text = stream._answer.update(request.output_ids)
-        if final and not stream._answer.finish(request.output_ids):
-            logger.warning("hf_specdec: the tokenizer's text of a few tokens did not join into the whole answer's "
-                           "text; decoding whole answers from now on (slower, exact)")
-            self.incremental_text = False
-            text = stream._answer.text
-        return text
+        return stream._answer.update(request.output_ids)
+
+    def _checked_text(self, stream: RequestStream, request: Request, text: str) -> str:
+        """The answer's final `text`, checked against the whole answer decoded at once; if they differ, the whole
+        decode, and whole answers are decoded from then on."""
+        if stream._answer is None or not self.incremental_text or stream._answer.finish(request.output_ids):
+            return text
+        logger.warning("hf_specdec: the tokenizer's text of a few tokens did not join into the whole answer's text; "
+                       "decoding whole answers from now on (slower, exact)")
+        self.incremental_text = False
+        return stream._answer.text
 
 
 def _tokens_past(tokenizer, output_ids: list[int], new: int, hit: int, stop: str) -> int:
