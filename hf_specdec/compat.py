@@ -179,27 +179,41 @@ def _groups_exactly(model, device, tokens: list[int], tolerance: float) -> bool:
     return float((logits[0] - logits[1]).abs().max()) <= tolerance
 
 
-def exact_context(model) -> tuple[int | None, str | None]:
-    """The longest sequence (prompt + new tokens) whose speculative decoding equals plain decoding: the model's
-    context (`max_position_embeddings`), or less, with the reason, where its rotary embedding changes with the
-    forward. LongRoPE (Phi-3's 128k models, Phi-4-mini) takes the short or the long factors for every token of a
-    forward by the forward's largest position: one-token steps switch as the sequence passes
-    `original_max_position_embeddings`, while a verify spanning that point, or a batch beside a longer row, turns
-    tokens plain decoding rotated with the short factors to the long ones. Below it every forward takes the short
-    factors, as plain decoding does."""
+def exact_context(model, prompt_length: int | None = None) -> tuple[int | None, str | None]:
+    """The longest sequence (prompt + new tokens) whose speculative decoding equals plain decoding, for a prompt of
+    `prompt_length` tokens (None: the longest any prompt gets): the model's context (`max_position_embeddings`), or
+    less, with the reason.
+
+    LongRoPE (Phi-3's 128k models, Phi-3.5-mini, Phi-4-mini) rotates with its long factors once a sequence passes
+    `original_max_position_embeddings`, and transformers picks the factors for a whole forward; hf_specdec picks them
+    per token as plain decoding does (`rope.TokenRope`), where the model's rotary modules are transformers' kind and
+    it runs on the paged cache. Phi-3's own `generate` also recomputes every earlier token with the long factors when
+    a sequence crosses that length (it drops its cache there, `rope.recomputes_at_switch`), which hf_specdec does not
+    do to a running sequence: for such models a prompt within that length is served up to it, a longer prompt (long
+    factors from its first forward) up to the model's context. Where the factors cannot be picked per token, every
+    prompt is served up to that length, below which every forward takes the short factors."""
+    from .dense_runner import uses_paged_cache
+    from .rope import TokenRope, longrope_parameters, recomputes_at_switch
+
     config = model.config.get_text_config()
     limit = getattr(config, "max_position_embeddings", None)
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    params = [rope] if "rope_type" in rope or "type" in rope else [p for p in rope.values() if isinstance(p, dict)]
-    for p in params:
-        if p.get("rope_type", p.get("type")) == "longrope":
-            original = p.get("original_max_position_embeddings") or getattr(
-                config, "original_max_position_embeddings", None)
-            if original and (limit is None or original < limit):
-                return int(original), (
-                    f"its LongRoPE factors switch past original_max_position_embeddings ({original}) by the largest "
-                    "position in each forward, which a verify step or a batch of rows shares and one-token decoding "
-                    "does not: speculative decoding reproduces plain decoding up to that length")
+    for p in longrope_parameters(config):
+        original = p["original_max_position_embeddings"]
+        if not original or (limit is not None and original >= limit):
+            continue
+        if not (uses_paged_cache(model) and TokenRope.supported(model)):
+            return int(original), (
+                f"its LongRoPE factors switch past original_max_position_embeddings ({original}) by the largest "
+                "position in each forward, which a verify step or a batch of rows shares and one-token decoding "
+                "does not, and hf_specdec cannot pick them per token for this model (its rotary embedding is not "
+                "transformers' dynamic_rope_update kind, or it runs outside the paged KV cache): speculative "
+                "decoding reproduces plain decoding up to that length")
+        if recomputes_at_switch(model) and (prompt_length is not None and prompt_length <= original):
+            return int(original), (
+                f"its generate recomputes every earlier token with LongRoPE's long factors when a sequence passes "
+                f"original_max_position_embeddings ({original}), which hf_specdec does not do to a running "
+                f"sequence: a prompt of at most {original} tokens is served up to {original} tokens in all (a "
+                "longer prompt, rotated with the long factors from its first forward, up to the model's context)")
     return limit, None
 
 

@@ -14,6 +14,7 @@ from .distributed import RankZeroDecides, tp_group
 from .kernels._backend import resolve_backend
 from .paged_cache import ATTENTION_NAME, PLAN_KWARG, PagedKVCache, _ragged
 from .recurrent_state import make_cache, recurrent_layers_split
+from .rope import TokenRope, rope_lengths
 
 
 @contextmanager
@@ -68,7 +69,9 @@ class CacheRows:
 
     cache = None
 
-    def add_sequence(self, seq_id: int) -> None:
+    def add_sequence(self, seq_id: int, prompt_length: int = 0) -> None:
+        """A new row. `prompt_length`: the tokens its first forward would feed in plain decoding (its prompt), where
+        the model's rotary embedding depends on it (`rope.TokenRope`); 0 where unknown (a draft's rows)."""
         self.cache.add_sequence(seq_id)
 
     def length(self, seq_id: int) -> int:
@@ -108,6 +111,18 @@ class ModelRunner(CacheRows):
         self.num_forwards = 0
         # transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name is deprecated there).
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        # LongRoPE's factors chosen per token, as plain decoding chooses them (`rope.py`); each row's prompt length.
+        self.rope = TokenRope.of(model)
+        self._prompt_lengths: dict[int, int] = {}
+
+    def add_sequence(self, seq_id: int, prompt_length: int = 0) -> None:
+        super().add_sequence(seq_id)
+        if self.rope is not None:
+            self._prompt_lengths[seq_id] = prompt_length
+
+    def free(self, seq_id: int) -> None:
+        super().free(seq_id)
+        self._prompt_lengths.pop(seq_id, None)
 
     def give_regions(self, seq_ids: list[int], num_tokens: int) -> bool:
         """Gives these row ids room for `num_tokens` tokens each in one region of the pool, the regions one after
@@ -174,7 +189,14 @@ class ModelRunner(CacheRows):
                 keep, expand = keep.to(self.device), expand.to(self.device)
             else:  # each row's trailing `num_logits` positions, by their place in the stream
                 keep = layout.unpack_index.view(rows, width)[:, width - num_logits:].reshape(-1)
-        with self.cache.active(plan):
+        lengths = None
+        if self.rope is not None and self.rope.needed(max(max(self._prompt_lengths.get(s, 0), start + n)
+                                                          for s, start, n in zip(seq_ids, starts, num_tokens))):
+            prompts = torch.tensor([self._prompt_lengths.get(s, 0) for s in seq_ids], device=self.device)
+            lengths = torch.maximum(prompts[:, None], plan.query_positions + 1)  # each token's rope length
+            if layout is not None:
+                lengths = lengths.reshape(-1).index_select(0, layout.pack_index)[None]
+        with self.cache.active(plan), rope_lengths(lengths):
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,

@@ -19,6 +19,7 @@ block holds what the prompt's own prefill would have written, up to the rounding
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -34,9 +35,13 @@ class PrefixCache:
         block_size (`int`): the target cache's block size.
         features (`bool`): also keep the target's hidden states of each stored token (for a speculator that reads
             them); `store` then needs them.
+        length_key (`Callable[[int], int]`, *optional*): where a prompt's keys depend on its length as well as its
+            tokens (LongRoPE rotates a whole prompt past a length with other factors: `rope.TokenRope.prefix_key`),
+            the key of each prompt length; prompts whose lengths have different keys share nothing.
     """
 
-    def __init__(self, capacity_tokens: int, block_size: int, features: bool = False):
+    def __init__(self, capacity_tokens: int, block_size: int, features: bool = False,
+                 length_key: Callable[[int], int] | None = None):
         if capacity_tokens < block_size:
             raise ValueError(f"a prefix cache needs room for at least one block ({block_size} tokens), got "
                              f"{capacity_tokens}")
@@ -52,6 +57,7 @@ class PrefixCache:
         self.features: torch.Tensor | None = None  # [stored blocks * block_size, features]
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        self.length_key = length_key
 
     @property
     def num_stored_blocks(self) -> int:
@@ -62,9 +68,13 @@ class PrefixCache:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # --- finding -------------------------------------------------------------------------------------------------
+    def _root(self, prompt: list[int]) -> int:
+        """The parent of a prompt's first block: 0, or a root of its own per `length_key` (node ids are positive)."""
+        return 0 if self.length_key is None else -self.length_key(len(prompt))
+
     def _chain(self, prompt: list[int], num_blocks: int) -> list[int]:
         """The stored nodes of the prompt's first blocks, as far as they are stored (at most `num_blocks`)."""
-        nodes, parent, bs = [], 0, self.block_size
+        nodes, parent, bs = [], self._root(prompt), self.block_size
         for i in range(num_blocks):
             node = self._nodes.get((parent, tuple(prompt[i * bs:(i + 1) * bs])))
             if node is None:
@@ -115,7 +125,7 @@ class PrefixCache:
         num_blocks = min((len(prompt) - 1) // bs, cache.length(row) // bs)
         if features is not None:
             num_blocks = min(num_blocks, (features_start + features.shape[0]) // bs)
-        parent, added, chain = 0, [], set()
+        parent, added, chain = self._root(prompt), [], set()
         for i in range(num_blocks):
             key = (parent, tuple(prompt[i * bs:(i + 1) * bs]))
             node = self._nodes.get(key)

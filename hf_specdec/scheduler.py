@@ -673,7 +673,7 @@ class Scheduler:
         self.running[row] = request
         self._fresh[row] = None
         self._reserved[row] = need if need is not None else 0
-        self.target.add_sequence(row)
+        self.target.add_sequence(row, prompt_length=int(self.batch.lengths[row]))  # (its prompt, written already)
         if request.logprobs is not None:
             if self.step_fn.tree_nodes is not None:
                 raise ValueError("log probabilities are not reported with draft trees; drop logprobs or serve "

@@ -1,6 +1,6 @@
 """What the architecture sweep's small batch does not reach (tests/model_sweep.py): latent attention (DeepSeek's value
 heads narrower than its queries) in a step where rows feed very different numbers of tokens, and LongRoPE (Phi-3's
-128k models), whose factors follow each forward's largest position."""
+128k models), whose factors transformers picks by each forward's largest position."""
 
 from __future__ import annotations
 
@@ -47,40 +47,133 @@ def test_latent_attention_attends_on_the_pytorch_path():
     assert make_cache(build("llama")).kernel_backend == "auto"
 
 
-def longrope_model(original: int = 16):
-    from transformers import Phi3Config, Phi3ForCausalLM
+def longrope_model(original: int = 16, family: str = "phi3"):
+    """A tiny float64 LongRoPE model: Phi-3 (whose generate recomputes a sequence crossing `original` with the long
+    factors) or Llama (whose generate does not)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
 
-    config = tiny_config(Phi3Config)
+    config_class, model_class = (Phi3Config, Phi3ForCausalLM) if family == "phi3" else (LlamaConfig, LlamaForCausalLM)
+    config = tiny_config(config_class)
     half = config.hidden_size // config.num_attention_heads // 2
     config.rope_parameters = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * half,
                               "long_factor": [40.0] * half, "original_max_position_embeddings": original}
     config.original_max_position_embeddings = original
     config.initializer_range = 0.2  # peaky attention: a token rotated with the other factors changes the argmax
     torch.manual_seed(0)
-    model = Phi3ForCausalLM(config).to(torch.float64).eval()
+    model = model_class(config).to(torch.float64).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
 
 
-def test_longrope_is_served_up_to_its_original_context_and_refused_past_it():
-    """Within `original_max_position_embeddings` every forward takes the short factors, as one-token decoding does:
-    equal to plain generate. Past it a verify step spanning the switch (or rows beside a longer one) would rotate
-    tokens with the long factors where plain decoding used the short ones: refused, naming why; the server's
-    context is capped there."""
+def plain(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """One-row plain greedy generate: LongRoPE's reference (a batch's rows share each forward's factors)."""
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def speculative(model, lengths, max_new_tokens, schedule, seed=1):
+    """Ragged rows of these prompt lengths: each row's new tokens from `generate(speculator="ngram")` in one batch,
+    and from its own plain decoding."""
+    ids, mask = ragged(lengths, seed=seed)
+    rows = [ids[i, ids.shape[1] - n:].tolist() for i, n in enumerate(lengths)]
+    spec = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                          speculator="ngram", num_speculative_tokens=4, speculative_schedule=schedule)
+    return [row[ids.shape[1]:] for row in spec.tolist()], [plain(model, row, max_new_tokens) for row in rows]
+
+
+@pytest.mark.parametrize("schedule", ["constant", "adaptive"])
+def test_longrope_rows_crossing_the_switch_equal_plain_decoding(schedule):
+    """Llama with LongRoPE (its generate picks the factors per forward and never recomputes): rows crossing
+    `original_max_position_embeddings` (16) while generating, a prompt past it, one ending on it, alone and in one
+    ragged batch, equal their one-row plain decoding, though verify steps span the switch and short rows share
+    forwards with long ones (`rope.TokenRope` picks the factors per token)."""
+    from hf_specdec.compat import exact_context
+    from hf_specdec.rope import recomputes_at_switch
+
+    model = longrope_model(16, family="llama")
+    assert not recomputes_at_switch(model)
+    assert exact_context(model, 6) == (model.config.max_position_embeddings, None)
+    for lengths in ([6], [20], [6, 20, 13, 16]):
+        spec, expected = speculative(model, lengths, 14, schedule)
+        assert spec == expected, lengths
+
+
+def test_phi3_longrope_prompts_past_the_switch_equal_plain_decoding():
+    """Phi-3's generate recomputes a sequence crossing 16 with the long factors, which hf_specdec does not do: a
+    prompt past 16 (long factors from its first forward) runs to the model's context and equals plain decoding, also
+    beside a short prompt that stays within 16; a short prompt asking past 16 is refused, naming why."""
+    from hf_specdec.compat import exact_context
+    from hf_specdec.rope import recomputes_at_switch
+
+    model = longrope_model(16)
+    assert recomputes_at_switch(model)
+    assert exact_context(model, 17) == (model.config.max_position_embeddings, None)
+    assert exact_context(model, 16)[0] == 16
+    for lengths, new in (([20], 14), ([20, 31, 17], 14), ([6, 20], 10)):
+        spec, expected = speculative(model, lengths, new, "constant")
+        assert spec == expected, lengths
+    ids, mask = ragged([6, 20])
+    with pytest.raises(ValueError, match="a prompt of 6 tokens .* exceeds 16 tokens.*recomputes"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=11, do_sample=False, speculator="ngram")
+
+
+def test_phi3_longrope_served_past_its_original_context():
+    """The serving engine with Phi-3's LongRoPE (original 16): long prompts joining running ones, one read in pieces
+    of 8 (its first pieces, below 16, rotated with the long factors as its whole-prompt forward is), and a prefix
+    stored by a short prompt (short factors) that a long prompt beginning with it must not reuse, while a short one
+    does. Each request equals its one-row plain decoding; a short prompt gets at most 16 tokens in all."""
+    from hf_specdec.serving.engine import RequestError, ServingEngine
+
+    model = longrope_model(16)
+    short = ragged([14], seed=2)[0][0].tolist()
+    plan = [(ragged([21], seed=3)[0][0].tolist(), 12), (short, 2),
+            (short[:12] + ragged([10], seed=4)[0][0].tolist(), 8), (short[:12] + [5, 6], 2),
+            (ragged([30], seed=5)[0][0].tolist(), 8)]
+    expected = [plain(model, prompt, n) for prompt, n in plan]
+    engine = ServingEngine(model, None, "ngram", num_speculative_tokens=4, max_batch_size=3, block_size=4,
+                           schedule="constant", prefill_chunk_tokens=8, warmup=False)
+    assert engine.max_model_len == model.config.max_position_embeddings
+    assert engine.context_for(16)[0] == 16 and engine.context_for(17) == (engine.max_model_len, None)
+    with pytest.raises(RequestError, match="a prompt of at most 16 tokens is served up to 16 tokens"):
+        engine.submit(short, max_tokens=3)
+    engine.start()
+    try:
+        for group in (plan[:2], plan[2:]):  # the short prompt's blocks are stored before the others arrive
+            streams = [engine.submit(prompt, n) for prompt, n in group]
+            for stream in streams:
+                for _ in stream:
+                    pass
+            for stream, (prompt, n) in zip(streams, group):
+                assert stream.request.output_ids == expected[plan.index((prompt, n))], prompt
+        stream = engine.submit(short[:10])  # no max_tokens: up to 16 in all
+        for _ in stream:
+            pass
+        assert len(stream.request.output_ids) == 6
+        assert engine.prefix_cache.num_hit_tokens >= 12  # the short prompt sharing 12 tokens read them
+        assert engine.scheduler.num_prefill_chunks >= 2
+    finally:
+        engine.shutdown()
+
+
+def test_longrope_without_transformers_rotary_is_capped_at_its_original_context():
+    """A LongRoPE model whose rotary module hf_specdec cannot switch per token is served up to
+    `original_max_position_embeddings` and refused past it, naming why."""
     from hf_specdec.compat import exact_context
     from hf_specdec.serving.engine import RequestError, ServingEngine
 
     model = longrope_model(16)
-    assert model.config.max_position_embeddings > 16
+    rotary = model.model.rotary_emb
+    rotary.__class__ = type("OwnRotary", (torch.nn.Module,), {"forward": type(rotary).forward.__wrapped__})
     limit, why = exact_context(model)
     assert limit == 16 and "original_max_position_embeddings" in why
-    for seed in range(3):
+    for seed in range(2):
         ids, mask = ragged([6], seed=seed)
-        plain = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+        reference = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
         spec = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, speculator="ngram",
                               num_speculative_tokens=4, speculative_schedule="constant")
-        assert torch.equal(spec, plain)
+        assert torch.equal(spec, reference)
     ids, mask = ragged([10])
     with pytest.raises(ValueError, match="exceeds 16 tokens.*LongRoPE.*original_max_position_embeddings"):
         model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, speculator="ngram")

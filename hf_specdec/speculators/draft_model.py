@@ -71,8 +71,8 @@ class DraftModelSpeculator(Speculator):
         self._stack = ExitStack()
         self._stack.enter_context(runner_attention(self.model))
         self._runner = make_runner(self.model, block_size=self.block_size)
-        for row in batch.active:
-            self._runner.add_sequence(row)
+        for row in batch.active:  # (a prompt's length decides its rotary factors where they depend on it)
+            self._runner.add_sequence(row, prompt_length=int(batch.lengths[row]))
 
     def _check_prompts_readable(self, batch: SequenceBatch) -> None:
         if self._num_embeddings >= batch.target_vocab_size:
@@ -143,7 +143,7 @@ class DraftModelSpeculator(Speculator):
     def admit(self, batch: SequenceBatch, rows: list[int]) -> None:
         self._check_prompts_readable(batch)
         for row in rows:
-            self._runner.add_sequence(row)
+            self._runner.add_sequence(row, prompt_length=int(batch.lengths[row]))
 
     def release(self, rows: list[int]) -> None:
         for row in rows:

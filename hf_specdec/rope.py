@@ -1,0 +1,188 @@
+"""LongRoPE's factors chosen per token, as one-token decoding chooses them.
+
+LongRoPE (Phi-3's 128k models, Phi-3.5-mini, Phi-4-mini) rotates with its short factors while a sequence fits
+`original_max_position_embeddings` and with its long factors past it. transformers picks one set for a whole forward
+by that forward's largest position (`dynamic_rope_update`). Plain decoding feeds the prompt in one forward and then
+one token at a time, so what it computes is a rule per token: a token at position `p` of a row whose prompt holds `L`
+tokens is rotated with the long factors exactly when `max(L, p + 1) > original_max_position_embeddings` (its "rope
+length"). A speculative step feeds several tokens of several rows in one forward (a verify spanning the switch, a
+row beside a longer one, a piece of a chunked prompt), where the per-forward choice would rotate some of them
+differently from plain decoding. `TokenRope` computes the rotary tables with both sets and picks per token by that
+rule, while a runner's forward sets the rope lengths (`rope_lengths`); outside such a forward the model's rotary
+embedding works as before.
+
+Phi-3's own `generate` also recomputes a sequence's earlier tokens with the long factors when it crosses that length
+(`recomputes_at_switch`); hf_specdec does not recompute a running sequence, so for those models a sequence that
+would cross it is not served past it (`compat.exact_context`).
+
+Keys are cached after rotation, so a stored prompt prefix is reusable only by a prompt rotated the same way:
+`TokenRope.prefix_key` (the prefix cache keeps the two sets apart).
+"""
+
+from __future__ import annotations
+
+import types
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+
+# `[rows, q]` (or the packed `[1, T]`) rope length of each token fed by the forward in progress, shaped like its
+# `position_ids`; None outside a runner's forward.
+_ROPE_LENGTHS: ContextVar[torch.Tensor | None] = ContextVar("hf_specdec_rope_lengths", default=None)
+
+
+def longrope_parameters(config) -> list[dict]:
+    """The LongRoPE parameter sets of a text config (one, or one per layer type), each with its
+    `original_max_position_embeddings`."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = [rope] if "rope_type" in rope or "type" in rope else [p for p in rope.values() if isinstance(p, dict)]
+    found = []
+    for p in params:
+        if p.get("rope_type", p.get("type")) == "longrope":
+            original = p.get("original_max_position_embeddings") or getattr(
+                config, "original_max_position_embeddings", None)
+            found.append({**p, "original_max_position_embeddings": original})
+    return found
+
+
+@contextmanager
+def rope_lengths(lengths: torch.Tensor | None):
+    """Makes `lengths` (each fed token's `max(prompt length, position + 1)`, shaped like the forward's
+    `position_ids`) what the models' `TokenRope` modules read during the forward."""
+    token = _ROPE_LENGTHS.set(lengths)
+    try:
+        yield
+    finally:
+        _ROPE_LENGTHS.reset(token)
+
+
+class TokenRope:
+    """A model's LongRoPE rotary embeddings, switched per token (module docstring).
+
+    Args:
+        modules (`list[torch.nn.Module]`): the model's rotary embedding modules that use LongRoPE.
+        original (`int`): `original_max_position_embeddings`, the longest rope length rotated with the short factors.
+    """
+
+    def __init__(self, modules: list[torch.nn.Module], original: int):
+        self.modules = modules
+        self.original = original
+        for module in modules:
+            if not getattr(module, "_hf_specdec_token_rope", False):
+                module.forward = types.MethodType(_per_token_forward, module)
+                module._hf_specdec_token_rope = True
+
+    @classmethod
+    def of(cls, model) -> TokenRope | None:
+        """The model's `TokenRope`, installed on its LongRoPE rotary modules; None for a model without LongRoPE or
+        whose rotary modules are not transformers' (`dynamic_rope_update`) kind (`supported` tells which)."""
+        original = _original(model)
+        if original is None:
+            return None
+        modules = _rotary_modules(model)
+        return cls(modules, original) if modules else None
+
+    @staticmethod
+    def supported(model) -> bool:
+        """Whether `of(model)` switches the model's LongRoPE per token (it has LongRoPE, in transformers' rotary
+        modules)."""
+        return _original(model) is not None and bool(_rotary_modules(model))
+
+    def needed(self, max_length: int) -> bool:
+        """Whether a forward whose longest rope length is `max_length` rotates any token with the long factors (a
+        forward rotating every token with the short ones needs nothing: the per-forward choice agrees)."""
+        return max_length > self.original
+
+    def prefix_key(self, prompt_length: int) -> int:
+        """Which rotation a prompt of this length gives its tokens (all long or all short), for the prefix cache."""
+        return int(prompt_length > self.original)
+
+
+def recomputes_at_switch(model) -> bool:
+    """Whether the model's `generate` recomputes a sequence's earlier tokens with the long factors when it passes
+    `original_max_position_embeddings` (Phi-3, PhiMoE and Phi-4-multimodal drop their cache there, in
+    `prepare_inputs_for_generation`). Assumed where that method's source cannot be read."""
+    import inspect
+
+    from transformers import GenerationMixin
+
+    prepare = getattr(type(model), "prepare_inputs_for_generation", None)
+    if prepare is None or prepare is GenerationMixin.prepare_inputs_for_generation:
+        return False
+    try:
+        return "original_max_position_embeddings" in inspect.getsource(prepare)
+    except (OSError, TypeError):
+        return True
+
+
+def _original(model) -> int | None:
+    config = getattr(model, "config", None)
+    if not hasattr(config, "get_text_config"):  # not a transformers config (an EAGLE head's is a dict)
+        return None
+    config = config.get_text_config()
+    limit = getattr(config, "max_position_embeddings", None)
+    originals = {p["original_max_position_embeddings"] for p in longrope_parameters(config)}
+    if len(originals) != 1:
+        return None  # none, or per-layer sets that disagree (not seen in any published model)
+    original = originals.pop()
+    return int(original) if original and (limit is None or original < limit) else None
+
+
+def _rotary_modules(model) -> list[torch.nn.Module]:
+    """Modules with LongRoPE whose forward is transformers' rotary embedding under `dynamic_rope_update`."""
+    found = []
+    for module in model.modules():
+        rope_type = getattr(module, "rope_type", None)
+        kinds = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
+        if "longrope" in kinds and _undecorated(type(module)) is not None:
+            found.append(module)
+    return found
+
+
+def _undecorated(cls):
+    """`cls.forward` without transformers' per-forward choice (`dynamic_rope_update`'s wrapper), or None where the
+    forward is not so wrapped."""
+    forward = getattr(cls, "forward", None)
+    while forward is not None:
+        code = getattr(forward, "__code__", None)
+        if code is not None and code.co_name == "wrapper" and code.co_filename.endswith("modeling_rope_utils.py"):
+            return getattr(forward, "__wrapped__", None)
+        forward = getattr(forward, "__wrapped__", None)
+    return None
+
+
+def _per_token_forward(module, x, position_ids, layer_type=None):
+    """The rotary tables with each token's factors (module docstring); the module's own forward outside a runner's
+    forward, for a rotary type other than LongRoPE, or for positions not shaped like the rope lengths."""
+    lengths = _ROPE_LENGTHS.get()
+    forward = type(module).forward
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    rope_type = module.rope_type if layer_type is None else module.rope_type[layer_type]
+    if lengths is None or rope_type != "longrope" or lengths.shape != position_ids.shape:
+        return forward(module, x, position_ids, **kwargs)
+    prefix = "" if layer_type is None else f"{layer_type}_"
+    params = module.config.rope_parameters if layer_type is None else module.config.rope_parameters[layer_type]
+    original = params["original_max_position_embeddings"]
+    short_inv_freq = getattr(module, f"{prefix}original_inv_freq").to(x.device)
+    long_inv_freq = getattr(module, f"{prefix}long_inv_freq", None)
+    if long_inv_freq is None:  # what transformers computes on the first long forward
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](module.config, x.device, seq_len=original + 1,
+                                                           **kwargs)
+        setattr(module, f"{prefix}long_inv_freq", long_inv_freq)
+    long_inv_freq = long_inv_freq.to(x.device)
+    inv_freq = getattr(module, f"{prefix}inv_freq")
+    saved = inv_freq.clone()
+    raw = _undecorated(type(module))
+    with torch.no_grad():  # (rotary tables carry no gradient)
+        try:
+            inv_freq.copy_(short_inv_freq)
+            short = raw(module, x, position_ids, **kwargs)
+            inv_freq.copy_(long_inv_freq)
+            long = raw(module, x, position_ids, **kwargs)
+        finally:
+            inv_freq.copy_(saved)
+    use_long = (lengths.to(position_ids.device) > original)[..., None]
+    return tuple(torch.where(use_long, long_part, short_part) for short_part, long_part in zip(short, long))
