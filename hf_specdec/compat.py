@@ -179,20 +179,18 @@ def _groups_exactly(model, device, tokens: list[int], tolerance: float) -> bool:
     return float((logits[0] - logits[1]).abs().max()) <= tolerance
 
 
-def exact_context(model, prompt_length: int | None = None) -> tuple[int | None, str | None]:
-    """The longest sequence (prompt + new tokens) whose speculative decoding equals plain decoding, for a prompt of
-    `prompt_length` tokens (None: the longest any prompt gets): the model's context (`max_position_embeddings`), or
-    less, with the reason.
+def exact_context(model) -> tuple[int | None, str | None]:
+    """The longest sequence (prompt + new tokens) whose speculative decoding equals plain decoding: the model's
+    context (`max_position_embeddings`), or less, with the reason.
 
     LongRoPE (Phi-3's 128k models, Phi-3.5-mini, Phi-4-mini) rotates with its long factors once a sequence passes
-    `original_max_position_embeddings`, and transformers picks the factors for a whole forward; hf_specdec picks them
-    per token as plain decoding does (`rope.TokenRope`), where the model's rotary modules are transformers' kind and
-    it runs on the paged cache. Phi-3's own `generate` also recomputes every earlier token with the long factors when
-    a sequence crosses that length (it drops its cache there, `rope.recomputes_at_switch`), which hf_specdec does not
-    do to a running sequence: for such models a prompt within that length is served up to it, a longer prompt (long
-    factors from its first forward) up to the model's context. Where the factors cannot be picked per token, every
-    prompt is served up to that length, below which every forward takes the short factors."""
+    `original_max_position_embeddings`, and transformers picks the factors for a whole forward. hf_specdec picks them
+    per token as plain decoding does, and recomputes a sequence crossing that length where the model's `generate` does
+    (`rope.py`), for models whose rotary modules are transformers' kind on the paged cache (without recurrent layers,
+    where a recompute is needed). Elsewhere it serves them up to that length, below which every forward takes the
+    short factors."""
     from .dense_runner import uses_paged_cache
+    from .recurrent_state import is_recurrent
     from .rope import TokenRope, longrope_parameters, recomputes_at_switch
 
     config = model.config.get_text_config()
@@ -201,19 +199,14 @@ def exact_context(model, prompt_length: int | None = None) -> tuple[int | None, 
         original = p["original_max_position_embeddings"]
         if not original or (limit is not None and original >= limit):
             continue
-        if not (uses_paged_cache(model) and TokenRope.supported(model)):
+        if not (uses_paged_cache(model) and TokenRope.supported(model)
+                and not (recomputes_at_switch(model) and is_recurrent(model))):
             return int(original), (
                 f"its LongRoPE factors switch past original_max_position_embeddings ({original}) by the largest "
                 "position in each forward, which a verify step or a batch of rows shares and one-token decoding "
                 "does not, and hf_specdec cannot pick them per token for this model (its rotary embedding is not "
-                "transformers' dynamic_rope_update kind, or it runs outside the paged KV cache): speculative "
-                "decoding reproduces plain decoding up to that length")
-        if recomputes_at_switch(model) and (prompt_length is not None and prompt_length <= original):
-            return int(original), (
-                f"its generate recomputes every earlier token with LongRoPE's long factors when a sequence passes "
-                f"original_max_position_embeddings ({original}), which hf_specdec does not do to a running "
-                f"sequence: a prompt of at most {original} tokens is served up to {original} tokens in all (a "
-                "longer prompt, rotated with the long factors from its first forward, up to the model's context)")
+                "transformers' dynamic_rope_update kind, it runs outside the paged KV cache, or its recurrent layers "
+                "cannot recompute a sequence): speculative decoding reproduces plain decoding up to that length")
     return limit, None
 
 

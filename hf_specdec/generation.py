@@ -270,16 +270,6 @@ def _decode(model, speculator, k, schedule, step_cost, input_ids, logits_process
             f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds {limit}; lower "
             "max_new_tokens or shorten the prompt"
         )
-    if max_positions is not None:  # a limit that depends on the prompt's length (`exact_context`), row by row
-        mask = model_kwargs.get("attention_mask")
-        lengths = mask.sum(-1).tolist() if mask is not None else [input_ids.shape[1]]
-        for length in sorted(set(int(n) for n in lengths)):
-            row_limit, why = exact_context(model, length)
-            if why is not None and length + max_new_tokens > row_limit:
-                raise ValueError(
-                    f"a prompt of {length} tokens + max_new_tokens ({max_new_tokens}) exceeds {row_limit} tokens, "
-                    f"the most speculative decoding serves for such a prompt with this model ({why}); lower "
-                    "max_new_tokens or call generate without speculator=")
     eos = config._eos_token_tensor
     pad = config._pad_token_tensor
     per_row = [type(c).__name__ for c in stopping_criteria or []

@@ -14,7 +14,7 @@ from .distributed import RankZeroDecides, tp_group
 from .kernels._backend import resolve_backend
 from .paged_cache import ATTENTION_NAME, PLAN_KWARG, PagedKVCache, _ragged
 from .recurrent_state import make_cache, recurrent_layers_split
-from .rope import TokenRope, rope_lengths
+from .rope import RopeRows, rope_lengths
 
 
 @contextmanager
@@ -83,6 +83,15 @@ class CacheRows:
     def free(self, seq_id: int) -> None:
         self.cache.free(seq_id)
 
+    def draft_room(self, seq_ids: list[int], lengths: list[int]) -> list[int] | None:
+        """The most drafts each row may verify in its next forward after `lengths[i]` committed tokens, where the
+        model limits it (LongRoPE: `rope.RopeRows`); None: no limit."""
+        return None
+
+    def recompute_due(self, seq_ids: list[int]) -> list[int]:
+        """Rows whose next forward must feed their whole sequence again first (`ModelRunner.recompute`)."""
+        return []
+
 
 class ModelRunner(CacheRows):
     """One model and its paged cache. Rows are identified by the caller's integer ids.
@@ -111,18 +120,34 @@ class ModelRunner(CacheRows):
         self.num_forwards = 0
         # transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name is deprecated there).
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        # LongRoPE's factors chosen per token, as plain decoding chooses them (`rope.py`); each row's prompt length.
-        self.rope = TokenRope.of(model)
-        self._prompt_lengths: dict[int, int] = {}
+        # LongRoPE's factors chosen per token as plain decoding chooses them, from each row's prompt length (`rope.py`).
+        self.rope = RopeRows.of(model)
 
     def add_sequence(self, seq_id: int, prompt_length: int = 0) -> None:
         super().add_sequence(seq_id)
         if self.rope is not None:
-            self._prompt_lengths[seq_id] = prompt_length
+            self.rope.add(seq_id, prompt_length)
 
     def free(self, seq_id: int) -> None:
         super().free(seq_id)
-        self._prompt_lengths.pop(seq_id, None)
+        if self.rope is not None:
+            self.rope.free(seq_id)
+
+    def draft_room(self, seq_ids: list[int], lengths: list[int]) -> list[int] | None:
+        return None if self.rope is None else self.rope.draft_room(seq_ids, lengths)
+
+    def recompute_due(self, seq_ids: list[int]) -> list[int]:
+        return [] if self.rope is None else self.rope.due(seq_ids, [self.length(s) for s in seq_ids])
+
+    def recompute(self, seq_ids: list[int], input_ids: torch.Tensor) -> None:
+        """Feeds rows `recompute_due` named their whole cached sequence again (`input_ids`, `[rows, tokens]`), rotated
+        with LongRoPE's long factors from their start, as the model's `generate` does when a sequence crosses the
+        switch (`rope.RopeRows`)."""
+        width = input_ids.shape[1]
+        for seq_id in seq_ids:
+            self.rollback(seq_id, 0)
+            self.rope.rotated_long(seq_id)
+        self.forward(seq_ids, input_ids, [width] * len(seq_ids), num_logits=1)
 
     def give_regions(self, seq_ids: list[int], num_tokens: int) -> bool:
         """Gives these row ids room for `num_tokens` tokens each in one region of the pool, the regions one after
@@ -189,12 +214,10 @@ class ModelRunner(CacheRows):
                 keep, expand = keep.to(self.device), expand.to(self.device)
             else:  # each row's trailing `num_logits` positions, by their place in the stream
                 keep = layout.unpack_index.view(rows, width)[:, width - num_logits:].reshape(-1)
-        lengths = None
-        if self.rope is not None and self.rope.needed(max(max(self._prompt_lengths.get(s, 0), start + n)
-                                                          for s, start, n in zip(seq_ids, starts, num_tokens))):
-            prompts = torch.tensor([self._prompt_lengths.get(s, 0) for s in seq_ids], device=self.device)
-            lengths = torch.maximum(prompts[:, None], plan.query_positions + 1)  # each token's rope length
-            if layout is not None:
+        lengths = None  # each token's rope length, where some take LongRoPE's long factors (`rope.py`)
+        if self.rope is not None:
+            lengths = self.rope.lengths(seq_ids, starts, num_tokens, plan.query_positions, self.device)
+            if lengths is not None and layout is not None:
                 lengths = lengths.reshape(-1).index_select(0, layout.pack_index)[None]
         with self.cache.active(plan), rope_lengths(lengths):
             out = self.model(

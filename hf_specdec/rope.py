@@ -11,9 +11,8 @@ differently from plain decoding. `TokenRope` computes the rotary tables with bot
 rule, while a runner's forward sets the rope lengths (`rope_lengths`); outside such a forward the model's rotary
 embedding works as before.
 
-Phi-3's own `generate` also recomputes a sequence's earlier tokens with the long factors when it crosses that length
-(`recomputes_at_switch`); hf_specdec does not recompute a running sequence, so for those models a sequence that
-would cross it is not served past it (`compat.exact_context`).
+Phi-3's own `generate` also feeds a sequence again, every token with the long factors, when it reaches that length
+(`recomputes_at_switch`); for such models a runner's rows do the same (`RopeRows`).
 
 Keys are cached after rotation, so a stored prompt prefix is reusable only by a prompt rotated the same way:
 `TokenRope.prefix_key` (the prefix cache keeps the two sets apart).
@@ -97,6 +96,71 @@ class TokenRope:
     def prefix_key(self, prompt_length: int) -> int:
         """Which rotation a prompt of this length gives its tokens (all long or all short), for the prefix cache."""
         return int(prompt_length > self.original)
+
+
+class RopeRows:
+    """A runner's rows under LongRoPE: each row's prompt length, from which its tokens' rope lengths follow, and, for
+    a model whose `generate` recomputes a sequence at the switch (`recomputes_at_switch`), which rows are due for that
+    recompute and how far a row may draft before it.
+
+    A row whose prompt fits `original_max_position_embeddings` ("short") verifies nothing past position
+    `original - 1` (`draft_room`): logits there come from the short factors in plain decoding. Its next forward
+    then starts at position `original`, where plain decoding feeds the whole sequence again with the long factors:
+    the runner does the same (`ModelRunner.recompute`), and the row is rotated long from then on. A row whose prompt
+    is longer is rotated long from its first forward, as plain decoding's whole-prompt forward rotates it.
+
+    Args:
+        rope (`TokenRope`): the model's per-token rotary modules.
+        recompute (`bool`): the model's `generate` recomputes a sequence crossing the switch.
+    """
+
+    def __init__(self, rope: TokenRope, recompute: bool):
+        self.rope = rope
+        self.original = rope.original
+        self.recompute = recompute
+        self._prompt_lengths: dict[int, int] = {}
+
+    @classmethod
+    def of(cls, model) -> RopeRows | None:
+        rope = TokenRope.of(model)
+        return None if rope is None else cls(rope, recomputes_at_switch(model))
+
+    def add(self, seq_id: int, prompt_length: int) -> None:
+        self._prompt_lengths[seq_id] = prompt_length
+
+    def free(self, seq_id: int) -> None:
+        self._prompt_lengths.pop(seq_id, None)
+
+    def prefix_key(self, prompt_length: int) -> int:
+        return self.rope.prefix_key(prompt_length)
+
+    def lengths(self, seq_ids: list[int], starts: list[int], num_tokens: list[int],
+                query_positions: torch.Tensor, device) -> torch.Tensor | None:
+        """Each fed token's rope length (`[rows, q]`, like `query_positions`), or None where every token of the
+        forward takes the short factors (the model's own choice then agrees)."""
+        prompts = [self._prompt_lengths.get(s, 0) for s in seq_ids]
+        if not self.rope.needed(max(max(p, start + n) for p, start, n in zip(prompts, starts, num_tokens))):
+            return None
+        return torch.maximum(torch.tensor(prompts, device=device)[:, None], query_positions + 1)
+
+    def draft_room(self, seq_ids: list[int], lengths: list[int]) -> list[int] | None:
+        """The most drafts each row may verify after its `lengths[i]` committed tokens (None: no limit)."""
+        if not self.recompute:
+            return None
+        unlimited = 1 << 30
+        return [max(0, self.original - n) if self._prompt_lengths.get(s, 0) <= self.original else unlimited
+                for s, n in zip(seq_ids, lengths)]
+
+    def due(self, seq_ids: list[int], cached: list[int]) -> list[int]:
+        """The short rows whose next forward starts at the switch, with `cached[i]` tokens cached."""
+        if not self.recompute:
+            return []
+        return [s for s, c in zip(seq_ids, cached)
+                if c == self.original and self._prompt_lengths.get(s, 0) <= self.original]
+
+    def rotated_long(self, seq_id: int) -> None:
+        """Row `seq_id` was fed again from its start with the long factors: every token it feeds takes them."""
+        self._prompt_lengths[seq_id] = self.original + 1
 
 
 def recomputes_at_switch(model) -> bool:

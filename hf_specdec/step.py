@@ -69,13 +69,16 @@ class Step:
         rows, rows_t = list(batch.active), batch.active_tensor()
         t0 = time.perf_counter()
         self.last_logprobs = {}
-        proposed, classes, counts = self._propose(batch, budget)
+        self._recompute(batch, target, rows)
+        drafting = self._drafting_budget(batch, target, rows, budget)
+        proposed, classes, counts = self._propose(batch, drafting)
         if getattr(self.speculator, "reading_backlog", False):  # the draft read a long backlog: not a usual step
             self.timed = False
         draft, constrained = proposed, None
         if self.constraints:
             limit = self.k if self.drafting else 0
-            constrained = self.constraints.constrain(batch, rows, draft, [max(0, min(limit, b - 1)) for b in budget])
+            constrained = self.constraints.constrain(batch, rows, draft,
+                                                     [max(0, min(limit, b - 1)) for b in drafting])
             draft = constrained.draft
         draft = target.agree(draft)  # tensor parallelism: rank 0's drafts on every rank (distributed.py)
         if draft is not proposed:  # the grammar's or rank 0's drafts: their counts
@@ -187,7 +190,9 @@ class Step:
         rows, rows_t = list(batch.active), batch.active_tensor()
         device = batch.device
         t0 = time.perf_counter()
-        max_depth = max(0, min(self.k, max(budget) - 1)) if self.drafting else 0
+        self._recompute(batch, target, rows)
+        drafting = self._drafting_budget(batch, target, rows, budget)
+        max_depth = max(0, min(self.k, max(drafting) - 1)) if self.drafting else 0
         tree = target.agree(self.speculator.propose_tree(batch, max_depth, self.tree_nodes, self.tree_branching))
         n = tree.num_nodes
         if n == 0:
@@ -195,7 +200,7 @@ class Step:
         ancestors = tree.ancestors(max(max_depth, 1))  # the speculator drafts no deeper than max_depth
         depths = ancestors.sum(-1)
         # Never draft past a row's length budget: the last token a row may emit is always the target's own.
-        limits = torch.tensor([max(0, b - 1) for b in budget], device=device)
+        limits = torch.tensor([max(0, b - 1) for b in drafting], device=device)
         tree = DraftTree(tree.token_ids, tree.parents, tree.valid & (depths <= limits[:, None]))
         t1 = time.perf_counter()
 
@@ -287,6 +292,25 @@ class Step:
         lens = torch.cat([end[:, None], end[:, None] + depths], dim=1)
         return batch.processing(history.flatten(0, 1), torch.arange(rows * (n + 1), device=flat.device),
                                 lens.flatten(), flat, batch_rows=entry_rows).view(logits.shape)
+
+    def _recompute(self, batch, target, rows: list[int]) -> None:
+        """Rows at LongRoPE's switch, on a model whose `generate` feeds a sequence crossing it again with the long
+        factors, are fed their cached tokens again first (`ModelRunner.recompute`, `rope.RopeRows`)."""
+        due = target.recompute_due(rows)
+        if not due:
+            return
+        due_t = torch.tensor(due, device=batch.device)
+        width = target.length(due[0])  # every such row holds the same: the switch's position
+        target.recompute(due, gather_right_aligned(batch.token_ids, due_t, batch.first_col[due_t],
+                                                   torch.full((len(due),), width, device=batch.device), width))
+        self.timed = False  # a forward over whole sequences: not a step the cost model should learn from
+
+    @staticmethod
+    def _drafting_budget(batch, target, rows: list[int], budget: list[int]) -> list[int]:
+        """Each row's length budget for drafting: `budget`, or less where the target limits its drafts
+        (`ModelRunner.draft_room`: a LongRoPE row verifies nothing past the switch before its recompute)."""
+        room = target.draft_room(rows, [batch.lengths[r] for r in rows])
+        return budget if room is None else [min(b, r + 1) for b, r in zip(budget, room)]
 
     def _propose(self, batch, budget) -> tuple[DraftProposal, list[int] | None, list[int]]:
         """This step's drafts, each row's confidence class when adaptive k used one, and each row's number of

@@ -73,13 +73,13 @@ def plain(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def speculative(model, lengths, max_new_tokens, schedule, seed=1):
-    """Ragged rows of these prompt lengths: each row's new tokens from `generate(speculator="ngram")` in one batch,
-    and from its own plain decoding."""
+def speculative(model, lengths, max_new_tokens, speculator="ngram", seed=1, **kwargs):
+    """Ragged rows of these prompt lengths: each row's new tokens from speculative `generate` in one batch, and from
+    its own plain decoding."""
     ids, mask = ragged(lengths, seed=seed)
     rows = [ids[i, ids.shape[1] - n:].tolist() for i, n in enumerate(lengths)]
     spec = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                          speculator="ngram", num_speculative_tokens=4, speculative_schedule=schedule)
+                          speculator=speculator, **kwargs)
     return [row[ids.shape[1]:] for row in spec.tolist()], [plain(model, row, max_new_tokens) for row in rows]
 
 
@@ -94,50 +94,71 @@ def test_longrope_rows_crossing_the_switch_equal_plain_decoding(schedule):
 
     model = longrope_model(16, family="llama")
     assert not recomputes_at_switch(model)
-    assert exact_context(model, 6) == (model.config.max_position_embeddings, None)
+    assert exact_context(model) == (model.config.max_position_embeddings, None)
     for lengths in ([6], [20], [6, 20, 13, 16]):
-        spec, expected = speculative(model, lengths, 14, schedule)
+        spec, expected = speculative(model, lengths, 14, num_speculative_tokens=4, speculative_schedule=schedule)
         assert spec == expected, lengths
 
 
-def test_phi3_longrope_prompts_past_the_switch_equal_plain_decoding():
-    """Phi-3's generate recomputes a sequence crossing 16 with the long factors, which hf_specdec does not do: a
-    prompt past 16 (long factors from its first forward) runs to the model's context and equals plain decoding, also
-    beside a short prompt that stays within 16; a short prompt asking past 16 is refused, naming why."""
+@pytest.mark.parametrize("speculator", ["ngram", "draft", "eagle-tree"])
+def test_phi3_longrope_rows_crossing_the_switch_equal_plain_decoding(speculator, tmp_path):
+    """Phi-3's generate feeds a sequence crossing 16 again with the long factors. Rows crossing it while generating
+    (with n-gram drafts, a draft model that is the target itself, so every draft is accepted and verifies would span
+    the switch, and EAGLE draft trees), a prompt past it, one ending on it, in ragged batches, equal their one-row
+    plain decoding: drafts stop at the switch and the row is recomputed there (`rope.RopeRows`)."""
+    import copy
+
     from hf_specdec.compat import exact_context
     from hf_specdec.rope import recomputes_at_switch
 
     model = longrope_model(16)
     assert recomputes_at_switch(model)
-    assert exact_context(model, 17) == (model.config.max_position_embeddings, None)
-    assert exact_context(model, 16)[0] == 16
-    for lengths, new in (([20], 14), ([20, 31, 17], 14), ([6, 20], 10)):
-        spec, expected = speculative(model, lengths, new, "constant")
-        assert spec == expected, lengths
-    ids, mask = ragged([6, 20])
-    with pytest.raises(ValueError, match="a prompt of 6 tokens .* exceeds 16 tokens.*recomputes"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=11, do_sample=False, speculator="ngram")
+    assert exact_context(model) == (model.config.max_position_embeddings, None)
+    kwargs = dict(num_speculative_tokens=4, speculative_schedule="constant")
+    spec = speculator
+    if speculator == "draft":
+        spec = copy.deepcopy(model)
+    elif speculator == "eagle-tree":
+        from hf_specdec import EagleSpeculator
+        from test_eagle import convert
+
+        spec = EagleSpeculator.from_pretrained(convert(tmp_path, model, 3, aux_layers=[0, 1, 1]))
+        kwargs.update(speculative_tree_nodes=6, speculative_tree_branching=2)
+    recomputes = []
+    from hf_specdec.model_runner import ModelRunner
+
+    original = ModelRunner.recompute
+
+    def counted(self, seq_ids, input_ids):
+        recomputes.append((list(seq_ids), input_ids.shape[1]))
+        return original(self, seq_ids, input_ids)
+
+    ModelRunner.recompute = counted
+    try:
+        for lengths in ([6], [20], [6, 20, 13, 16, 3]):
+            spec_out, expected = speculative(model, lengths, 16, spec, **kwargs)
+            assert spec_out == expected, lengths
+    finally:
+        ModelRunner.recompute = original
+    assert recomputes and all(width == 16 for _, width in recomputes)
 
 
 def test_phi3_longrope_served_past_its_original_context():
-    """The serving engine with Phi-3's LongRoPE (original 16): long prompts joining running ones, one read in pieces
-    of 8 (its first pieces, below 16, rotated with the long factors as its whole-prompt forward is), and a prefix
-    stored by a short prompt (short factors) that a long prompt beginning with it must not reuse, while a short one
-    does. Each request equals its one-row plain decoding; a short prompt gets at most 16 tokens in all."""
-    from hf_specdec.serving.engine import RequestError, ServingEngine
+    """The serving engine with Phi-3's LongRoPE (original 16): requests crossing it while others run (each recomputed
+    there), a long prompt read in pieces of 8 (its first pieces, below 16, rotated with the long factors as its
+    whole-prompt forward is), and a prefix stored by a short prompt (short factors) that a long prompt beginning
+    with it must not reuse, while a short one does. Each request equals its one-row plain decoding."""
+    from hf_specdec.serving.engine import ServingEngine
 
     model = longrope_model(16)
     short = ragged([14], seed=2)[0][0].tolist()
-    plan = [(ragged([21], seed=3)[0][0].tolist(), 12), (short, 2),
-            (short[:12] + ragged([10], seed=4)[0][0].tolist(), 8), (short[:12] + [5, 6], 2),
+    plan = [(ragged([10], seed=3)[0][0].tolist(), 14), (short, 8),
+            (short[:12] + ragged([10], seed=4)[0][0].tolist(), 8), (short[:12] + [5, 6], 9),
             (ragged([30], seed=5)[0][0].tolist(), 8)]
     expected = [plain(model, prompt, n) for prompt, n in plan]
     engine = ServingEngine(model, None, "ngram", num_speculative_tokens=4, max_batch_size=3, block_size=4,
                            schedule="constant", prefill_chunk_tokens=8, warmup=False)
     assert engine.max_model_len == model.config.max_position_embeddings
-    assert engine.context_for(16)[0] == 16 and engine.context_for(17) == (engine.max_model_len, None)
-    with pytest.raises(RequestError, match="a prompt of at most 16 tokens is served up to 16 tokens"):
-        engine.submit(short, max_tokens=3)
     engine.start()
     try:
         for group in (plan[:2], plan[2:]):  # the short prompt's blocks are stored before the others arrive
@@ -147,12 +168,9 @@ def test_phi3_longrope_served_past_its_original_context():
                     pass
             for stream, (prompt, n) in zip(streams, group):
                 assert stream.request.output_ids == expected[plan.index((prompt, n))], prompt
-        stream = engine.submit(short[:10])  # no max_tokens: up to 16 in all
-        for _ in stream:
-            pass
-        assert len(stream.request.output_ids) == 6
         assert engine.prefix_cache.num_hit_tokens >= 12  # the short prompt sharing 12 tokens read them
         assert engine.scheduler.num_prefill_chunks >= 2
+        assert engine.metrics.num_draft_tokens > 0
     finally:
         engine.shutdown()
 

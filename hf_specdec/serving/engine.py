@@ -211,12 +211,6 @@ class ServingEngine:
         if why is not None and (max_model_len is None or max_model_len > context):
             logger.warning(f"hf_specdec: serving prompt + max_tokens up to {context} tokens: {why}")
         self.max_model_len = min(max_model_len or context, context)
-        # A shorter limit for prompts of at most `_short_prompts[0]` tokens (LongRoPE: `exact_context`), with why.
-        short, why = exact_context(model, 0)
-        self._short_prompts = (short, why) if why is not None and short < self.max_model_len else None
-        if self._short_prompts is not None:
-            logger.warning(f"hf_specdec: a prompt of at most {short} tokens is served up to {short} tokens in all: "
-                           f"{why}")
         eos = model.generation_config.eos_token_id
         self.eos_token_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
         pad = model.generation_config.pad_token_id
@@ -389,20 +383,6 @@ class ServingEngine:
 
     # --- requests ------------------------------------------------------------------------------------------------
 
-    def context_for(self, num_prompt_tokens: int) -> tuple[int, str | None]:
-        """The most tokens (prompt + answer) a prompt of this length is served to: `max_model_len`, or less for a
-        model whose exact limit depends on the prompt's length (`compat.exact_context`), with why."""
-        if self._short_prompts is not None and num_prompt_tokens <= self._short_prompts[0]:
-            return self._short_prompts
-        return self.max_model_len, None
-
-    def context_phrase(self, num_prompt_tokens: int) -> str:
-        """The context a prompt of this length gets, in words, for errors."""
-        context, why = self.context_for(num_prompt_tokens)
-        if why is None:
-            return f"this model's context is {context} tokens"
-        return f"a prompt of at most {context} tokens is served up to {context} tokens in all with this model ({why})"
-
     def submit(self, prompt_ids: list[int], max_tokens: int | None = None, sampling: SamplingParams | None = None,
                stop: list[str] | None = None, grammar=None, loop: asyncio.AbstractEventLoop | None = None,
                request_id: str | None = None, logprobs: int | None = None,
@@ -424,8 +404,7 @@ class ServingEngine:
         if max(prompt_ids) >= self.vocab_size or min(prompt_ids) < 0:
             raise RequestError(f"the prompt holds token ids outside the model's vocabulary of {self.vocab_size}",
                                "prompt")
-        context, _ = self.context_for(len(prompt_ids))
-        room = context - len(prompt_ids)
+        room = self.max_model_len - len(prompt_ids)
         if max_tokens is None:
             max_tokens = room
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
@@ -433,9 +412,9 @@ class ServingEngine:
                                f"with prompt_logprobs), got {max_tokens!r}", "max_tokens")
         if max_tokens > room:
             raise RequestError(
-                f"{self.context_phrase(len(prompt_ids))}, but the prompt has {len(prompt_ids)} and max_tokens asks "
-                f"for {max_tokens} more; shorten the prompt or lower max_tokens to at most {max(room, 0)}",
-                "max_tokens")
+                f"this model's context is {self.max_model_len} tokens, but the prompt has {len(prompt_ids)} and "
+                f"max_tokens asks for {max_tokens} more; shorten the prompt or lower max_tokens to at most "
+                f"{max(room, 0)}", "max_tokens")
         sampling = sampling or SamplingParams()
         if sampling.ignore_eos and grammar is not None:  # a finished grammar allows only EOS: EOS to max_tokens
             raise RequestError("ignore_eos cannot be combined with response_format (once the grammar is complete, "

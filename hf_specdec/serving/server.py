@@ -523,15 +523,15 @@ def parse_request(body: dict, chat: bool, engine: ServingEngine) -> dict:
         raise RequestError(f"{param} must be a positive integer (0 only with echo: the prompt alone), got "
                            f"{max_tokens!r}", param)
     for prompt in prompts:
-        room = engine.context_for(len(prompt))[0] - len(prompt)
+        room = engine.max_model_len - len(prompt)
         if room < (0 if max_tokens == 0 else 1):  # the prompt alone fills the context
             field = "messages" if chat else "prompt"
-            raise RequestError(f"{engine.context_phrase(len(prompt))} and the prompt has {len(prompt)}, which leaves "
-                               "no room for an answer; shorten the prompt", field)
+            raise RequestError(f"this model's context is {engine.max_model_len} tokens and the prompt has "
+                               f"{len(prompt)}, which leaves no room for an answer; shorten the prompt", field)
         if (1 if max_tokens is None else max_tokens) > room:
             raise RequestError(
-                f"{engine.context_phrase(len(prompt))}, but the prompt has {len(prompt)} and {param} asks for "
-                f"{max_tokens} more; shorten the prompt or lower {param}", param)
+                f"this model's context is {engine.max_model_len} tokens, but the prompt has {len(prompt)} and "
+                f"{param} asks for {max_tokens} more; shorten the prompt or lower {param}", param)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0:
