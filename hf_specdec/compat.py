@@ -204,9 +204,11 @@ def exact_context(model) -> tuple[int | None, str | None]:
             return int(original), (
                 f"its LongRoPE factors switch past original_max_position_embeddings ({original}) by the largest "
                 "position in each forward, which a verify step or a batch of rows shares and one-token decoding "
-                "does not, and hf_specdec cannot pick them per token for this model (its rotary embedding is not "
-                "transformers' dynamic_rope_update kind, it runs outside the paged KV cache, or its recurrent layers "
-                "cannot recompute a sequence): speculative decoding reproduces plain decoding up to that length")
+                "does not, and hf_specdec cannot pick them per token for this model (its rotary module is not "
+                "transformers' kind whose tables follow the inverse frequencies alone, as PhiMoE's picks a scale by "
+                "the forward's largest position itself; or it runs outside the paged KV cache; or its recurrent "
+                "layers cannot recompute a sequence): speculative decoding reproduces plain decoding up to that "
+                "length")
     return limit, None
 
 

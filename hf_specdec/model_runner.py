@@ -14,7 +14,7 @@ from .distributed import RankZeroDecides, tp_group
 from .kernels._backend import resolve_backend
 from .paged_cache import ATTENTION_NAME, PLAN_KWARG, PagedKVCache, _ragged
 from .recurrent_state import make_cache, recurrent_layers_split
-from .rope import RopeRows, rope_lengths
+from .rope import RopeRows, rope_factors
 
 
 @contextmanager
@@ -214,12 +214,12 @@ class ModelRunner(CacheRows):
                 keep, expand = keep.to(self.device), expand.to(self.device)
             else:  # each row's trailing `num_logits` positions, by their place in the stream
                 keep = layout.unpack_index.view(rows, width)[:, width - num_logits:].reshape(-1)
-        lengths = None  # each token's rope length, where some take LongRoPE's long factors (`rope.py`)
+        factors = None  # LongRoPE's factors for this forward's tokens (`rope.py`)
         if self.rope is not None:
-            lengths = self.rope.lengths(seq_ids, starts, num_tokens, plan.query_positions, self.device)
-            if lengths is not None and layout is not None:
-                lengths = lengths.reshape(-1).index_select(0, layout.pack_index)[None]
-        with self.cache.active(plan), rope_lengths(lengths):
+            factors = self.rope.factors(seq_ids, starts, num_tokens, plan.query_positions, self.device)
+            if factors[1] is not None and layout is not None:
+                factors = (factors[0], factors[1].reshape(-1).index_select(0, layout.pack_index)[None])
+        with self.cache.active(plan), rope_factors(factors):
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,

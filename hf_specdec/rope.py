@@ -8,7 +8,7 @@ tokens is rotated with the long factors exactly when `max(L, p + 1) > original_m
 length"). A speculative step feeds several tokens of several rows in one forward (a verify spanning the switch, a
 row beside a longer one, a piece of a chunked prompt), where the per-forward choice would rotate some of them
 differently from plain decoding. `TokenRope` computes the rotary tables with both sets and picks per token by that
-rule, while a runner's forward sets the rope lengths (`rope_lengths`); outside such a forward the model's rotary
+rule, while a runner's forward says what its tokens need (`rope_factors`); outside such a forward the model's rotary
 embedding works as before.
 
 Phi-3's own `generate` also feeds a sequence again, every token with the long factors, when it reaches that length
@@ -20,15 +20,16 @@ Keys are cached after rotation, so a stored prompt prefix is reusable only by a 
 
 from __future__ import annotations
 
-import types
+import functools
 from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
 
-# `[rows, q]` (or the packed `[1, T]`) rope length of each token fed by the forward in progress, shaped like its
-# `position_ids`; None outside a runner's forward.
-_ROPE_LENGTHS: ContextVar[torch.Tensor | None] = ContextVar("hf_specdec_rope_lengths", default=None)
+# What the forward in progress asks of the models' `TokenRope` modules: ("short" | "long", None) when every token
+# takes one set, ("mixed", lengths) with each token's rope length (`[rows, q]`, or the packed `[1, T]`, shaped like
+# the forward's `position_ids`) otherwise; None outside a runner's forward.
+_FACTORS: ContextVar[tuple[str, torch.Tensor | None] | None] = ContextVar("hf_specdec_rope_factors", default=None)
 
 
 def longrope_parameters(config) -> list[dict]:
@@ -46,18 +47,23 @@ def longrope_parameters(config) -> list[dict]:
 
 
 @contextmanager
-def rope_lengths(lengths: torch.Tensor | None):
-    """Makes `lengths` (each fed token's `max(prompt length, position + 1)`, shaped like the forward's
-    `position_ids`) what the models' `TokenRope` modules read during the forward."""
-    token = _ROPE_LENGTHS.set(lengths)
+def rope_factors(factors: tuple[str, torch.Tensor | None] | None):
+    """Makes `factors` (`RopeRows.factors`) what the models' `TokenRope` modules read during the forward."""
+    token = _FACTORS.set(factors)
     try:
         yield
     finally:
-        _ROPE_LENGTHS.reset(token)
+        _FACTORS.reset(token)
 
 
 class TokenRope:
     """A model's LongRoPE rotary embeddings, switched per token (module docstring).
+
+    Each module's own forward (without transformers' per-forward choice) computes the tables, given the short or the
+    long inverse frequencies through a view of the module (`_Frequencies`): the module itself is never written, so a
+    plain `generate` on the same model in another thread is not disturbed. A module qualifies only where that
+    forward's tables follow the inverse frequencies alone, token by token (`_agrees`): PhiMoE's, which switches a
+    scale by the forward's largest position itself, does not.
 
     Args:
         modules (`list[torch.nn.Module]`): the model's rotary embedding modules that use LongRoPE.
@@ -68,30 +74,23 @@ class TokenRope:
         self.modules = modules
         self.original = original
         for module in modules:
-            if not getattr(module, "_hf_specdec_token_rope", False):
-                module.forward = types.MethodType(_per_token_forward, module)
-                module._hf_specdec_token_rope = True
+            _install(module)
 
     @classmethod
     def of(cls, model) -> TokenRope | None:
-        """The model's `TokenRope`, installed on its LongRoPE rotary modules; None for a model without LongRoPE or
-        whose rotary modules are not transformers' (`dynamic_rope_update`) kind (`supported` tells which)."""
+        """The model's `TokenRope`, installed on its LongRoPE rotary modules; None where `supported` is False."""
         original = _original(model)
         if original is None:
             return None
         modules = _rotary_modules(model)
-        return cls(modules, original) if modules else None
+        return cls(modules, original) if modules and all(_agrees(m) for m in modules) else None
 
     @staticmethod
     def supported(model) -> bool:
-        """Whether `of(model)` switches the model's LongRoPE per token (it has LongRoPE, in transformers' rotary
-        modules)."""
-        return _original(model) is not None and bool(_rotary_modules(model))
-
-    def needed(self, max_length: int) -> bool:
-        """Whether a forward whose longest rope length is `max_length` rotates any token with the long factors (a
-        forward rotating every token with the short ones needs nothing: the per-forward choice agrees)."""
-        return max_length > self.original
+        """Whether `of(model)` switches the model's LongRoPE per token: it has LongRoPE, in transformers' rotary
+        modules, whose tables follow the inverse frequencies alone."""
+        modules = _rotary_modules(model) if _original(model) is not None else []
+        return bool(modules) and all(_agrees(m) for m in modules)
 
     def prefix_key(self, prompt_length: int) -> int:
         """Which rotation a prompt of this length gives its tokens (all long or all short), for the prefix cache."""
@@ -134,14 +133,18 @@ class RopeRows:
     def prefix_key(self, prompt_length: int) -> int:
         return self.rope.prefix_key(prompt_length)
 
-    def lengths(self, seq_ids: list[int], starts: list[int], num_tokens: list[int],
-                query_positions: torch.Tensor, device) -> torch.Tensor | None:
-        """Each fed token's rope length (`[rows, q]`, like `query_positions`), or None where every token of the
-        forward takes the short factors (the model's own choice then agrees)."""
+    def factors(self, seq_ids: list[int], starts: list[int], num_tokens: list[int],
+                query_positions: torch.Tensor, device) -> tuple[str, torch.Tensor | None]:
+        """What a forward feeding `num_tokens[i]` tokens of row `seq_ids[i]` from storage index `starts[i]` (at
+        `query_positions`, `[rows, q]`) asks of the rotary modules (`_FACTORS`): one set for all, decided on the host
+        from bounds on the tokens' rope lengths, or each token's rope length."""
         prompts = [self._prompt_lengths.get(s, 0) for s in seq_ids]
-        if not self.rope.needed(max(max(p, start + n) for p, start, n in zip(prompts, starts, num_tokens))):
-            return None
-        return torch.maximum(torch.tensor(prompts, device=device)[:, None], query_positions + 1)
+        # A token's position is below its storage index plus one (draft-tree nodes sit by depth).
+        if max(max(p, start + n) for p, start, n in zip(prompts, starts, num_tokens)) <= self.original:
+            return "short", None
+        if min(max(p, start + 1) for p, start in zip(prompts, starts)) > self.original:
+            return "long", None
+        return "mixed", torch.maximum(torch.tensor(prompts, device=device)[:, None], query_positions + 1)
 
     def draft_room(self, seq_ids: list[int], lengths: list[int]) -> list[int] | None:
         """The most drafts each row may verify after its `lengths[i]` committed tokens (None: no limit)."""
@@ -167,11 +170,16 @@ def recomputes_at_switch(model) -> bool:
     """Whether the model's `generate` recomputes a sequence's earlier tokens with the long factors when it passes
     `original_max_position_embeddings` (Phi-3, PhiMoE and Phi-4-multimodal drop their cache there, in
     `prepare_inputs_for_generation`). Assumed where that method's source cannot be read."""
+    return _recomputes(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _recomputes(model_class) -> bool:
     import inspect
 
     from transformers import GenerationMixin
 
-    prepare = getattr(type(model), "prepare_inputs_for_generation", None)
+    prepare = getattr(model_class, "prepare_inputs_for_generation", None)
     if prepare is None or prepare is GenerationMixin.prepare_inputs_for_generation:
         return False
     try:
@@ -216,37 +224,108 @@ def _undecorated(cls):
     return None
 
 
+class _Frequencies:
+    """A rotary module as its own forward reads it, with other inverse frequencies at `name` (the module is not
+    written)."""
+
+    def __init__(self, module: torch.nn.Module, name: str, inv_freq: torch.Tensor):
+        self._module = module
+        self.__dict__[name] = inv_freq
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def _tables(module, x, position_ids, layer_type, which: str):
+    """The module's own rotary tables (`(cos, sin)`) at `position_ids` with the `which` ("short" or "long")
+    inverse frequencies."""
+    prefix = "" if layer_type is None else f"{layer_type}_"
+    if which == "short":
+        inv_freq = getattr(module, f"{prefix}original_inv_freq")
+    else:
+        inv_freq = getattr(module, f"{prefix}long_inv_freq", None)
+        if inv_freq is None:  # what transformers computes on the first long forward
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            params = module.config.rope_parameters if layer_type is None else (
+                module.config.rope_parameters[layer_type])
+            kwargs = {} if layer_type is None else {"layer_type": layer_type}
+            inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](
+                module.config, x.device, seq_len=params["original_max_position_embeddings"] + 1, **kwargs)
+            module.__dict__[f"{prefix}long_inv_freq"] = inv_freq  # (transformers keeps it as a plain attribute too)
+    view = _Frequencies(module, f"{prefix}inv_freq", inv_freq.to(x.device))
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    with torch.no_grad():  # (rotary tables carry no gradient)
+        return _undecorated(type(module))(view, x, position_ids, **kwargs)
+
+
 def _per_token_forward(module, x, position_ids, layer_type=None):
     """The rotary tables with each token's factors (module docstring); the module's own forward outside a runner's
-    forward, for a rotary type other than LongRoPE, or for positions not shaped like the rope lengths."""
-    lengths = _ROPE_LENGTHS.get()
-    forward = type(module).forward
-    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    forward, or for a rotary type other than LongRoPE."""
+    factors = _FACTORS.get()
     rope_type = module.rope_type if layer_type is None else module.rope_type[layer_type]
-    if lengths is None or rope_type != "longrope" or lengths.shape != position_ids.shape:
-        return forward(module, x, position_ids, **kwargs)
+    if factors is None or rope_type != "longrope":
+        kwargs = {} if layer_type is None else {"layer_type": layer_type}
+        return type(module).forward(module, x, position_ids, **kwargs)
+    mode, lengths = factors
+    if mode != "mixed":
+        return _tables(module, x, position_ids, layer_type, mode)
+    if lengths.shape != position_ids.shape:
+        raise RuntimeError(f"{type(module).__name__} was called with positions of shape {tuple(position_ids.shape)} "
+                           f"in a forward feeding {tuple(lengths.shape)} tokens: hf_specdec cannot pick its LongRoPE "
+                           "factors per token for this model")
+    params = module.config.rope_parameters if layer_type is None else module.config.rope_parameters[layer_type]
+    use_long = (lengths.to(position_ids.device) > params["original_max_position_embeddings"])[..., None]
+    short = _tables(module, x, position_ids, layer_type, "short")
+    long = _tables(module, x, position_ids, layer_type, "long")
+    return tuple(torch.where(use_long, long_part, short_part) for short_part, long_part in zip(short, long))
+
+
+def _install(module: torch.nn.Module) -> None:
+    """Makes `_per_token_forward` the module's forward (a partial, so a pickled model loads back). Under accelerate's
+    hooks (an offloaded model) it replaces the forward the hook calls, which keeps the hook's device placement."""
+    name = "_old_forward" if "_old_forward" in module.__dict__ else "forward"
+    current = module.__dict__.get(name)
+    if not (isinstance(current, functools.partial) and current.func is _per_token_forward):
+        module.__dict__[name] = functools.partial(_per_token_forward, module)
+
+
+def _agrees(module: torch.nn.Module) -> bool:
+    """Whether the module's own forward, given the short or the long inverse frequencies, gives the tables
+    transformers' per-forward choice gives, and gives each position the same table whatever the forward's other
+    positions (checked once per module, at `original_max_position_embeddings`)."""
+    known = module.__dict__.get("_hf_specdec_rope_agrees")
+    if known is not None:
+        return known
+    rope_type = module.rope_type
+    layer_types = [t for t, kind in rope_type.items() if kind == "longrope"] if isinstance(rope_type, dict) else [None]
+    try:
+        agrees = all(_agrees_for(module, layer_type) for layer_type in layer_types)
+    except Exception:  # noqa: BLE001 - a module the check cannot run (weights on meta, say) is not switched
+        agrees = False
+    module.__dict__["_hf_specdec_rope_agrees"] = agrees
+    return agrees
+
+
+def _agrees_for(module, layer_type) -> bool:
     prefix = "" if layer_type is None else f"{layer_type}_"
     params = module.config.rope_parameters if layer_type is None else module.config.rope_parameters[layer_type]
     original = params["original_max_position_embeddings"]
-    short_inv_freq = getattr(module, f"{prefix}original_inv_freq").to(x.device)
-    long_inv_freq = getattr(module, f"{prefix}long_inv_freq", None)
-    if long_inv_freq is None:  # what transformers computes on the first long forward
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](module.config, x.device, seq_len=original + 1,
-                                                           **kwargs)
-        setattr(module, f"{prefix}long_inv_freq", long_inv_freq)
-    long_inv_freq = long_inv_freq.to(x.device)
-    inv_freq = getattr(module, f"{prefix}inv_freq")
-    saved = inv_freq.clone()
-    raw = _undecorated(type(module))
-    with torch.no_grad():  # (rotary tables carry no gradient)
-        try:
-            inv_freq.copy_(short_inv_freq)
-            short = raw(module, x, position_ids, **kwargs)
-            inv_freq.copy_(long_inv_freq)
-            long = raw(module, x, position_ids, **kwargs)
-        finally:
-            inv_freq.copy_(saved)
-    use_long = (lengths.to(position_ids.device) > original)[..., None]
-    return tuple(torch.where(use_long, long_part, short_part) for short_part, long_part in zip(short, long))
+    buffer = getattr(module, f"{prefix}inv_freq")
+    x = torch.zeros(1, dtype=torch.float32, device=buffer.device)
+    below = torch.arange(original, device=buffer.device)[None]
+    past = torch.arange(original + 1, device=buffer.device)[None]
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    saved = buffer.clone()
+    try:
+        with torch.no_grad():  # transformers' choice, which writes the buffer (restored below)
+            chosen_below = type(module).forward(module, x, below, **kwargs)
+            chosen_past = type(module).forward(module, x, past, **kwargs)
+    finally:
+        buffer.copy_(saved)
+    short = _tables(module, x, below, layer_type, "short")
+    long = _tables(module, x, past, layer_type, "long")
+    long_below = _tables(module, x, below, layer_type, "long")
+    same = all(torch.equal(a, b) for a, b in zip(short, chosen_below))
+    same = same and all(torch.equal(a, b) for a, b in zip(long, chosen_past))
+    return same and all(torch.equal(a, b[:, :original]) for a, b in zip(long_below, long))

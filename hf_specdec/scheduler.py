@@ -381,8 +381,18 @@ class Scheduler:
         return self.target.cache.manager.num_used_blocks
 
     def worst_case_blocks(self, num_prompt_tokens: int, max_new_tokens: int) -> int:
-        extra = max(self.step_fn.k, self.step_fn.tree_nodes or 0) + 1
-        return -(-(num_prompt_tokens + max_new_tokens + extra) // self.target.cache.manager.block_size)
+        return -(-(num_prompt_tokens + max_new_tokens + self._draft_tokens) // self.target.cache.manager.block_size)
+
+    def max_request_tokens(self) -> int | None:
+        """The most tokens (prompt + new) a request may hold and still be admitted under `max_num_blocks` (one block
+        is the pool's scratch block); None without a cap."""
+        if self.max_num_blocks is None:
+            return None
+        return (self.max_num_blocks - 1) * self.target.cache.manager.block_size - self._draft_tokens
+
+    @property
+    def _draft_tokens(self) -> int:  # room past a request's tokens for a step's drafts (and its bonus token)
+        return max(self.step_fn.k, self.step_fn.tree_nodes or 0) + 1
 
     # --- one step ------------------------------------------------------------------------------------------------
 

@@ -200,3 +200,59 @@ def test_longrope_without_transformers_rotary_is_capped_at_its_original_context(
     with pytest.raises(RequestError, match="context is 16 tokens"):
         engine.submit(ids[0].tolist(), max_tokens=10)
     assert exact_context(build("phi3")) == (build("phi3").config.max_position_embeddings, None)  # no LongRoPE
+
+
+def test_longrope_switching_never_writes_the_rotary_module():
+    """The per-token tables come from the module's own forward through a view holding the other frequencies: the
+    module's buffer is never written inside hf_specdec's forwards (transformers' choice writes it, which would
+    disturb a plain generate on the same model in another thread), and a model hf_specdec ran on pickles and loads
+    back."""
+    import pickle
+
+    from hf_specdec.rope import TokenRope
+
+    model = longrope_model(16)
+    ids, mask = ragged([6, 20], seed=1)
+    expected = [plain(model, ids[i, ids.shape[1] - n:].tolist(), 14) for i, n in enumerate([6, 20])]
+    assert TokenRope.of(model) is not None  # (its one-off check runs transformers' choice, restoring the buffer)
+    rotary_class = type(model.model.rotary_emb)
+    chosen = rotary_class.forward
+    calls = []
+
+    def counted(module, *args, **kwargs):
+        calls.append(args[1].shape)
+        return chosen(module, *args, **kwargs)
+
+    counted.__wrapped__ = chosen
+    rotary_class.forward = counted
+    try:
+        spec = model.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, speculator="ngram",
+                              num_speculative_tokens=4, speculative_schedule="constant")
+    finally:
+        rotary_class.forward = chosen
+    assert [row[ids.shape[1]:] for row in spec.tolist()] == expected
+    assert calls == []
+    copy = pickle.loads(pickle.dumps(model))
+    assert torch.equal(copy.generate(ids[1:], attention_mask=mask[1:], max_new_tokens=4, do_sample=False),
+                       model.generate(ids[1:], attention_mask=mask[1:], max_new_tokens=4, do_sample=False))
+
+
+def test_phimoe_longrope_is_capped_at_its_original_context():
+    """PhiMoE's rotary forward picks its scale by the forward's largest position itself, which a view with other
+    frequencies cannot switch: it is served up to `original_max_position_embeddings`, naming why."""
+    from transformers import PhimoeConfig, PhimoeForCausalLM
+
+    from hf_specdec.compat import exact_context
+    from hf_specdec.rope import TokenRope
+
+    config = tiny_config(PhimoeConfig)
+    half = config.hidden_size // config.num_attention_heads // 2
+    config.rope_parameters = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * half,
+                              "long_factor": [40.0] * half, "original_max_position_embeddings": 16,
+                              "short_mscale": 1.0, "long_mscale": 1.3}
+    config.original_max_position_embeddings = 16
+    config.max_position_embeddings = 256
+    model = PhimoeForCausalLM(config).eval()
+    assert not TokenRope.supported(model) and TokenRope.of(model) is None
+    limit, why = exact_context(model)
+    assert limit == 16 and "PhiMoE" in why

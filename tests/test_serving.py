@@ -450,6 +450,32 @@ def test_kv_regions_are_refused_when_they_cannot_apply(tokenizer):
     assert ServingEngine(served_model(), tokenizer, "ngram", max_batch_size=2).target.cache.manager.num_region_blocks
 
 
+def test_a_capped_pool_caps_the_context(tokenizer):
+    """Requests wait until their worst case fits a capped pool: the context is capped to what one request can hold,
+    so a request without max_tokens (the whole context) runs instead of waiting for good, and one asking past it is
+    refused naming max_tokens."""
+    model = served_model(eos=None)
+    engine = ServingEngine(model, tokenizer, "ngram", num_speculative_tokens=4, max_batch_size=2, block_size=4,
+                           max_num_blocks=12, warmup=False)
+    assert engine.max_model_len == (12 - 1) * 4 - 5 == engine.scheduler.max_request_tokens()
+    assert engine.max_model_len < model.config.max_position_embeddings
+    with pytest.raises(RequestError, match="max_tokens"):
+        engine.submit(repeating(10, 1), engine.max_model_len)
+    engine.start()
+    try:
+        whole = engine.submit(repeating(10, 1))  # no max_tokens: up to the capped context
+        small = engine.submit(repeating(6, 2), 3)
+        for stream in (whole, small):
+            for _ in stream:
+                pass
+        assert len(whole.request.output_ids) == engine.max_model_len - 10
+        assert small.request.output_ids == solo(model, repeating(6, 2), 3)
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="max_num_blocks=2 leaves no room"):
+        ServingEngine(served_model(), tokenizer, "ngram", block_size=4, max_num_blocks=2, warmup=False)
+
+
 def test_full_queue_is_refused(tokenizer):
     model = served_model(eos=None)
     engine = ServingEngine(model, tokenizer, "ngram", max_batch_size=1, max_queue=2)  # not started: nothing drains

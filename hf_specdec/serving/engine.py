@@ -240,6 +240,18 @@ class ServingEngine:
         if prefill_chunk_tokens is not None and prefill_chunk_tokens < 0:
             raise ValueError(f"prefill_chunk_tokens must be >= 0 (0: whole prompts), got {prefill_chunk_tokens}")
         self._build(block_size, max_num_blocks, schedule, calibration, kv_region_tokens, prefix_cache_tokens)
+        fits = self.scheduler.max_request_tokens()
+        if fits is not None:
+            # A request waits until its worst case fits the capped pool: one that never can would hold up the queue
+            # for good (a request without max_tokens asks for the whole context).
+            if fits < 2:
+                raise ValueError(f"max_num_blocks={max_num_blocks} leaves no room for a request (one block of "
+                                 f"{block_size} tokens is the pool's scratch block, and a step's drafts need room); "
+                                 "raise it")
+            if fits < self.max_model_len:
+                logger.warning(f"hf_specdec: serving prompt + max_tokens up to {fits} tokens, what "
+                               f"max_num_blocks={max_num_blocks} holds for one request")
+                self.max_model_len = fits
         if prefill_chunk_tokens is None:
             # Off by default where a piece costs more than its share: recurrent layers read a row's later pieces a
             # token at a time (their chunked scan starts from an empty state only), and the masked dense cache
