@@ -82,6 +82,10 @@ class ConstrainedDraft:
         return scores
 
 
+class GrammarDeadEnd(ValueError):
+    """A row's grammar allows no token of the vocabulary after the row's committed tokens."""
+
+
 class RowConstraints:
     """What constrains each row of one `generate` call.
 
@@ -108,6 +112,9 @@ class RowConstraints:
                 self.states[row] = _MatcherState(grammar, encode)
         if prefix_allowed_tokens_fn is not None:
             self.states = [_PrefixFnState(prefix_allowed_tokens_fn, row) for row in range(num_rows)]
+        # Rows whose grammar reached a dead end (row -> why): they leave the batch with that error, alone
+        # (`take_dead_ends`); the step runs them unconstrained and their tokens are dropped.
+        self.dead_ends: dict[int, str] = {}
 
     def __bool__(self) -> bool:
         return any(state is not None for state in self.states)
@@ -129,7 +136,14 @@ class RowConstraints:
                 walked.append(own), num_speculated.append(len(own)), cut.append(False)
                 continue
             history = batch.token_ids[row, : int(batch.first_col[row]) + batch.lengths[row]]
-            tokens, n, forbidden = state.walk(own, limits[i], bitmask[i].numpy(), history, draft.probs is not None)
+            try:
+                tokens, n, forbidden = state.walk(own, limits[i], bitmask[i].numpy(), history,
+                                                  draft.probs is not None)
+            except GrammarDeadEnd as error:  # this row cannot go on; the others in the step do
+                self.dead_ends[row] = str(error)
+                self.states[row] = None
+                walked.append([]), num_speculated.append(0), cut.append(False)
+                continue
             if draft.probs is not None and any(t >= draft.probs.shape[-1] for t in tokens[n:]):
                 tokens = tokens[: n + next(j for j, t in enumerate(tokens[n:]) if t >= draft.probs.shape[-1])]
             walked.append(tokens), num_speculated.append(n), cut.append(forbidden)
@@ -183,6 +197,12 @@ class RowConstraints:
     def release(self, rows: list[int]) -> None:
         for row in rows:
             self.states[row] = None
+            self.dead_ends.pop(row, None)
+
+    def take_dead_ends(self) -> dict[int, str]:
+        """The rows whose grammar allowed no token in the latest step, with why; forgotten once taken."""
+        dead, self.dead_ends = self.dead_ends, {}
+        return dead
 
 
 class _MatcherState:
@@ -210,8 +230,16 @@ class _MatcherState:
         for j in range(limit + 1):
             self._fill(masks[j])
             if not masks[j].any():
-                raise ValueError("the grammar allows no token of this vocabulary here: the tokenizer cannot spell "
-                                 "what the grammar requires next (or its stop tokens are not in the vocabulary)")
+                if not tokens:
+                    raise GrammarDeadEnd("the grammar allows no token of this vocabulary here: the tokenizer cannot "
+                                         "spell what the grammar requires next (or its stop tokens are not in the "
+                                         "vocabulary)")
+                # The token before leads where nothing can follow: it is not drafted. Should the target choose it,
+                # the row meets the dead end at its next step, as plain decoding would.
+                self.matcher.rollback(1)
+                tokens.pop()
+                num_speculated, cut = min(num_speculated, len(tokens)), False
+                break
             if j == limit or self.matcher.is_terminated():
                 break
             if j == num_speculated and j < len(drafts) and _allows(masks[j], drafts[j]):

@@ -112,6 +112,8 @@ class SpeculativeEngine:
             stack.callback(self.speculator.end)
             while scheduler.has_work() and max_new_tokens > 0:
                 for request, tokens, _ in scheduler.step():
+                    if request.finish_reason == "error":  # a row's grammar allows no token: the call fails
+                        raise ValueError(request.error)
                     if streamer is not None and request.slot == 0 and tokens:
                         streamer.put(torch.tensor(tokens))
         num_generated = [r.num_generated for r in requests]

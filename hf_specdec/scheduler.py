@@ -434,10 +434,17 @@ class Scheduler:
         if self.prefix_cache is not None and fed_prompts:
             self._store_prefixes(fed_prompts, self.step_fn.last_states if self.prefix_cache.with_features else None)
         tokens = self._new_tokens(rows, emitted) if self.collect_tokens else [[] for _ in rows]
+        # Rows whose grammar allowed no token this step: they end alone, with the reason (what they emitted, run
+        # unconstrained, is dropped); the others go on.
+        dead = step.constraints.take_dead_ends() if step.constraints is not None else {}
         done = set(finished)
         logprobs = step.last_logprobs
         for row, n, new in zip(rows, emitted, tokens):
             request = self.running[row]
+            if row in dead:
+                request.error, request.finish_reason = dead[row], "error"
+                events.append((request, [], True))
+                continue
             request.num_generated += n
             request.output_ids += new
             if request.logprobs is not None:
@@ -449,7 +456,7 @@ class Scheduler:
                     self._ended_by_rule(new) and not request.sampling.ignore_eos) else "stop"
             if n or row in done:
                 events.append((request, new, row in done))
-        self._retire(finished)
+        self._retire(sorted(done | set(dead)))
         batch.active = sorted(self.running)
         return events
 

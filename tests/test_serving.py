@@ -1687,6 +1687,35 @@ def test_seeded_grammar_request_does_not_depend_on_the_drafts():
     assert num_drafts > 0 and drafted == off
 
 
+def test_a_grammar_dead_end_fails_its_request_alone():
+    """A grammar the tokenizer cannot spell past its start (a constant with a character outside the vocabulary) ends
+    its own request with that error once it gets there; the requests beside it run on to what they give alone, and
+    the engine serves on."""
+    pytest.importorskip("xgrammar")
+    from hf_specdec import Grammar
+    from test_structured import constrained_model, piece_tokenizer
+
+    stuck = Grammar.json_schema({"type": "object", "properties": {"a": {"const": "\u2603"}}, "required": ["a"]})
+    tokenizer = piece_tokenizer()
+    engine = ServingEngine(constrained_model(), tokenizer, "ngram", num_speculative_tokens=4, max_batch_size=4).start()
+    try:
+        free = [repeating(6 + i, seed=60 + i) for i in range(2)]
+        alone = [engine.generate(p, max_tokens=24).request.output_ids for p in free]
+        streams = [engine.submit(free[0], 24), engine.submit(repeating(5, seed=70), 24, grammar=stuck),
+                   engine.submit(free[1], 24)]
+        for stream in streams[::2]:
+            for _ in stream:
+                pass
+        with pytest.raises(RequestError, match="cannot spell"):
+            for _ in streams[1]:
+                pass
+        assert [s.request.output_ids for s in streams[::2]] == alone
+        assert engine.generate(free[0], max_tokens=24).request.output_ids == alone[0]
+        assert engine.num_running == 0 and no_blocks_held(engine)
+    finally:
+        engine.shutdown()
+
+
 def test_pipeline_runs_a_dataset_with_continuous_batching():
     from transformers import GenerationConfig, pipeline
 

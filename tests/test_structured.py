@@ -580,6 +580,17 @@ def test_a_grammar_the_vocabulary_cannot_spell_is_a_clear_error():
                        grammar=Grammar.json(), tokenizer=make_tokenizer())  # words w4..w95: no "{" to start with
 
 
+@pytest.mark.parametrize("speculator", ["ngram", "grammar"])
+def test_a_grammar_dead_end_past_the_start_is_a_clear_error(tokenizer, speculator):
+    """The start is spelled ('{"a": "'), then the constant's character is not in the vocabulary."""
+    model = constrained_model()
+    input_ids, mask = prompts()
+    stuck = Grammar.json_schema({"type": "object", "properties": {"a": {"const": "\u2603"}}, "required": ["a"]})
+    with pytest.raises(ValueError, match="cannot spell"):
+        model.generate(input_ids, attention_mask=mask, max_new_tokens=16, speculator=speculator, pad_token_id=0,
+                       grammar=stuck, tokenizer=tokenizer)
+
+
 def test_demo_json_mode():
     pytest.importorskip("gradio")
     import json
