@@ -9,9 +9,12 @@ fills a bitmask of the tokens allowed next, and rolls back. How the engine keeps
 from __future__ import annotations
 
 import json
+import re
 import threading
 import weakref
 from dataclasses import dataclass
+
+from .schema_support import unenforced
 
 _INSTALL = 'structured output needs xgrammar: pip install "hf_specdec[structured]" (or pip install xgrammar)'
 
@@ -55,19 +58,27 @@ class Grammar:
 
         By default the JSON is laid out as `json.dumps` writes it (`{"key": value, "other": [1, 2]}`): its text
         between values is then fixed, so the grammar drafts it itself, and a small model cannot wander into endless
-        whitespace. `any_whitespace=True` allows any JSON whitespace between tokens instead."""
+        whitespace. `any_whitespace=True` allows any JSON whitespace between tokens instead.
+
+        Raises `GrammarError` for a schema with a constraint xgrammar would not enforce (`uniqueItems`, `not`,
+        `if`/`then`, `contains`, a `pattern` beside a `format`, ...: `schema_support.unenforced`), naming it."""
         if hasattr(schema, "model_json_schema"):  # a pydantic model class
             schema = schema.model_json_schema()
-        if isinstance(schema, dict):
-            return cls("json_schema", json.dumps(schema), any_whitespace=any_whitespace)
         if isinstance(schema, str):
             try:
-                json.loads(schema)
+                parsed = json.loads(schema)
             except json.JSONDecodeError as error:
                 raise GrammarError(f"the JSON schema is not valid JSON: {error}") from error
-            return cls("json_schema", schema, any_whitespace=any_whitespace)
-        raise TypeError(f"Grammar.json_schema takes a dict, a JSON string or a pydantic model, "
-                        f"got {type(schema).__name__}")
+        elif isinstance(schema, dict):
+            parsed, schema = schema, json.dumps(schema)
+        else:
+            raise TypeError(f"Grammar.json_schema takes a dict, a JSON string or a pydantic model, "
+                            f"got {type(schema).__name__}")
+        found = unenforced(parsed)
+        if found:  # compiled as it is, the grammar would let answers break the schema, with nothing said
+            raise GrammarError(f"the JSON schema uses {found}; xgrammar, which builds the grammar, cannot enforce "
+                               "it, so answers could break the schema: drop it or rewrite the schema without it")
+        return cls("json_schema", schema, any_whitespace=any_whitespace)
 
     @classmethod
     def regex(cls, pattern: str) -> Grammar:
@@ -143,7 +154,12 @@ class Grammar:
             return compiler.compile_builtin_json_grammar()
         except Exception as error:  # xgrammar raises RuntimeError and its own exception types
             what = {"json_schema": "JSON schema", "regex": "regex", "ebnf": "EBNF grammar"}.get(self.kind, "grammar")
-            raise GrammarError(f"invalid {what}: {error}") from error
+            raise GrammarError(f"invalid {what}: {_library_message(error)}") from error
+
+
+def _library_message(error: Exception) -> str:
+    """xgrammar's message without the time and C++ source line it starts with ("[11:10:19] /project/cpp/x.cc:83: ")."""
+    return re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", str(error).strip())
 
 
 _COMPILERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

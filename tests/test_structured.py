@@ -3,6 +3,8 @@ sampling; prefix_allowed_tokens_fn and xgrammar's own processor keep working; ba
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -255,6 +257,119 @@ def test_invalid_constraints_are_refused_before_generation(tokenizer, monkeypatc
     with pytest.raises(GrammarError, match=f"invalid {message}"):
         model.generate(input_ids, attention_mask=mask, max_new_tokens=8, speculator="ngram", grammar=grammar(),
                        tokenizer=tokenizer, pad_token_id=0)
+
+
+# (schema, an instance the schema forbids): xgrammar compiles each without enforcing the keyword named, so a
+# grammar built from it accepts the instance; `Grammar.json_schema` refuses them, naming the keyword.
+DROPPED = {
+    "uniqueItems": ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]"),
+    "not": ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}, "required": ["a"]}, '{"a": "x"}'),
+    "if": ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "if": {"properties": {"a": {"const": 1}}, "required": ["a"]}, "then": {"required": ["b"]}}, '{"a": 1}'),
+    "contains": ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}}, "[1]"),
+    "dependentRequired": ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                           "dependentRequired": {"a": ["b"]}}, '{"a": 1}'),
+    "multipleOf": ({"type": "integer", "multipleOf": 5, "minimum": 0}, "3"),
+    "allOf": ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                         {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}, '{"a": 1}'),
+    "pattern": ({"type": "string", "format": "email", "pattern": "^a"}, '"b@c.de"'),
+    "maxLength": ({"type": "string", "pattern": "^a+$", "maxLength": 2}, '"aaaa"'),
+    "minimum": ({"$defs": {"A": {"type": "integer"}}, "type": "object",
+                 "properties": {"x": {"$ref": "#/$defs/A", "minimum": 5}}, "required": ["x"]}, '{"x": 1}'),
+    "oneOf": ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "3"),
+    "dependencies": ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                      "dependencies": {"a": ["b"]}}, '{"a": 1}'),
+    "$ref": ({"$defs": {"A": {"$anchor": "a", "type": "integer"}}, "$ref": "#a"}, '"x"'),  # an anchor: not followed
+}
+
+
+@pytest.mark.parametrize("keyword", list(DROPPED))
+def test_schema_constraints_the_grammar_would_drop_are_refused(keyword):
+    from xgrammar.testing import _is_grammar_accept_string
+
+    schema, forbidden = DROPPED[keyword]
+    # why: compiled as it is, the grammar lets through an answer the schema forbids
+    assert _is_grammar_accept_string(xgr.Grammar.from_json_schema(schema, any_whitespace=False), forbidden)
+    with pytest.raises(GrammarError, match=re.escape(f"'{keyword}' at #")):
+        Grammar.json_schema(schema)
+    with pytest.raises(GrammarError, match=re.escape(keyword)):  # through response_format
+        Grammar.from_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+
+
+def test_schemas_users_write_are_taken_and_enforced():
+    """Pydantic models with nested models, Optional, Literal, Enum, lists, dicts, recursion, bounds, formats and a
+    discriminated union, and hand-written schemas with $defs/$ref, anyOf, patterns and bounds: each is taken, and a
+    grammar built from it refuses an instance that breaks it."""
+    import datetime
+    import enum
+    import uuid
+    from typing import Literal, Optional, Union
+
+    from pydantic import BaseModel, Field
+    from xgrammar.testing import _is_grammar_accept_string
+
+    class Color(str, enum.Enum):
+        red = "red"
+        blue = "blue"
+
+    class Address(BaseModel):
+        city: str
+        zip: str = Field(pattern=r"^[0-9]{5}$")
+
+    class Cat(BaseModel):
+        kind: Literal["cat"]
+        lives: int = Field(ge=1, le=9)
+
+    class Dog(BaseModel):
+        kind: Literal["dog"]
+        good: bool
+
+    class Node(BaseModel):
+        value: int
+        children: list["Node"] = []
+
+    class Person(BaseModel):
+        name: str = Field(min_length=1, max_length=8)
+        nickname: Optional[str] = None
+        color: Color
+        address: Address
+        tags: list[str] = Field(min_length=1, max_length=2)
+        counts: dict[str, int]
+        pet: Union[Cat, Dog] = Field(discriminator="kind")
+        tree: Node
+        born: datetime.datetime
+        id: uuid.UUID
+
+    good = ('{"name": "Ada", "nickname": null, "color": "red", "address": {"city": "X", "zip": "12345"}, '
+            '"tags": ["a"], "counts": {"a": 1}, "pet": {"kind": "cat", "lives": 3}, "tree": {"value": 1, '
+            '"children": [{"value": 2, "children": []}]}, "born": "2020-01-02T03:04:05Z", '
+            '"id": "123e4567-e89b-12d3-a456-426614174000"}')
+    grammar = xgr.Grammar.from_json_schema(Grammar.json_schema(Person).source, any_whitespace=False)
+    assert _is_grammar_accept_string(grammar, good)
+    for old, new in [('"Ada"', '"Adalbertus"'), ('"red"', '"green"'), ('"12345"', '"1234"'), ('["a"]', "[]"),
+                     ('"lives": 3', '"lives": 10'), ('"cat"', '"cow"'), ('"2020-01-02T', '"yesterday'),
+                     ('"123e4567-', '"xyz-')]:
+        assert not _is_grammar_accept_string(grammar, good.replace(old, new, 1)), new
+    hand_written = [
+        ({"$defs": {"P": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+                          "additionalProperties": False}}, "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}},
+          "required": ["p"], "additionalProperties": False}, '{"p": {"x": 1, "y": 2}}'),
+        ({"type": "object", "properties": {"v": {"anyOf": [{"type": "integer"}, {"type": "null"}]}},
+          "required": ["v"]}, '{"v": "a"}'),
+        ({"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}, '"AB-12"'),
+        ({"type": "integer", "minimum": 10, "maximum": 12}, "13"),
+        ({"type": "integer", "multipleOf": 5}, "3"),
+        ({"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 3}, "[1]"),
+        ({"type": "string", "minLength": 3, "maxLength": 5}, '"abcdef"'),
+        ({"type": "string", "format": "email"}, '"nope"'),
+        ({"oneOf": [{"type": "string"}, {"type": "integer"}]}, "true"),
+        ({"type": "string", "format": "iri", "pattern": "^a+$"}, '"b"'),  # a format it takes for any string
+        ({"definitions": {"A": {"type": "integer"}}, "type": "array", "items": {"$ref": "#/definitions/A"}},
+         '["x"]'),
+    ]
+    for schema, forbidden in hand_written:
+        grammar = xgr.Grammar.from_json_schema(Grammar.json_schema(schema).source, any_whitespace=False)
+        assert not _is_grammar_accept_string(grammar, forbidden), schema
 
 
 def test_misuse_is_refused(tokenizer):

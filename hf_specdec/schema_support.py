@@ -1,0 +1,114 @@
+"""Which parts of a JSON schema the grammar library enforces.
+
+xgrammar compiles some JSON-schema keywords without enforcing them: `uniqueItems`, `not`, `if`/`then`/`else`,
+`dependentRequired`, ... are dropped, `contains` even forbids every non-empty array, and a `$ref` it cannot follow
+(an anchor, another document) allows any value. A schema using them would
+give answers that break it, with nothing said. `unenforced` finds such a keyword so that `Grammar.json_schema`
+refuses the schema up front, naming it and where it is. Keywords that only describe (`title`, `description`,
+`default`, `examples`, an unknown `format`) are fine: they never constrain.
+"""
+
+from __future__ import annotations
+
+# Dropped by xgrammar whatever their value (checked against xgrammar 0.2: a grammar built with each accepts an
+# instance the keyword forbids).
+_DROPPED = ("not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
+            "dependentSchemas", "dependencies")
+# Keywords that only describe a value, and the ones that hold subschemas elsewhere: allowed beside `$ref`/`allOf`.
+_ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly",
+                "$schema", "$id", "$defs", "definitions", "discriminator"}
+_RANGE = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# String formats xgrammar spells as a pattern of its own: then `pattern` or a length beside them is dropped. (Others,
+# `iri` or `idn-email` say, it takes for any string, as the standard allows: a `pattern` beside them holds.)
+_FORMATS = {"email", "date", "time", "date-time", "duration", "uuid", "uri", "uri-reference", "uri-template",
+            "ipv4", "ipv6", "hostname", "json-pointer", "relative-json-pointer"}
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_LISTS = ("prefixItems", "allOf", "anyOf", "oneOf")
+_SCHEMAS = ("items", "additionalProperties", "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+
+
+def unenforced(schema, path: str = "#") -> str | None:
+    """The first constraint in `schema` (a JSON schema as a dict) that xgrammar would not enforce, said as
+    `"'keyword' at #/json/pointer (why)"`, or `None` when every constraint is enforced."""
+    if not isinstance(schema, dict):
+        return None
+    problem = _own(schema)
+    if problem is not None:
+        keyword, why = problem
+        return f"{keyword!r} at {path} ({why})"
+    for name in _SCHEMA_MAPS:
+        if isinstance(schema.get(name), dict):
+            for key, sub in schema[name].items():
+                found = unenforced(sub, f"{path}/{name}/{_escape(key)}")
+                if found:
+                    return found
+    for name in _SCHEMA_LISTS + ("items",):
+        if isinstance(schema.get(name), list):
+            for i, sub in enumerate(schema[name]):
+                found = unenforced(sub, f"{path}/{name}/{i}")
+                if found:
+                    return found
+    for name in _SCHEMAS:
+        found = unenforced(schema.get(name), f"{path}/{name}")
+        if found:
+            return found
+    return None
+
+
+def _own(schema: dict) -> tuple[str, str] | None:
+    """`(keyword, why)` for a constraint of this schema node itself (not its subschemas) that would be dropped."""
+    for keyword in _DROPPED:
+        if keyword in schema:
+            return keyword, "not enforced"
+    if schema.get("uniqueItems") is True and not (isinstance(schema.get("maxItems"), int) and schema["maxItems"] <= 1):
+        return "uniqueItems", "not enforced"
+    if "multipleOf" in schema:
+        if schema.get("type") != "integer":
+            return "multipleOf", "enforced on integers only"
+        if any(k in schema for k in _RANGE):
+            return "multipleOf", "not enforced beside a minimum or maximum"
+    ref = schema.get("$ref")
+    if ref is not None and not (isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))):
+        return "$ref", f"only references into the schema itself ('#/$defs/...') are followed, not {ref!r}"
+    constraints = sorted(set(schema) - _ANNOTATIONS - {"$ref", "allOf"})
+    if "$ref" in schema and constraints:
+        return constraints[0], "not enforced beside '$ref'; move it into the referenced schema"
+    if isinstance(schema.get("allOf"), list):
+        if len(schema["allOf"]) > 1:
+            return "allOf", "only one subschema is enforced; merge them into one"
+        if constraints:
+            return constraints[0], "not enforced beside 'allOf'; move it into the subschema"
+    has_format = isinstance(schema.get("format"), str) and schema["format"] in _FORMATS
+    if "pattern" in schema and has_format:
+        return "pattern", f"not enforced beside format {schema['format']!r}"
+    if "pattern" in schema or has_format:
+        for keyword in ("minLength", "maxLength"):
+            if keyword in schema:
+                return keyword, "not enforced beside " + ("'pattern'" if "pattern" in schema else
+                                                          f"format {schema['format']!r}") + "; put it in the pattern"
+    extra = schema.get("additionalProperties")
+    if schema.get("unevaluatedProperties", True) not in (True, {}) and extra is not None and extra is not False:
+        return "unevaluatedProperties", "not enforced beside 'additionalProperties'"
+    if isinstance(schema.get("oneOf"), list) and "discriminator" not in schema and not _disjoint(schema["oneOf"]):
+        return "oneOf", ("enforced as 'anyOf': an answer could match several branches; use 'anyOf', or branches "
+                         "of different types")
+    return None
+
+
+def _disjoint(branches: list) -> bool:
+    """Whether no value can match two of `branches`, judged by their declared `type`s (integers are numbers)."""
+    seen: set[str] = set()
+    for branch in branches:
+        kinds = branch.get("type") if isinstance(branch, dict) else None
+        kinds = [kinds] if isinstance(kinds, str) else kinds
+        if not isinstance(kinds, list) or not kinds:
+            return False
+        kinds = set(kinds) | ({"integer"} if "number" in kinds else set())
+        if seen & kinds:
+            return False
+        seen |= kinds
+    return True
+
+
+def _escape(key: str) -> str:
+    return str(key).replace("~", "~0").replace("/", "~1")
