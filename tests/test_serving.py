@@ -1376,6 +1376,71 @@ def test_json_mode(server, tokenizer, monkeypatch):
     assert compiled_in and compiled_in[0] is not server.thread
 
 
+def test_a_schema_constraint_the_grammar_would_drop_gets_400_naming_it(server):
+    """`uniqueItems` (xgrammar compiles it without enforcing it): refused on the field that asked, naming the keyword
+    and where it is, rather than answered with a grammar that could break the schema."""
+    import httpx
+
+    schema = {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer"},
+                                                      "uniqueItems": True}}, "required": ["xs"]}
+    for field, value in [("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
+                                                                                     "strict": True}}),
+                         ("guided_json", schema)]:
+        response = httpx.post(server.url + "/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "w1"}], "max_tokens": 4, field: value})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == field and "'uniqueItems' at #/properties/xs" in error["message"], error
+
+
+def test_openai_parse_with_pydantic_models():
+    """The `openai` client's `chat.completions.parse(response_format=Model)` (its strict schema of the model), whole
+    and with n > 1 sampled and seeded: every choice parses into the model; a cut answer is `length`."""
+    pytest.importorskip("xgrammar")
+    openai = pytest.importorskip("openai")
+    import enum
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+    from test_structured import constrained_model, piece_tokenizer
+
+    class Mood(str, enum.Enum):
+        good = "good"
+        bad = "bad"
+
+    class Inner(BaseModel):
+        ok: bool
+
+    class Answer(BaseModel):
+        kind: Literal["a", "b"]
+        mood: Mood
+        inner: Inner
+        flags: list[bool] = Field(max_length=2)
+
+    from tokenizers import decoders
+
+    tokenizer = piece_tokenizer()
+    tokenizer.backend_tokenizer.decoder = decoders.Fuse()  # the pieces' text joined as they are, not with spaces
+    tokenizer.chat_template = TEMPLATE
+    engine = ServingEngine(constrained_model(), tokenizer, "ngram", num_speculative_tokens=4, max_batch_size=4)
+    srv = Server(engine)
+    try:
+        client = srv.client()
+        messages = [{"role": "user", "content": "a b"}]
+        out = client.chat.completions.parse(model="tiny", messages=messages, response_format=Answer, temperature=0,
+                                            max_tokens=150)
+        assert isinstance(out.choices[0].message.parsed, Answer), out
+        many = client.chat.completions.parse(model="tiny", messages=messages, response_format=Answer,
+                                             temperature=1.0, seed=3, n=3, max_tokens=150)
+        assert [c.index for c in many.choices] == [0, 1, 2]
+        assert all(isinstance(c.message.parsed, Answer) for c in many.choices)
+        with pytest.raises(openai.LengthFinishReasonError):
+            client.chat.completions.parse(model="tiny", messages=messages, response_format=Answer, temperature=0,
+                                          max_tokens=3)
+    finally:
+        srv.stop()
+
+
 def test_vllm_structured_output_fields():
     """vLLM's `guided_choice`, `guided_regex`, `guided_json`, `guided_grammar` and `structured_outputs` ask for the
     grammar they name: each answer equals the engine's with that grammar (whose exactness the grammar tests check);
