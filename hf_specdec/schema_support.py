@@ -1,11 +1,11 @@
 """Which parts of a JSON schema the grammar library enforces.
 
 xgrammar compiles some JSON-schema keywords without enforcing them: `uniqueItems`, `not`, `if`/`then`/`else`,
-`dependentRequired`, ... are dropped, `contains` even forbids every non-empty array, and a `$ref` it cannot follow
-(an anchor, another document) allows any value. A schema using them would
-give answers that break it, with nothing said. `unenforced` finds such a keyword so that `Grammar.json_schema`
-refuses the schema up front, naming it and where it is. Keywords that only describe (`title`, `description`,
-`default`, `examples`, an unknown `format`) are fine: they never constrain.
+`dependentRequired`, ... are dropped, `contains` even forbids every non-empty array, a `$ref` it cannot follow (an
+anchor, another document) allows any value, and so does a `pattern` with a lookahead. A schema using them would give
+answers that break it, with nothing said. `unenforced` finds such a keyword so that `Grammar.json_schema` refuses the
+schema up front, naming it and where it is. Keywords that only describe (`title`, `description`, `default`,
+`examples`, an unknown `format`) are fine: they never constrain.
 """
 
 from __future__ import annotations
@@ -78,6 +78,8 @@ def _own(schema: dict) -> tuple[str, str] | None:
             return "allOf", "only one subschema is enforced; merge them into one"
         if constraints:
             return constraints[0], "not enforced beside 'allOf'; move it into the subschema"
+    if isinstance(schema.get("pattern"), str) and _lookahead(schema["pattern"]):
+        return "pattern", "a lookahead, (?=...) or (?!...), is not enforced"
     has_format = isinstance(schema.get("format"), str) and schema["format"] in _FORMATS
     if "pattern" in schema and has_format:
         return "pattern", f"not enforced beside format {schema['format']!r}"
@@ -93,6 +95,24 @@ def _own(schema: dict) -> tuple[str, str] | None:
         return "oneOf", ("enforced as 'anyOf': an answer could match several branches; use 'anyOf', or branches "
                          "of different types")
     return None
+
+
+def _lookahead(pattern: str) -> bool:
+    """Whether the regular expression `pattern` has a lookahead. (xgrammar refuses one in a regex, but a schema's
+    `pattern` with one it takes for any string.)"""
+    escaped = in_class = False
+    for i, char in enumerate(pattern):
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+        elif pattern.startswith(("(?=", "(?!"), i):
+            return True
+    return False
 
 
 def _disjoint(branches: list) -> bool:
