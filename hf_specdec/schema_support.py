@@ -88,6 +88,11 @@ def _own(schema: dict) -> tuple[str, str] | None:
             if keyword in schema:
                 return keyword, "not enforced beside " + ("'pattern'" if "pattern" in schema else
                                                           f"format {schema['format']!r}") + "; put it in the pattern"
+    required, listed = schema.get("required"), schema.get("properties")
+    missing = [name for name in required if not isinstance(listed, dict) or name not in listed] \
+        if isinstance(required, list) else []
+    if missing:
+        return "required", f"{missing[0]!r} is not in 'properties': only properties listed there are made required"
     extra = schema.get("additionalProperties")
     if schema.get("unevaluatedProperties", True) not in (True, {}) and extra is not None and extra is not False:
         return "unevaluatedProperties", "not enforced beside 'additionalProperties'"

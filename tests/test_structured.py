@@ -280,6 +280,7 @@ DROPPED = {
     "dependencies": ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                       "dependencies": {"a": ["b"]}}, '{"a": 1}'),
     "$ref": ({"$defs": {"A": {"$anchor": "a", "type": "integer"}}, "$ref": "#a"}, '"x"'),  # an anchor: not followed
+    "required": ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["x"]}, '{"a": 1}'),
     "pattern (lookahead)": ({"type": "string", "pattern": "^(?!x)[a-z]+$"}, '"xa"'),  # taken for any string
 }
 
