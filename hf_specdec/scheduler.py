@@ -121,7 +121,8 @@ class Request:
             the first, as `output_logprobs`.
         num_generated: how many tokens were generated.
         finish_reason: `"stop"` (EOS or a stop rule), `"length"` (max_new_tokens), `"cancelled"`, or `"error"`
-            (refused as it joined the batch: `error` says why); `None` while running.
+            (refused as it joined the batch, or its grammar allowed no token: `error` says why); `None` while running.
+        error_field: what the error is about, where it is a part of the request (`"grammar"`); else `None`.
     """
 
     prompt_ids: list[int] | None
@@ -139,6 +140,7 @@ class Request:
     slot: int | None = None
     cancelled: bool = False
     error: str | None = None
+    error_field: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -442,7 +444,7 @@ class Scheduler:
         for row, n, new in zip(rows, emitted, tokens):
             request = self.running[row]
             if row in dead:
-                request.error, request.finish_reason = dead[row], "error"
+                request.error, request.error_field, request.finish_reason = dead[row], "grammar", "error"
                 events.append((request, [], True))
                 continue
             request.num_generated += n

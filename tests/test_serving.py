@@ -1771,9 +1771,10 @@ def test_a_grammar_dead_end_fails_its_request_alone():
         for stream in streams[::2]:
             for _ in stream:
                 pass
-        with pytest.raises(RequestError, match="cannot spell"):
+        with pytest.raises(RequestError, match="cannot spell") as refused:
             for _ in streams[1]:
                 pass
+        assert refused.value.param == "response_format"
         assert [s.request.output_ids for s in streams[::2]] == alone
         assert engine.generate(free[0], max_tokens=24).request.output_ids == alone[0]
         assert engine.num_running == 0 and no_blocks_held(engine)

@@ -653,10 +653,10 @@ class ServingEngine:
         stream = self._streams.get(request.request_id)
         if stream is None:
             return
-        if request.finish_reason == "error":  # refused as it joined the batch; the others run on
+        if request.finish_reason == "error":  # refused as it joined the batch, or its grammar ran dry; others run on
             with self._lock:
                 self._streams.pop(request.request_id, None)
-            stream._put(RequestError(request.error))
+            stream._put(RequestError(request.error, "response_format" if request.error_field == "grammar" else None))
             return
         if tokens and stream.first_token_time is None:
             stream.first_token_time = time.perf_counter()
