@@ -131,6 +131,15 @@ class Grammar:
             if not isinstance(spec, dict) or "schema" not in spec:
                 raise ValueError('response_format {"type": "json_schema"} needs "json_schema": {"name": ..., '
                                  '"schema": {...}}')
+            unknown = sorted(set(spec) - {"name", "description", "schema", "strict"})
+            if unknown:
+                raise ValueError(f"json_schema.{unknown[0]} is not a json_schema field; give name, description, "
+                                 "schema and strict")
+            for field, kind in (("name", str), ("description", str), ("strict", bool)):
+                if spec.get(field) is not None and not isinstance(spec[field], kind):
+                    raise ValueError(f"json_schema.{field} must be a {'string' if kind is str else 'boolean'}, got "
+                                     f"{spec[field]!r}")
+            # (`strict: false` is served as strictly: the answer always follows the schema)
             return cls.json_schema(spec["schema"])
         raise ValueError(f"response_format type {kind!r} is not supported; use 'text', 'json_object' or "
                          "'json_schema'")

@@ -480,6 +480,12 @@ def test_response_format():
     assert Grammar.from_response_format(spec) == Grammar.json_schema(SCHEMA)
     with pytest.raises(ValueError, match="json_schema"):
         Grammar.from_response_format({"type": "json_schema"})
+    full = {"name": "person", "description": "a person", "schema": SCHEMA, "strict": False}
+    assert Grammar.from_response_format({"type": "json_schema", "json_schema": full}) == Grammar.json_schema(SCHEMA)
+    for field, value, message in (("strict", "yes", "strict must be a boolean"), ("name", 3, "name must be a string"),
+                                  ("schemas", {}, "json_schema.schemas is not a json_schema field")):
+        with pytest.raises(ValueError, match=message):
+            Grammar.from_response_format({"type": "json_schema", "json_schema": {**full, field: value}})
 
 
 def test_json_mode_answers_are_objects(tokenizer):
