@@ -147,8 +147,9 @@ class ServingEngine:
         num_speculative_tokens (`int`): k, the most drafts per row and step.
         max_batch_size (`int`): requests running at once; the rest wait in the queue.
         max_queue (`int`): requests waiting at most; beyond that `submit` raises `QueueFullError`.
-        max_model_len (`int`, *optional*): prompt + max_tokens limit (default: the model's context; for LongRoPE
-            models, their `original_max_position_embeddings`: `compat.exact_context`).
+        max_model_len (`int`, *optional*): prompt + max_tokens limit (default: the model's context, or less where
+            speculative decoding is exact only up to less, `compat.exact_context`; at most what one request can hold
+            under `max_num_blocks`).
         schedule (`str`): `"adaptive"` or `"constant"` k.
         max_num_blocks (`int`, *optional*): cap on the target's KV pool (default: enough for every running request's
             worst case); requests wait until their worst case fits.
