@@ -83,9 +83,9 @@ class CacheRows:
     def free(self, seq_id: int) -> None:
         self.cache.free(seq_id)
 
-    def draft_room(self, seq_ids: list[int], lengths: list[int]) -> list[int] | None:
-        """The most drafts each row may verify in its next forward after `lengths[i]` committed tokens, where the
-        model limits it (LongRoPE: `rope.RopeRows`); None: no limit."""
+    def draft_room(self, seq_ids: list[int], lengths) -> list[int] | None:
+        """The most drafts each row may verify in its next forward after `lengths[seq_id]` committed tokens, where
+        the model limits it (LongRoPE: `rope.RopeRows`); None: no limit."""
         return None
 
     def recompute_due(self, seq_ids: list[int]) -> list[int]:
@@ -133,7 +133,7 @@ class ModelRunner(CacheRows):
         if self.rope is not None:
             self.rope.free(seq_id)
 
-    def draft_room(self, seq_ids: list[int], lengths: list[int]) -> list[int] | None:
+    def draft_room(self, seq_ids: list[int], lengths) -> list[int] | None:
         return None if self.rope is None else self.rope.draft_room(seq_ids, lengths)
 
     def recompute_due(self, seq_ids: list[int]) -> list[int]:

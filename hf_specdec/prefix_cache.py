@@ -36,7 +36,7 @@ class PrefixCache:
         features (`bool`): also keep the target's hidden states of each stored token (for a speculator that reads
             them); `store` then needs them.
         length_key (`Callable[[int], int]`, *optional*): where a prompt's keys depend on its length as well as its
-            tokens (LongRoPE rotates a whole prompt past a length with other factors: `rope.TokenRope.prefix_key`),
+            tokens (LongRoPE rotates a whole prompt past a length with other factors: `rope.RopeRows.prefix_key`),
             the key of each prompt length; prompts whose lengths have different keys share nothing.
     """
 

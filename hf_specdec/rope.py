@@ -15,7 +15,7 @@ Phi-3's own `generate` also feeds a sequence again, every token with the long fa
 (`recomputes_at_switch`); for such models a runner's rows do the same (`RopeRows`).
 
 Keys are cached after rotation, so a stored prompt prefix is reusable only by a prompt rotated the same way:
-`TokenRope.prefix_key` (the prefix cache keeps the two sets apart).
+`RopeRows.prefix_key` (the prefix cache keeps the two sets apart).
 """
 
 from __future__ import annotations
@@ -79,11 +79,7 @@ class TokenRope:
     @classmethod
     def of(cls, model) -> TokenRope | None:
         """The model's `TokenRope`, installed on its LongRoPE rotary modules; None where `supported` is False."""
-        original = _original(model)
-        if original is None:
-            return None
-        modules = _rotary_modules(model)
-        return cls(modules, original) if modules and all(_agrees(m) for m in modules) else None
+        return cls(_rotary_modules(model), _original(model)) if cls.supported(model) else None
 
     @staticmethod
     def supported(model) -> bool:
@@ -91,10 +87,6 @@ class TokenRope:
         modules, whose tables follow the inverse frequencies alone."""
         modules = _rotary_modules(model) if _original(model) is not None else []
         return bool(modules) and all(_agrees(m) for m in modules)
-
-    def prefix_key(self, prompt_length: int) -> int:
-        """Which rotation a prompt of this length gives its tokens (all long or all short), for the prefix cache."""
-        return int(prompt_length > self.original)
 
 
 class RopeRows:
@@ -109,20 +101,20 @@ class RopeRows:
     is longer is rotated long from its first forward, as plain decoding's whole-prompt forward rotates it.
 
     Args:
-        rope (`TokenRope`): the model's per-token rotary modules.
+        original (`int`): `original_max_position_embeddings` (`TokenRope.original`).
         recompute (`bool`): the model's `generate` recomputes a sequence crossing the switch.
     """
 
-    def __init__(self, rope: TokenRope, recompute: bool):
-        self.rope = rope
-        self.original = rope.original
+    def __init__(self, original: int, recompute: bool):
+        self.original = original
         self.recompute = recompute
         self._prompt_lengths: dict[int, int] = {}
 
     @classmethod
     def of(cls, model) -> RopeRows | None:
+        """The model's rows under LongRoPE, its `TokenRope` installed; None where it has none."""
         rope = TokenRope.of(model)
-        return None if rope is None else cls(rope, recomputes_at_switch(model))
+        return None if rope is None else cls(rope.original, recomputes_at_switch(model))
 
     def add(self, seq_id: int, prompt_length: int) -> None:
         self._prompt_lengths[seq_id] = prompt_length
@@ -131,7 +123,8 @@ class RopeRows:
         self._prompt_lengths.pop(seq_id, None)
 
     def prefix_key(self, prompt_length: int) -> int:
-        return self.rope.prefix_key(prompt_length)
+        """Which rotation a prompt of this length gives its tokens (all long or all short), for the prefix cache."""
+        return int(prompt_length > self.original)
 
     def factors(self, seq_ids: list[int], starts: list[int], num_tokens: list[int],
                 query_positions: torch.Tensor, device) -> tuple[str, torch.Tensor | None]:
@@ -146,13 +139,13 @@ class RopeRows:
             return "long", None
         return "mixed", torch.maximum(torch.tensor(prompts, device=device)[:, None], query_positions + 1)
 
-    def draft_room(self, seq_ids: list[int], lengths: list[int]) -> list[int] | None:
-        """The most drafts each row may verify after its `lengths[i]` committed tokens (None: no limit)."""
+    def draft_room(self, seq_ids: list[int], lengths) -> list[int] | None:
+        """The most drafts each row may verify after its `lengths[seq_id]` committed tokens (None: no limit)."""
         if not self.recompute:
             return None
         unlimited = 1 << 30
-        return [max(0, self.original - n) if self._prompt_lengths.get(s, 0) <= self.original else unlimited
-                for s, n in zip(seq_ids, lengths)]
+        return [max(0, self.original - lengths[s]) if self._prompt_lengths.get(s, 0) <= self.original else unlimited
+                for s in seq_ids]
 
     def due(self, seq_ids: list[int], cached: list[int]) -> list[int]:
         """The short rows whose next forward starts at the switch, with `cached[i]` tokens cached."""
@@ -224,6 +217,14 @@ def _undecorated(cls):
     return None
 
 
+def _layer(module, layer_type) -> tuple[str, dict, dict]:
+    """For a rotary module's `layer_type` (None: its only one): its attributes' prefix, its rope parameters, and the
+    keyword arguments its forward takes."""
+    if layer_type is None:
+        return "", module.config.rope_parameters, {}
+    return f"{layer_type}_", module.config.rope_parameters[layer_type], {"layer_type": layer_type}
+
+
 class _Frequencies:
     """A rotary module as its own forward reads it, with other inverse frequencies at `name` (the module is not
     written)."""
@@ -239,7 +240,7 @@ class _Frequencies:
 def _tables(module, x, position_ids, layer_type, which: str):
     """The module's own rotary tables (`(cos, sin)`) at `position_ids` with the `which` ("short" or "long")
     inverse frequencies."""
-    prefix = "" if layer_type is None else f"{layer_type}_"
+    prefix, params, kwargs = _layer(module, layer_type)
     if which == "short":
         inv_freq = getattr(module, f"{prefix}original_inv_freq")
     else:
@@ -247,14 +248,10 @@ def _tables(module, x, position_ids, layer_type, which: str):
         if inv_freq is None:  # what transformers computes on the first long forward
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            params = module.config.rope_parameters if layer_type is None else (
-                module.config.rope_parameters[layer_type])
-            kwargs = {} if layer_type is None else {"layer_type": layer_type}
             inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](
                 module.config, x.device, seq_len=params["original_max_position_embeddings"] + 1, **kwargs)
             module.__dict__[f"{prefix}long_inv_freq"] = inv_freq  # (transformers keeps it as a plain attribute too)
     view = _Frequencies(module, f"{prefix}inv_freq", inv_freq.to(x.device))
-    kwargs = {} if layer_type is None else {"layer_type": layer_type}
     with torch.no_grad():  # (rotary tables carry no gradient)
         return _undecorated(type(module))(view, x, position_ids, **kwargs)
 
@@ -263,9 +260,9 @@ def _per_token_forward(module, x, position_ids, layer_type=None):
     """The rotary tables with each token's factors (module docstring); the module's own forward outside a runner's
     forward, or for a rotary type other than LongRoPE."""
     factors = _FACTORS.get()
+    _, params, kwargs = _layer(module, layer_type)
     rope_type = module.rope_type if layer_type is None else module.rope_type[layer_type]
     if factors is None or rope_type != "longrope":
-        kwargs = {} if layer_type is None else {"layer_type": layer_type}
         return type(module).forward(module, x, position_ids, **kwargs)
     mode, lengths = factors
     if mode != "mixed":
@@ -274,7 +271,6 @@ def _per_token_forward(module, x, position_ids, layer_type=None):
         raise RuntimeError(f"{type(module).__name__} was called with positions of shape {tuple(position_ids.shape)} "
                            f"in a forward feeding {tuple(lengths.shape)} tokens: hf_specdec cannot pick its LongRoPE "
                            "factors per token for this model")
-    params = module.config.rope_parameters if layer_type is None else module.config.rope_parameters[layer_type]
     use_long = (lengths.to(position_ids.device) > params["original_max_position_embeddings"])[..., None]
     short = _tables(module, x, position_ids, layer_type, "short")
     long = _tables(module, x, position_ids, layer_type, "long")
@@ -308,14 +304,12 @@ def _agrees(module: torch.nn.Module) -> bool:
 
 
 def _agrees_for(module, layer_type) -> bool:
-    prefix = "" if layer_type is None else f"{layer_type}_"
-    params = module.config.rope_parameters if layer_type is None else module.config.rope_parameters[layer_type]
+    prefix, params, kwargs = _layer(module, layer_type)
     original = params["original_max_position_embeddings"]
     buffer = getattr(module, f"{prefix}inv_freq")
     x = torch.zeros(1, dtype=torch.float32, device=buffer.device)
     below = torch.arange(original, device=buffer.device)[None]
     past = torch.arange(original + 1, device=buffer.device)[None]
-    kwargs = {} if layer_type is None else {"layer_type": layer_type}
     saved = buffer.clone()
     try:
         with torch.no_grad():  # transformers' choice, which writes the buffer (restored below)

@@ -309,7 +309,7 @@ class Step:
     def _drafting_budget(batch, target, rows: list[int], budget: list[int]) -> list[int]:
         """Each row's length budget for drafting: `budget`, or less where the target limits its drafts
         (`ModelRunner.draft_room`: a LongRoPE row verifies nothing past the switch before its recompute)."""
-        room = target.draft_room(rows, [batch.lengths[r] for r in rows])
+        room = target.draft_room(rows, batch.lengths)
         return budget if room is None else [min(b, r + 1) for b, r in zip(budget, room)]
 
     def _propose(self, batch, budget) -> tuple[DraftProposal, list[int] | None, list[int]]:
