@@ -256,3 +256,77 @@ def test_phimoe_longrope_is_capped_at_its_original_context():
     assert not TokenRope.supported(model) and TokenRope.of(model) is None
     limit, why = exact_context(model)
     assert limit == 16 and "PhiMoE" in why
+
+
+# --- On a GPU (`-m gpu`, run by benchmarks/gpu_check.py; skipped without one) ---------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.gpu
+@needs_cuda
+def test_latent_attention_on_cuda_equals_generate(dtype):
+    """DeepSeek-V3's latent attention on CUDA (the PyTorch attention path beside the engine's other CUDA ops), rows
+    of very different lengths: greedy output equals plain generate on the same device."""
+    model = build("deepseek_v3", dtype=dtype).cuda()
+    ids, mask = ragged([6, 13, 30, 3])
+    ids, mask = ids.cuda(), mask.cuda()
+    plain_out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, speculator="ngram",
+                         num_speculative_tokens=4, speculative_schedule="constant", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain_out)
+    assert out.speculative_metrics.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("family", ["phi3", "llama"])
+@pytest.mark.gpu
+@needs_cuda
+def test_longrope_on_cuda_rows_crossing_the_switch_equal_plain_decoding(family):
+    """Per-token LongRoPE on CUDA (the rotary tables from the module's own forward on the GPU; Phi-3's recompute at
+    the switch): rows crossing `original_max_position_embeddings` in one ragged batch, with n-gram drafts and a draft
+    model that is the target itself (every draft accepted), equal their one-row plain decoding on the GPU."""
+    import copy
+
+    model = longrope_model(16, family=family).cuda()
+    ids, mask = ragged([6, 20, 13, 16, 3], seed=1)
+    lengths = mask.sum(1).tolist()
+    rows = [ids[i, ids.shape[1] - n:].tolist() for i, n in enumerate(lengths)]
+    expected = []
+    for row in rows:
+        one = model.generate(torch.tensor([row], device="cuda"), attention_mask=torch.ones(1, len(row), dtype=torch.long,
+                             device="cuda"), max_new_tokens=16, do_sample=False)
+        expected.append(one[0, len(row):].tolist())
+    for speculator in ("ngram", copy.deepcopy(model)):
+        spec = model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=16, do_sample=False,
+                              speculator=speculator, num_speculative_tokens=4, speculative_schedule="constant")
+        assert [row[ids.shape[1]:] for row in spec.tolist()] == expected, speculator if isinstance(speculator, str) \
+            else "draft model"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_phi3_longrope_served_on_cuda():
+    """The serving engine on CUDA with Phi-3's LongRoPE: requests crossing the switch while others run, and a long
+    prompt read in chunks, each equal to its one-row plain decoding on the GPU."""
+    from hf_specdec.serving.engine import ServingEngine
+
+    model = longrope_model(16).cuda()
+    plan = [(ragged([10], seed=3)[0][0].tolist(), 14), (ragged([14], seed=2)[0][0].tolist(), 8),
+            (ragged([30], seed=5)[0][0].tolist(), 8)]
+    expected = []
+    for prompt, n in plan:
+        one = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=n, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"))
+        expected.append(one[0, len(prompt):].tolist())
+    engine = ServingEngine(model, None, "ngram", num_speculative_tokens=4, max_batch_size=3, block_size=4,
+                           schedule="constant", prefill_chunk_tokens=8, warmup=False)
+    engine.start()
+    try:
+        streams = [engine.submit(prompt, n) for prompt, n in plan]
+        for stream in streams:
+            for _ in stream:
+                pass
+        assert [stream.request.output_ids for stream in streams] == expected
+    finally:
+        engine.shutdown()
