@@ -40,6 +40,8 @@ import torch
 
 from .paged_cache import PagedKVCache
 
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the compiled paged-attention kernel takes
+
 # Cache methods through which transformers' recurrent layers reach their state.
 _STATE_METHODS = ("get_conv_state", "get_recurrent_state", "update_conv_state", "update_recurrent_state",
                   "get_linear_cache", "set_linear_cache")
@@ -70,11 +72,13 @@ def is_recurrent(model) -> bool:
 def make_cache(model, **kwargs) -> PagedKVCache:
     """The cache a `ModelRunner` gives `model`: a `RecurrentPagedCache` when it has recurrent layers. Latent attention
     (DeepSeek's: value heads narrower than the keys') attends on the PyTorch path: the Triton kernel takes one head
-    size for both."""
+    size for both; so does a CUDA model in a dtype the compiled kernel does not take (float64)."""
     config = getattr(model, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     value_dim, key_dim = getattr(config, "v_head_dim", None), getattr(config, "qk_head_dim", None)
-    if value_dim is not None and key_dim is not None and value_dim != key_dim:
+    dtype, device = getattr(model, "dtype", None), getattr(model, "device", None)
+    if (value_dim is not None and key_dim is not None and value_dim != key_dim) or (
+            dtype not in KERNEL_DTYPES and getattr(device, "type", None) == "cuda"):
         kwargs["kernel_backend"] = "torch"
     return RecurrentPagedCache(**kwargs) if is_recurrent(model) else PagedKVCache(**kwargs)
 
