@@ -6,6 +6,10 @@ anchor, another document) allows any value, and so does a `pattern` with a looka
 answers that break it, with nothing said. `unenforced` finds such a keyword so that `Grammar.json_schema` refuses the
 schema up front, naming it and where it is. Keywords that only describe (`title`, `description`, `default`,
 `examples`, an unknown `format`) are fine: they never constrain.
+
+An `enum` or `const` makes xgrammar drop every other constraint of its node (`{"type": "string", "enum": ["a", 1]}`
+lets `1` through). `narrow_enums` keeps only the listed values that meet those constraints (checked with the
+`jsonschema` validator), so the node's answers are exactly the schema's.
 """
 
 from __future__ import annotations
@@ -100,6 +104,90 @@ def _own(schema: dict) -> tuple[str, str] | None:
         return "oneOf", ("enforced as 'anyOf': an answer could match several branches; use 'anyOf', or branches "
                          "of different types")
     return None
+
+
+def narrow_enums(schema, root=None, path: str = "#") -> tuple[object, str | None]:
+    """`(schema, problem)`: `schema` with each `enum`/`const` that has constraints beside it narrowed to the values
+    meeting them (a new dict where anything changed; the constraints beside it dropped there, since xgrammar drops
+    them anyway), and `problem` (said as `unenforced` says it) where no value meets them or they cannot be checked."""
+    if not isinstance(schema, dict):
+        return schema, None
+    root = schema if root is None else root
+    if "enum" in schema or "const" in schema:
+        return _narrow(schema, root, path)
+    out = dict(schema)
+    for name in _SCHEMA_MAPS:
+        if isinstance(schema.get(name), dict):
+            out[name] = {}
+            for key, sub in schema[name].items():
+                out[name][key], problem = narrow_enums(sub, root, f"{path}/{name}/{_escape(key)}")
+                if problem:
+                    return schema, problem
+    for name in _SCHEMA_LISTS + ("items",):
+        if isinstance(schema.get(name), list):
+            out[name] = []
+            for i, sub in enumerate(schema[name]):
+                sub, problem = narrow_enums(sub, root, f"{path}/{name}/{i}")
+                if problem:
+                    return schema, problem
+                out[name].append(sub)
+    for name in _SCHEMAS:
+        if isinstance(schema.get(name), dict):
+            out[name], problem = narrow_enums(schema[name], root, f"{path}/{name}")
+            if problem:
+                return schema, problem
+    return out, None
+
+
+def _narrow(node: dict, root: dict, path: str) -> tuple[dict, str | None]:
+    if "const" in node:
+        values = [node["const"]]
+        if isinstance(node.get("enum"), list) and not any(_same(node["const"], v) for v in node["enum"]):
+            values = []
+    elif isinstance(node["enum"], list):
+        values = node["enum"]
+    else:
+        return node, None  # not a list: xgrammar names the error
+    beside = {key: value for key, value in node.items() if key not in _ANNOTATIONS | {"enum", "const"}}
+    keyword = "const" if "const" in node else "enum"
+    if not values and "const" in node:
+        return node, f"'const' at {path} (its value is not in the 'enum' beside it: no answer could match)"
+    if not beside:
+        return node, None
+    try:
+        from jsonschema import FormatChecker
+        from jsonschema.validators import validator_for
+    except ImportError:
+        return node, (f"{sorted(beside)[0]!r} at {path} (beside {keyword!r} it is checked with jsonschema: "
+                      "pip install jsonschema, or drop it)")
+    probe = dict(beside)
+    for name in ("$defs", "definitions"):
+        if isinstance(root.get(name), dict):
+            probe.setdefault(name, root[name])
+    checker = FormatChecker()
+    if isinstance(beside.get("format"), str) and beside["format"] not in checker.checkers:
+        if beside["format"] in _FORMATS:  # xgrammar knows it, but drops it beside an enum
+            return node, (f"'format' at {path} (format {beside['format']!r} beside {keyword!r} cannot be checked "
+                          "here; drop the values it forbids and the format)")
+        probe.pop("format")  # descriptive
+    try:
+        validator = validator_for(probe)(probe, format_checker=checker)
+        kept = [value for value in values if validator.is_valid(value)]
+    except Exception as error:  # an invalid constraint, a `$ref` the probe cannot follow
+        return node, f"{sorted(beside)[0]!r} at {path} (beside {keyword!r} it could not be checked: {error})"
+    if not kept:
+        return node, (f"{keyword!r} at {path} (no value meets the constraints beside it, "
+                      f"{', '.join(repr(k) for k in sorted(beside))}: no answer could match)")
+    if len(kept) == len(values):  # the constraints beside it forbid none of its values
+        return node, None
+    narrowed = {key: value for key, value in node.items() if key in _ANNOTATIONS}
+    narrowed["enum"] = kept
+    return narrowed, None
+
+
+def _same(a, b) -> bool:
+    """JSON equality (`1` and `1.0` equal, `True` and `1` not)."""
+    return type(a) is type(b) and a == b if isinstance(a, bool) or isinstance(b, bool) else a == b
 
 
 def _lookahead(pattern: str) -> bool:

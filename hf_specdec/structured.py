@@ -14,7 +14,7 @@ import threading
 import weakref
 from dataclasses import dataclass
 
-from .schema_support import unenforced
+from .schema_support import narrow_enums, unenforced
 
 _INSTALL = 'structured output needs xgrammar: pip install "hf_specdec[structured]" (or pip install xgrammar)'
 
@@ -61,7 +61,9 @@ class Grammar:
         whitespace. `any_whitespace=True` allows any JSON whitespace between tokens instead.
 
         Raises `GrammarError` for a schema with a constraint xgrammar would not enforce (`uniqueItems`, `not`,
-        `if`/`then`, `contains`, a `pattern` beside a `format`, ...: `schema_support.unenforced`), naming it."""
+        `if`/`then`, `contains`, a `pattern` beside a `format`, ...: `schema_support.unenforced`), naming it. An
+        `enum` or `const` with constraints beside it (which xgrammar drops) is narrowed to the values meeting them
+        (`schema_support.narrow_enums`), and refused where none does."""
         if hasattr(schema, "model_json_schema"):  # a pydantic model class
             schema = schema.model_json_schema()
         if isinstance(schema, str):
@@ -74,6 +76,11 @@ class Grammar:
         else:
             raise TypeError(f"Grammar.json_schema takes a dict, a JSON string or a pydantic model, "
                             f"got {type(schema).__name__}")
+        narrowed, found = narrow_enums(parsed)
+        if found:
+            raise GrammarError(f"the JSON schema cannot be enforced as written: {found}")
+        if narrowed is not parsed:  # an enum narrowed to the values the constraints beside it allow
+            parsed, schema = narrowed, json.dumps(narrowed)
         found = unenforced(parsed)
         if found:  # compiled as it is, the grammar would let answers break the schema, with nothing said
             raise GrammarError(f"the JSON schema uses {found}; xgrammar, which builds the grammar, cannot enforce "

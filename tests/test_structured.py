@@ -3,6 +3,7 @@ sampling; prefix_allowed_tokens_fn and xgrammar's own processor keep working; ba
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -297,6 +298,48 @@ def test_schema_constraints_the_grammar_would_drop_are_refused(keyword):
         Grammar.json_schema(schema)
     with pytest.raises(GrammarError, match=re.escape(keyword)):  # through response_format
         Grammar.from_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+
+
+# (schema, an instance it forbids, one it allows): xgrammar enforces only the `enum`/`const` of a node and drops
+# the constraints beside it (beside a `$ref`, the other way round); the enum is narrowed to the values meeting them.
+BESIDE_ENUM = {
+    "type": ({"type": "string", "enum": ["a", 1]}, "1", '"a"'),
+    "maxLength": ({"type": "string", "enum": ["a", "bb"], "maxLength": 1}, '"bb"', '"a"'),
+    "maximum": ({"type": "integer", "enum": [1, 5, 10], "maximum": 4}, "5", "1"),
+    "pattern": ({"type": "object", "properties": {"x": {"enum": ["a", "b"], "pattern": "^a$"}}, "required": ["x"]},
+                '{"x": "b"}', '{"x": "a"}'),
+    "maxItems": ({"enum": [[1, 2, 3], [1]], "maxItems": 1}, "[1,2,3]", "[1]"),  # an enum's values written compact
+    "required": ({"type": "array", "items": {"enum": [{"a": 1}, {"b": 2}], "required": ["a"]}}, '[{"b":2}]',
+                 '[{"a":1}]'),
+    # beside a `$ref` it is the enum that xgrammar drops: any string would do
+    "$ref": ({"$defs": {"S": {"type": "string"}}, "type": "object",
+              "properties": {"x": {"enum": ["a", 2], "$ref": "#/$defs/S"}}, "required": ["x"]}, '{"x": "zz"}',
+             '{"x": "a"}'),
+    "format": ({"enum": ["x@y.z", "nope"], "format": "email"}, '"nope"', '"x@y.z"'),
+}
+
+
+@pytest.mark.parametrize("keyword", list(BESIDE_ENUM))
+def test_constraints_beside_an_enum_narrow_it(keyword):
+    from xgrammar.testing import _is_grammar_accept_string
+
+    schema, forbidden, allowed = BESIDE_ENUM[keyword]
+    # why: compiled as it is, the grammar lets the forbidden value through
+    assert _is_grammar_accept_string(xgr.Grammar.from_json_schema(schema, any_whitespace=False), forbidden)
+    grammar = xgr.Grammar.from_json_schema(Grammar.json_schema(schema).source, any_whitespace=False)
+    assert not _is_grammar_accept_string(grammar, forbidden)
+    assert _is_grammar_accept_string(grammar, allowed)
+
+
+def test_an_enum_nothing_can_meet_is_refused_and_plain_enums_are_kept():
+    for schema, keyword in [({"const": "abc", "type": "integer"}, "const"), ({"const": 5, "minimum": 6}, "const"),
+                            ({"type": "object", "properties": {"x": {"enum": [1, 2], "type": "string"}}}, "enum"),
+                            ({"const": 1, "enum": [2, 3]}, "const")]:
+        with pytest.raises(GrammarError, match=re.escape(f"'{keyword}' at #") + ".*no answer could match"):
+            Grammar.json_schema(schema)
+    for schema in ({"type": "string", "enum": ["a", "b"], "title": "T"}, {"type": "string", "const": "cat"},
+                   {"enum": ["a", "b"], "format": "my-own"}):  # nothing beside them forbids a value: as written
+        assert json.loads(Grammar.json_schema(schema).source) == schema
 
 
 def test_schemas_users_write_are_taken_and_enforced():
