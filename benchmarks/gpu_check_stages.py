@@ -248,6 +248,7 @@ def run_bench(ctx: Context) -> dict:
     results, failures = {}, []
     for name, args in runs.items():
         path = ctx.work / f"bench_{name.split()[0]}.json"
+        path.unlink(missing_ok=True)  # a file left by an earlier run must not stand in for this one
         start = time.perf_counter()
         try:
             cli(["bench", "--model", ctx.target(), *common, *args, "--out", str(path)])
@@ -255,6 +256,11 @@ def run_bench(ctx: Context) -> dict:
             print(f"gpu_check: bench {name}: {time.perf_counter() - start:.1f} s", flush=True)
         except TimeoutError as error:  # the stage's budget is spent: no further run may start
             failures.append(f"{name}: {error}")
+            if path.is_file():  # the bench saves after each workload and batch size: keep what it measured
+                try:
+                    results[f"{name} (stopped part-way)"] = bench_rows(path)
+                except (StageError, ValueError, KeyError):
+                    pass
             break
         except (Exception, SystemExit) as error:  # noqa: BLE001  (every failure is reported, none skipped)
             failures.append(f"{name}: {type(error).__name__}: {error}")

@@ -103,13 +103,16 @@ def build_configs(model, speculators: dict, k: int, draft_costs: dict, schedule:
 def run_bench(model, tokenizer, speculators: dict, batch_sizes=(1, 4, 16), workloads=("grounded", "open_chat"),
               max_new_tokens: int = 128, k: int = 10, repeats: int = 3, progress: bool = True,
               schedule: str = "adaptive", assisted: bool = True, trees: tuple = (),
-              tree_depth: int = 5, uncalibrated: bool = False, padded: bool = False) -> list[Result]:
+              tree_depth: int = 5, uncalibrated: bool = False, padded: bool = False,
+              on_group=None) -> list[Result]:
     """Runs every configuration; returns one `Result` per (workload, batch size, configuration).
 
     `schedule` is hf_specdec's `speculative_schedule`; `assisted=False` leaves out transformers' own speculation.
     `trees`: `(nodes, branching)` draft-tree shapes, each also run, `tree_depth` deep, by every speculator that
     drafts trees. `uncalibrated=True` also runs each hf_specdec configuration with `speculative_calibration=False`,
-    `padded=True` with every step padded to its widest row (`HF_SPECDEC_PACKED=0`).
+    `padded=True` with every step padded to its widest row (`HF_SPECDEC_PACKED=0`). `on_group(results)` is called
+    with the results so far after each (workload, batch size) (the CLI saves them, so a run stopped part-way keeps
+    what it measured).
     """
     from tqdm.auto import tqdm
 
@@ -137,6 +140,8 @@ def run_bench(model, tokenizer, speculators: dict, batch_sizes=(1, 4, 16), workl
                    _constraint(workload, pick, tokenizer)) for pick in picks]
         active = [c for c in per_workload[workload] if batch_size == 1 or not c.batch_one_only]
         results += _measure(model, groups, active, workload, batch_size, max_new_tokens, repeats, bar)
+        if on_group is not None:
+            on_group(results)
     bar.close()
     return results
 

@@ -261,15 +261,16 @@ def cmd_bench(args) -> int:
     if trees and not any(getattr(s, "supports_trees", False) for s in speculators.values()):
         raise SystemExit("--trees needs a speculator that drafts trees (an EAGLE head directory in --speculators)")
     _calibrate(args, model, speculators.values())
-    results = run_bench(model, tokenizer, speculators, [int(b) for b in args.batch_sizes.split(",")],
-                        args.workloads.split(","), args.max_new_tokens, args.k, args.repeats,
-                        schedule=args.schedule, assisted=not args.no_assisted, trees=trees,
-                        tree_depth=args.tree_depth, uncalibrated=args.compare_calibration,
-                        padded=args.compare_layout)
     meta = {"model": args.model, "speculators": list(speculators), "k": args.k, "trees": args.trees,
             "tree_depth": args.tree_depth, "max_new_tokens": args.max_new_tokens,
             "repeats": args.repeats, "schedule": args.schedule, "command": "hf-specdec bench " + " ".join(sys.argv[2:]),
             **environment()}
+    results = run_bench(model, tokenizer, speculators, [int(b) for b in args.batch_sizes.split(",")],
+                        args.workloads.split(","), args.max_new_tokens, args.k, args.repeats,
+                        schedule=args.schedule, assisted=not args.no_assisted, trees=trees,
+                        tree_depth=args.tree_depth, uncalibrated=args.compare_calibration,
+                        padded=args.compare_layout,
+                        on_group=lambda so_far: save(so_far, args.out, None, {**meta, "partial": True}))
     save(results, args.out, args.plot, meta)
     print(table(results))
     print(f"\nwrote {args.out}" + (f" and {args.plot}" if args.plot else ""))

@@ -95,12 +95,13 @@ def test_bench_runs_the_gpu_commands_and_stops_at_its_budget(tmp_path, monkeypat
 
     def fake_cli(argv):
         calls.append(argv)
+        row = {"workload": "grounded", "batch_size": 64 // len(calls), "config": "hf_specdec ngram",
+               "tokens_per_s": 900.0, "speedup": 1.8, "acceptance_rate": 0.5, "mean_acceptance_length": 2.5,
+               "draft_ms_per_token": 0.1, "identical": True}
+        # the bench saves after each workload and batch size: the second run is stopped after its first group
+        Path(argv[argv.index("--out") + 1]).write_text(json.dumps({"meta": {"partial": True}, "results": [row]}))
         if len(calls) == 2:
             raise TimeoutError("stage bench ran past its 240 s budget")
-        row = {"workload": "grounded", "batch_size": 64, "config": "hf_specdec ngram", "tokens_per_s": 900.0,
-               "speedup": 1.8, "acceptance_rate": 0.5, "mean_acceptance_length": 2.5, "draft_ms_per_token": 0.1,
-               "identical": True}
-        Path(argv[argv.index("--out") + 1]).write_text(json.dumps({"meta": {}, "results": [row]}))
 
     monkeypatch.setattr(gpu_check_stages, "cli", fake_cli)
     with pytest.raises(StageError, match="fp8 draft: stage bench ran past its 240 s budget") as info:
@@ -111,6 +112,7 @@ def test_bench_runs_the_gpu_commands_and_stops_at_its_budget(tmp_path, monkeypat
     assert "--speculators ngram,eagle" in first and "--model smollm2-135m-instruct" in first
     assert "--speculators smollm2-135m-instruct --draft-quantization fp8" in second
     assert info.value.partial["runs"]["ngram and head"][0]["speedup"] == 1.8
+    assert info.value.partial["runs"]["fp8 draft (stopped part-way)"][0]["batch"] == 32  # what it measured is kept
     code = gpu_check.run_stages(["bench"], tmp_path, tmp_path, dry_run=True,
                                 functions={"bench": lambda: (_ for _ in ()).throw(info.value)})
     assert code == 1

@@ -730,8 +730,10 @@ def test_bench_json_workload_is_constrained_and_identical():
     model.to(torch.float32)
     tokenizer = piece_tokenizer()
     tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    seen = []  # the results so far after each batch size (the CLI saves them: a stopped run keeps them)
     results = run_bench(model, tokenizer, {"ngram": "ngram"}, batch_sizes=(1, 3), workloads=("json",),
-                        max_new_tokens=10, repeats=1, progress=False)
+                        max_new_tokens=10, repeats=1, progress=False, on_group=lambda so_far: seen.append(len(so_far)))
+    assert seen == [len(results) // 2, len(results)]
     configs = {r.config for r in results}
     assert configs == {"plain generate", "hf_specdec ngram", "hf_specdec grammar"}
     assert all(r.identical for r in results)
