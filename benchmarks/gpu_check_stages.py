@@ -254,16 +254,16 @@ def run_bench(ctx: Context) -> dict:
             cli(["bench", "--model", ctx.target(), *common, *args, "--out", str(path)])
             results[name] = bench_rows(path)
             print(f"gpu_check: bench {name}: {time.perf_counter() - start:.1f} s", flush=True)
-        except TimeoutError as error:  # the stage's budget is spent: no further run may start
-            failures.append(f"{name}: {error}")
+        except (Exception, SystemExit) as error:  # noqa: BLE001  (every failure is reported, none skipped)
+            stopped = isinstance(error, TimeoutError)  # the stage's budget is spent: no further run may start
+            failures.append(f"{name}: {error}" if stopped else f"{name}: {type(error).__name__}: {error}")
             if path.is_file():  # the bench saves after each workload and batch size: keep what it measured
                 try:
                     results[f"{name} (stopped part-way)"] = bench_rows(path)
                 except (StageError, ValueError, KeyError):
                     pass
-            break
-        except (Exception, SystemExit) as error:  # noqa: BLE001  (every failure is reported, none skipped)
-            failures.append(f"{name}: {type(error).__name__}: {error}")
+            if stopped:
+                break
     if failures:
         raise StageError("; ".join(failures), partial={"runs": results})
     return {"runs": results,

@@ -259,8 +259,10 @@ def environment() -> dict:
 
 
 def save(results: list[Result], path_json: str, path_png: str | None, meta: dict) -> None:
-    with open(path_json, "w") as f:
+    written = f"{path_json}.partial"  # then moved over the file: a run stopped mid-write keeps the last whole one
+    with open(written, "w") as f:
         json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=2)
+    os.replace(written, path_json)
     if path_png:
         plot(results, path_png)
 

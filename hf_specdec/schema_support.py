@@ -140,18 +140,12 @@ def narrow_enums(schema, root=None, path: str = "#") -> tuple[object, str | None
 
 
 def _narrow(node: dict, root: dict, path: str) -> tuple[dict, str | None]:
-    if "const" in node:
-        values = [node["const"]]
-        if isinstance(node.get("enum"), list) and not any(_same(node["const"], v) for v in node["enum"]):
-            values = []
-    elif isinstance(node["enum"], list):
-        values = node["enum"]
-    else:
-        return node, None  # not a list: xgrammar names the error
-    beside = {key: value for key, value in node.items() if key not in _ANNOTATIONS | {"enum", "const"}}
     keyword = "const" if "const" in node else "enum"
-    if not values and "const" in node:
-        return node, f"'const' at {path} (its value is not in the 'enum' beside it: no answer could match)"
+    if keyword == "enum" and not isinstance(node["enum"], list):
+        return node, None  # not a list: xgrammar names the error
+    values = [node["const"]] if keyword == "const" else node["enum"]
+    # Beside a const, an enum is one more constraint (jsonschema compares as JSON does: `true` is not `1`).
+    beside = {key: value for key, value in node.items() if key not in _ANNOTATIONS | {keyword}}
     if not beside:
         return node, None
     try:
@@ -160,34 +154,39 @@ def _narrow(node: dict, root: dict, path: str) -> tuple[dict, str | None]:
     except ImportError:
         return node, (f"{sorted(beside)[0]!r} at {path} (beside {keyword!r} it is checked with jsonschema: "
                       "pip install jsonschema, or drop it)")
-    probe = dict(beside)
-    for name in ("$defs", "definitions"):
-        if isinstance(root.get(name), dict):
-            probe.setdefault(name, root[name])
-    checker = FormatChecker()
-    if isinstance(beside.get("format"), str) and beside["format"] not in checker.checkers:
-        if beside["format"] in _FORMATS:  # xgrammar knows it, but drops it beside an enum
-            return node, (f"'format' at {path} (format {beside['format']!r} beside {keyword!r} cannot be checked "
-                          "here; drop the values it forbids and the format)")
-        probe.pop("format")  # descriptive
+
+    class Formats(FormatChecker):
+        """A format xgrammar would enforce but jsonschema cannot check here (it lacks the optional package) fails
+        the check, at any depth; a format neither knows only describes."""
+
+        def check(self, instance, format):
+            if format not in self.checkers and format in _FORMATS:
+                raise _Uncheckable(format)
+            super().check(instance, format)
+
     try:
-        validator = validator_for(probe)(probe, format_checker=checker)
+        # The root's validator (its `$schema`'s draft, `$ref`s resolved against the whole schema) on the node's
+        # other constraints.
+        validator = validator_for(root)(root, format_checker=Formats()).evolve(schema=beside)
         kept = [value for value in values if validator.is_valid(value)]
-    except Exception as error:  # an invalid constraint, a `$ref` the probe cannot follow
+    except _Uncheckable as error:
+        return node, (f"'format' at {path} (format {error.args[0]!r}, which the values of {keyword!r} there must "
+                      "meet, cannot be checked here; drop the values it forbids and the format)")
+    except Exception as error:  # an invalid constraint, a `$ref` that cannot be followed
         return node, f"{sorted(beside)[0]!r} at {path} (beside {keyword!r} it could not be checked: {error})"
     if not kept:
         return node, (f"{keyword!r} at {path} (no value meets the constraints beside it, "
                       f"{', '.join(repr(k) for k in sorted(beside))}: no answer could match)")
-    if len(kept) == len(values):  # the constraints beside it forbid none of its values
+    if len(kept) == len(values) and unenforced(node, path) is None:  # nothing beside it forbids a value
         return node, None
+    # Every value kept was checked against the node's other constraints: the node is its enum alone.
     narrowed = {key: value for key, value in node.items() if key in _ANNOTATIONS}
     narrowed["enum"] = kept
     return narrowed, None
 
 
-def _same(a, b) -> bool:
-    """JSON equality (`1` and `1.0` equal, `True` and `1` not)."""
-    return type(a) is type(b) and a == b if isinstance(a, bool) or isinstance(b, bool) else a == b
+class _Uncheckable(Exception):
+    pass
 
 
 def _lookahead(pattern: str) -> bool:

@@ -120,6 +120,26 @@ def test_bench_runs_the_gpu_commands_and_stops_at_its_budget(tmp_path, monkeypat
     assert "**FAILED**: StageError: fp8 draft" in markdown and "| ngram and head | grounded | 64 |" in markdown
 
 
+def test_a_bench_run_that_fails_part_way_keeps_its_rows_and_the_next_runs(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_cli(argv):
+        calls.append(argv)
+        row = {"workload": "grounded", "batch_size": 16, "config": "hf_specdec ngram", "tokens_per_s": 900.0,
+               "speedup": 1.8, "acceptance_rate": 0.5, "mean_acceptance_length": 2.5, "draft_ms_per_token": 0.1,
+               "identical": True}
+        Path(argv[argv.index("--out") + 1]).write_text(json.dumps({"meta": {"partial": True}, "results": [row]}))
+        if len(calls) == 1:
+            raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(gpu_check_stages, "cli", fake_cli)
+    with pytest.raises(StageError, match="ngram and head: RuntimeError: CUDA out of memory") as info:
+        gpu_check_stages.run_bench(Context(out=tmp_path, work=tmp_path, dry_run=False))
+    assert len(calls) == 3  # not a timeout: the quantized drafts' runs still ran
+    runs = info.value.partial["runs"]
+    assert runs["ngram and head (stopped part-way)"][0]["batch"] == 16 and set(runs) >= {"fp8 draft", "int8 draft"}
+
+
 def test_pytest_runs_are_judged_loudly(tmp_path):
     report = tmp_path / "report.xml"
     report.write_text('<testsuites><testsuite tests="3" failures="0" errors="0" skipped="1">'

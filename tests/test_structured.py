@@ -316,6 +316,21 @@ BESIDE_ENUM = {
               "properties": {"x": {"enum": ["a", 2], "$ref": "#/$defs/S"}}, "required": ["x"]}, '{"x": "zz"}',
              '{"x": "a"}'),
     "format": ({"enum": ["x@y.z", "nope"], "format": "email"}, '"nope"', '"x@y.z"'),
+    # checked against the whole schema: a `$ref` to the root, the root's draft (04: a boolean exclusiveMinimum), a
+    # `$ref` into its properties
+    "$ref to the root": ({"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"},
+                                                                    "enum": [[], [[]], [{}]]}}},
+                         '{"kids": [[]]}', '{"kids": [{}]}'),
+    "draft-04": ({"$schema": "http://json-schema.org/draft-04/schema#", "type": "object",
+                  "properties": {"n": {"enum": [5, 6], "minimum": 5, "exclusiveMinimum": True}}, "required": ["n"]},
+                 '{"n": 5}', '{"n": 6}'),
+    "$ref into properties": ({"type": "object", "properties": {"a": {"type": "string"},
+                                                               "b": {"$ref": "#/properties/a", "enum": ["x", 1]}}},
+                             '{"b": "zz"}', '{"b": "x"}'),
+    # every value meets the `$ref`, which xgrammar would enforce instead of the enum
+    "$ref, every value allowed": ({"$defs": {"S": {"type": "string"}}, "type": "object",
+                                   "properties": {"x": {"enum": ["a", "b"], "$ref": "#/$defs/S"}}, "required": ["x"]},
+                                  '{"x": "zz"}', '{"x": "b"}'),
 }
 
 
@@ -332,11 +347,20 @@ def test_constraints_beside_an_enum_narrow_it(keyword):
 
 
 def test_an_enum_nothing_can_meet_is_refused_and_plain_enums_are_kept():
+    import jsonschema
+
     for schema, keyword in [({"const": "abc", "type": "integer"}, "const"), ({"const": 5, "minimum": 6}, "const"),
                             ({"type": "object", "properties": {"x": {"enum": [1, 2], "type": "string"}}}, "enum"),
-                            ({"const": 1, "enum": [2, 3]}, "const")]:
+                            ({"const": 1, "enum": [2, 3]}, "const"), ({"const": [True], "enum": [[1]]}, "const")]:
         with pytest.raises(GrammarError, match=re.escape(f"'{keyword}' at #") + ".*no answer could match"):
             Grammar.json_schema(schema)
+    for schema in ({"enum": [1, 2], "allOf": [{"type": "integer"}]}, {"enum": [[1, 2]], "uniqueItems": True}):
+        assert json.loads(Grammar.json_schema(schema).source) == {"enum": schema["enum"]}  # checked: taken
+    # a format xgrammar knows but this jsonschema cannot check (hostname needs an optional package), at any depth
+    uncheckable = [f for f in ("hostname", "uri", "duration") if f not in jsonschema.FormatChecker.checkers]
+    for fmt in uncheckable[:1]:
+        with pytest.raises(GrammarError, match=f"format '{fmt}'"):
+            Grammar.json_schema({"enum": [{"h": "a"}, {"h": "b c"}], "properties": {"h": {"format": fmt}}})
     for schema in ({"type": "string", "enum": ["a", "b"], "title": "T"}, {"type": "string", "const": "cat"},
                    {"enum": ["a", "b"], "format": "my-own"}):  # nothing beside them forbids a value: as written
         assert json.loads(Grammar.json_schema(schema).source) == schema
