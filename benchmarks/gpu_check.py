@@ -40,8 +40,10 @@ STAGE_NAMES = ("install", "tests", "kernels", "step_cost", "train", "bench")
 # 65, kernels 14, step_cost 29, train 25 and bench 189 for n-gram and the head alone, 372 s in all; the second ran
 # past 50 s in install (a cold import probe) and 80 s in tests on a fresh machine, 75 s warm. A stage past its budget
 # fails (named) and the next one starts; the report is written after each stage, so a command the device tool stops
-# at its 10 minutes still returns the stages before. `--stages` reruns any subset.
-BUDGET_S = {"install": 120, "tests": 180, "kernels": 25, "step_cost": 40, "train": 35, "bench": 320}
+# at its 10 minutes still returns the stages before. `--stages` reruns any subset. The fifth run (H200, 2026-11-27)
+# found a slower host: step_cost past 40 s and bench 42 of its 52 calls in 320 s; so both have more, and the stages
+# no longer fit one call: `--stages install,tests,kernels,step_cost`, then `--stages bench` on the warm machine.
+BUDGET_S = {"install": 120, "tests": 180, "kernels": 25, "step_cost": 75, "train": 35, "bench": 480}
 
 
 def main(argv: list[str] | None = None) -> int:
