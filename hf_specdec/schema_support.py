@@ -14,6 +14,8 @@ lets `1` through). `narrow_enums` keeps only the listed values that meet those c
 
 from __future__ import annotations
 
+import functools
+
 # Dropped by xgrammar whatever their value (checked against xgrammar 0.2: a grammar built with each accepts an
 # instance the keyword forbids).
 _DROPPED = ("not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
@@ -40,23 +42,27 @@ def unenforced(schema, path: str = "#") -> str | None:
     if problem is not None:
         keyword, why = problem
         return f"{keyword!r} at {path} ({why})"
-    for name in _SCHEMA_MAPS:
-        if isinstance(schema.get(name), dict):
-            for key, sub in schema[name].items():
-                found = unenforced(sub, f"{path}/{name}/{_escape(key)}")
-                if found:
-                    return found
-    for name in _SCHEMA_LISTS + ("items",):
-        if isinstance(schema.get(name), list):
-            for i, sub in enumerate(schema[name]):
-                found = unenforced(sub, f"{path}/{name}/{i}")
-                if found:
-                    return found
-    for name in _SCHEMAS:
-        found = unenforced(schema.get(name), f"{path}/{name}")
+    for _, _, sub, sub_path in _children(schema, path):
+        found = unenforced(sub, sub_path)
         if found:
             return found
     return None
+
+
+def _children(schema: dict, path: str):
+    """`(container, key, subschema, its path)` for each subschema held directly by `schema` (`container` is the
+    keyword, `key` the name or index within it, or None where the keyword holds one schema)."""
+    for name in _SCHEMA_MAPS:
+        if isinstance(schema.get(name), dict):
+            for key, sub in schema[name].items():
+                yield name, key, sub, f"{path}/{name}/{_escape(key)}"
+    for name in _SCHEMA_LISTS + ("items",):
+        if isinstance(schema.get(name), list):
+            for i, sub in enumerate(schema[name]):
+                yield name, i, sub, f"{path}/{name}/{i}"
+    for name in _SCHEMAS:
+        if isinstance(schema.get(name), dict):
+            yield name, None, schema[name], f"{path}/{name}"
 
 
 def _own(schema: dict) -> tuple[str, str] | None:
@@ -108,34 +114,28 @@ def _own(schema: dict) -> tuple[str, str] | None:
 
 def narrow_enums(schema, root=None, path: str = "#") -> tuple[object, str | None]:
     """`(schema, problem)`: `schema` with each `enum`/`const` that has constraints beside it narrowed to the values
-    meeting them (a new dict where anything changed; the constraints beside it dropped there, since xgrammar drops
-    them anyway), and `problem` (said as `unenforced` says it) where no value meets them or they cannot be checked."""
+    meeting them (a new dict where anything changed, `schema` itself otherwise; the constraints beside it dropped
+    there, since xgrammar drops them anyway), and `problem` (said as `unenforced` says it) where no value meets them
+    or they cannot be checked."""
     if not isinstance(schema, dict):
         return schema, None
     root = schema if root is None else root
     if "enum" in schema or "const" in schema:
         return _narrow(schema, root, path)
-    out = dict(schema)
-    for name in _SCHEMA_MAPS:
-        if isinstance(schema.get(name), dict):
-            out[name] = {}
-            for key, sub in schema[name].items():
-                out[name][key], problem = narrow_enums(sub, root, f"{path}/{name}/{_escape(key)}")
-                if problem:
-                    return schema, problem
-    for name in _SCHEMA_LISTS + ("items",):
-        if isinstance(schema.get(name), list):
-            out[name] = []
-            for i, sub in enumerate(schema[name]):
-                sub, problem = narrow_enums(sub, root, f"{path}/{name}/{i}")
-                if problem:
-                    return schema, problem
-                out[name].append(sub)
-    for name in _SCHEMAS:
-        if isinstance(schema.get(name), dict):
-            out[name], problem = narrow_enums(schema[name], root, f"{path}/{name}")
-            if problem:
-                return schema, problem
+    out = schema
+    for name, key, sub, sub_path in _children(schema, path):
+        narrowed, problem = narrow_enums(sub, root, sub_path)
+        if problem:
+            return schema, problem
+        if narrowed is not sub:  # copied on the way down only where something changed
+            if out is schema:
+                out = dict(schema)
+            if key is None:
+                out[name] = narrowed
+            else:
+                if out[name] is schema[name]:
+                    out[name] = dict(schema[name]) if isinstance(schema[name], dict) else list(schema[name])
+                out[name][key] = narrowed
     return out, None
 
 
@@ -154,20 +154,10 @@ def _narrow(node: dict, root: dict, path: str) -> tuple[dict, str | None]:
     except ImportError:
         return node, (f"{sorted(beside)[0]!r} at {path} (beside {keyword!r} it is checked with jsonschema: "
                       "pip install jsonschema, or drop it)")
-
-    class Formats(FormatChecker):
-        """A format xgrammar would enforce but jsonschema cannot check here (it lacks the optional package) fails
-        the check, at any depth; a format neither knows only describes."""
-
-        def check(self, instance, format):
-            if format not in self.checkers and format in _FORMATS:
-                raise _Uncheckable(format)
-            super().check(instance, format)
-
     try:
         # The root's validator (its `$schema`'s draft, `$ref`s resolved against the whole schema) on the node's
         # other constraints.
-        validator = validator_for(root)(root, format_checker=Formats()).evolve(schema=beside)
+        validator = validator_for(root)(root, format_checker=_format_checker(FormatChecker)).evolve(schema=beside)
         kept = [value for value in values if validator.is_valid(value)]
     except _Uncheckable as error:
         return node, (f"'format' at {path} (format {error.args[0]!r}, which the values of {keyword!r} there must "
@@ -187,6 +177,20 @@ def _narrow(node: dict, root: dict, path: str) -> tuple[dict, str | None]:
 
 class _Uncheckable(Exception):
     pass
+
+
+@functools.cache
+def _format_checker(base):
+    """jsonschema's format checker (`base`), except that a format xgrammar would enforce but jsonschema cannot check
+    here (it lacks the optional package) fails the check, at any depth; a format neither knows only describes."""
+
+    class Formats(base):
+        def check(self, instance, format):
+            if format not in self.checkers and format in _FORMATS:
+                raise _Uncheckable(format)
+            super().check(instance, format)
+
+    return Formats()
 
 
 def _lookahead(pattern: str) -> bool:

@@ -88,6 +88,14 @@ def test_a_stage_past_its_budget_fails(tmp_path):
     assert "ran past its 1 s budget" in json.loads((tmp_path / "gpu_check.json").read_text())["stages"]["slow"]["error"]
 
 
+def save_bench_row(argv, batch_size: int) -> None:
+    """What `hf-specdec bench` (called with `argv`) saves: one row, at `batch_size`."""
+    row = {"workload": "grounded", "batch_size": batch_size, "config": "hf_specdec ngram", "tokens_per_s": 900.0,
+           "speedup": 1.8, "acceptance_rate": 0.5, "mean_acceptance_length": 2.5, "draft_ms_per_token": 0.1,
+           "identical": True}
+    Path(argv[argv.index("--out") + 1]).write_text(json.dumps({"meta": {"partial": True}, "results": [row]}))
+
+
 def test_bench_runs_the_gpu_commands_and_stops_at_its_budget(tmp_path, monkeypatch):
     """On a GPU the bench stage runs n-gram and the shipped head, then the FP8 and the int8 draft, with --device cuda
     --dtype bfloat16 at batch 1, 4, 16, 64; once its budget is spent no further run starts, and what ran is kept."""
@@ -95,11 +103,8 @@ def test_bench_runs_the_gpu_commands_and_stops_at_its_budget(tmp_path, monkeypat
 
     def fake_cli(argv):
         calls.append(argv)
-        row = {"workload": "grounded", "batch_size": 64 // len(calls), "config": "hf_specdec ngram",
-               "tokens_per_s": 900.0, "speedup": 1.8, "acceptance_rate": 0.5, "mean_acceptance_length": 2.5,
-               "draft_ms_per_token": 0.1, "identical": True}
         # the bench saves after each workload and batch size: the second run is stopped after its first group
-        Path(argv[argv.index("--out") + 1]).write_text(json.dumps({"meta": {"partial": True}, "results": [row]}))
+        save_bench_row(argv, batch_size=64 // len(calls))
         if len(calls) == 2:
             raise TimeoutError("stage bench ran past its 240 s budget")
 
@@ -125,10 +130,7 @@ def test_a_bench_run_that_fails_part_way_keeps_its_rows_and_the_next_runs(tmp_pa
 
     def fake_cli(argv):
         calls.append(argv)
-        row = {"workload": "grounded", "batch_size": 16, "config": "hf_specdec ngram", "tokens_per_s": 900.0,
-               "speedup": 1.8, "acceptance_rate": 0.5, "mean_acceptance_length": 2.5, "draft_ms_per_token": 0.1,
-               "identical": True}
-        Path(argv[argv.index("--out") + 1]).write_text(json.dumps({"meta": {"partial": True}, "results": [row]}))
+        save_bench_row(argv, batch_size=16)
         if len(calls) == 1:
             raise RuntimeError("CUDA out of memory")
 
