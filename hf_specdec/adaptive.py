@@ -294,12 +294,16 @@ class AdaptiveK:
             first draft after steps without drafts, or after requests joined) with the drafts, spread over
             `READ_HORIZON` steps. The serving engine's choice, where arrivals stop and resume drafting at large
             batches; in one call a model speculator reads the prompts once and drafting rarely stops.
+        draft_subsets (`bool`): a model speculator that can draft for some rows only
+            (`Speculator.drafts_row_subsets`) drafts for the rows `choose_drafters` picks, priced for those rows
+            alone, where the verify is packed. The serving engine's choice, where a large batch's drafts pay only in
+            the rows the run waits for (`weigh`).
     """
 
     def __init__(self, num_rows: int, max_k: int, step_cost: StepCost, draft_cost_per_token: float = 0.0,
                  priors: tuple[float, ...] = (0.6,), strength: float = 2.0, decay: float = 0.9, min_gain: float = 1.1,
                  packed: bool = False, measure_steps: bool = False, calibrate: bool = False,
-                 check_returns: bool = False, price_reading: bool = False):
+                 check_returns: bool = False, price_reading: bool = False, draft_subsets: bool = False):
         if not priors or not all(0.0 <= p < 1.0 for p in priors):
             raise ValueError(f"acceptance priors must be in [0, 1), one per confidence class, got {priors!r}")
         self.max_k = max_k
@@ -309,6 +313,7 @@ class AdaptiveK:
         self.measured = MeasuredStepCost(step_cost) if measure_steps else None
         self.returns = DraftReturns(step_cost) if check_returns else None
         self.read_horizon = self.READ_HORIZON if price_reading else float("inf")  # inf: the choice ignores them
+        self.draft_subsets = draft_subsets
         # Drafting one token, relative to a one-token target step. A static estimate, like the step cost.
         self.draft_cost_per_token = draft_cost_per_token
         self.priors = torch.tensor(priors, dtype=torch.float64)
@@ -400,6 +405,38 @@ class AdaptiveK:
         self._last = (max(len(rows), 1), context)
         return ks
 
+    def choose_drafters(self, rows: list[int], context: float = 0.0, unread: list[float] | None = None) -> list[int]:
+        """Drafts per row for a model speculator that drafts for the rows it is asked to only
+        (`Speculator.drafts_row_subsets`), before it drafts, for a packed verify: the rows and depths of highest
+        expected gain, as `choose_rows` takes them from drafts on offer, with what making them costs added: the
+        speculator's forwards (`draft_cost_per_token` per depth) and, with `price_reading`, the backlog of the rows
+        chosen alone (`unread`, per row, in target tokens; see `choose`). Pricing every row's k drafts, as `choose`
+        does, makes a few rows' drafts look as dear as everyone's: at a large batch, where only the rows the run
+        waits for (`weigh`) or the surest ones pay, they were never made. Records the step's k like `choose`."""
+        n = len(rows)
+        counts = [0] * n
+        if self.max_k and rows:
+            backlog = torch.tensor(unread if unread is not None else counts, dtype=torch.float64)
+            best = self.min_gain * float(self.weights[torch.tensor(rows, dtype=torch.long)].sum())  # plain, cost 1
+            for k in range(1, self.max_k + 1):
+                ks, _, expected, tokens = self._choose_rows(rows, [k] * n, None, context)
+                depth = max(ks)
+                if depth == 0:
+                    break
+                chosen = torch.tensor(ks) > 0
+                tokens += float(backlog[chosen].sum()) / self.read_horizon / n
+                cost = float(self._relative(n, torch.tensor([tokens], dtype=torch.float64), context)[0])
+                cost = float(self._corrected(n, torch.tensor(cost + self.draft_cost_per_token * depth,
+                                                              dtype=torch.float64)))
+                if expected / cost > best:
+                    best, counts = expected / cost, ks
+                if depth < k:  # no row took its k-th draft: a larger k offers only drafts ranked after those
+                    break
+        self.chosen.append(max(counts, default=0))
+        self.num_declined += not any(counts) and bool(rows)
+        self._last = (max(n, 1), context)
+        return counts
+
     def drafting_pays(self, rows: list[int], available: list[int], classes: list[int], alternative: list[int],
                       alternative_classes: list[int], drafted: int, context: float | None = None,
                       unread: float = 0.0) -> bool:
@@ -423,14 +460,21 @@ class AdaptiveK:
     def weigh(self, rows: list[int], remaining: list[int] | None) -> None:
         """How much a token of each row is worth this step. `None`: every row alike (the batch's tokens per unit of
         cost is what counts while requests wait for a place). With `remaining`, each row's tokens still to come at
-        most: weights proportional to them, the longest 1. When nobody waits, the work left ends when its longest
-        row does, and an accepted draft there saves a whole step at the end while one in a row about to finish
-        saves next to nothing; so drafts go where they shorten the run."""
+        most: weights rising with them (`WEIGHT_POWER`), the longest 1. When nobody waits, the work left ends when
+        its longest row does, and an accepted draft there saves a whole step at the end while one in a row about to
+        finish saves next to nothing; so drafts go where they shorten the run."""
         if remaining is None or not rows:
             self.weights[rows] = 1.0
             return
         longest = max(max(remaining), 1)
-        self.weights[rows] = torch.tensor(remaining, dtype=torch.float64).clamp(min=0) / longest
+        share = torch.tensor(remaining, dtype=torch.float64).clamp(min=0) / longest
+        self.weights[rows] = share ** self.WEIGHT_POWER
+
+    # Weights are (work left / the most any row has left) ** WEIGHT_POWER: the rows the run waits for count, those
+    # well short of the longest next to nothing (at 8, a row with 80% of the most left weighs 0.17, one with half
+    # 0.004). On the virtual clock (benchmarks/serve_sim.py, three seeds) 8 against 1 took EAGLE from 1.001x to
+    # 1.017x speculation off and n-gram from 0.994x to 0.991x (docs/benchmarks.md).
+    WEIGHT_POWER = 8.0
 
     # A speculator's backlog (`Speculator.unread`) is read once for the drafting steps that follow: priced as spread
     # over this many. Charged whole to one step, a resume would rarely pay where every later step would (a newcomer's

@@ -341,7 +341,14 @@ class Step:
             width = max(counts)
             num_tokens = torch.tensor(counts, device=batch.device)
         else:
-            if self.policy is not None:
+            wanted = None  # the drafts per row chosen before drafting, for a speculator drafting for some rows only
+            if self.policy is not None and self.policy.draft_subsets and self.policy.packed and \
+                    self.speculator.drafts_row_subsets:
+                backlog = self.speculator.unread_rows(batch) if self.policy.reads_backlog else None
+                wanted = self.policy.choose_drafters(batch.active, context, backlog)
+                k = max(wanted)
+                unread = sum(u for u, w in zip(backlog, wanted) if w) if backlog is not None else 0.0
+            elif self.policy is not None:
                 # A model speculator reads its backlog (states or tokens of idle steps, newcomers' prompts) before
                 # its first draft: the policy prices that with the drafts.
                 unread = self.speculator.unread(batch) if self.policy.reads_backlog else 0.0
@@ -349,15 +356,21 @@ class Step:
             else:
                 k, unread = self.k, 0.0
             # Called even for k = 0: speculators track their rows.
-            draft = self.speculator.propose(batch, max(0, min(k, max(budget) - 1)))
+            depth = max(0, min(k, max(budget) - 1))
+            if wanted is not None and depth:
+                draft = self.speculator.propose(batch, depth, rows=[r for r, w in zip(batch.active, wanted) if w])
+            else:
+                draft = self.speculator.propose(batch, depth)
             # The draft positions the speculator ran (a model's forwards), before any trimming below.
-            self._draft_forwards = 0 if self.speculator.drafts_are_free else max(0, min(k, max(budget) - 1))
+            self._draft_forwards = 0 if self.speculator.drafts_are_free else depth
             self._draft_unread = unread if self._draft_forwards else 0.0
             num_tokens = torch.minimum(draft.num_tokens, limits.clamp(max=k))
+            if wanted is not None and depth:
+                num_tokens = torch.minimum(num_tokens, torch.tensor(wanted, device=num_tokens.device))
             # Each row's count must be known on the host to build the forward, hence one small transfer; draft
             # columns no row uses are dropped.
             counts = num_tokens.tolist()
-            if self.policy is not None and self.policy.packed and k > 0 and len(counts) > 1:
+            if self.policy is not None and self.policy.packed and k > 0 and len(counts) > 1 and wanted is None:
                 # The drafts are made: each row verifies as many as its own acceptance makes worth their width.
                 trimmed = self.policy.choose_rows(batch.active, counts, context=context, record=False)
                 if trimmed != counts:

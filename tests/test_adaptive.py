@@ -471,3 +471,23 @@ def test_a_backlog_read_before_drafting_is_priced_only_where_the_policy_prices_r
     p = policy(True)
     assert p.priced_extra(4, 2.0, 1, context, 1000.0) == pytest.approx(p.priced_extra(4, 2.0 + 1000.0 / 4, 1, context))
     assert p.priced_extra(4, 2.0, 1, context, 1000.0) > p.priced_extra(4, 2.0, 1, context) + 1.0
+
+
+def test_a_model_speculator_drafts_only_for_the_rows_worth_it():
+    """`choose_drafters` prices a model speculator's drafts (its forwards and, with `price_reading`, its backlog) for
+    the rows that draft alone: at 16 rows, with nobody waiting and one row holding most of the work left, `choose`
+    (every row's k drafts priced) declines, while `choose_drafters` gives that row its drafts and the others none.
+    A backlog in the other rows does not enter the price; one in the drafting row does."""
+    cost = StepCost(per_row=0.0, points=((1.0, 10.0), (64.0, 10.0 + 63 * 3.0)))  # a token: 3 of a 16-row step's 55
+    rows = list(range(16))
+    policy = AdaptiveK(16, 3, cost, draft_cost_per_token=0.02, priors=(0.7,), packed=True, price_reading=True,
+                       draft_subsets=True)
+    remaining = [150] + [20] * 15
+    policy.weigh(rows, remaining)
+    assert policy.choose(rows) == 0
+    counts = policy.choose_drafters(rows)
+    assert counts[0] > 0 and counts[1:] == [0] * 15 and policy.chosen[-1] == counts[0]
+    assert policy.choose_drafters(rows, unread=[0.0] + [50.0] * 15) == counts
+    assert policy.choose_drafters(rows, unread=[500.0] + [0.0] * 15) == [0] * 16
+    policy.weigh(rows, None)  # every row alike: no draft pays for the batch
+    assert policy.choose_drafters(rows) == [0] * 16 and policy.num_declined == 3  # with `choose` above

@@ -251,6 +251,48 @@ def test_eagle_head_under_continuous_batching(tokenizer, tmp_path, version, idle
         engine.shutdown()
 
 
+@pytest.mark.parametrize("idle_backlog", [None, 1, "window"])
+def test_eagle_head_drafts_for_the_rows_adaptive_k_picks(tokenizer, tmp_path, idle_backlog):
+    """The serving policy has a head draft for some rows only (`AdaptiveK.choose_drafters`; here every other row,
+    by the request, forced): the head's forwards run over those rows, the others verify no drafts and keep their
+    states unread (windowed, or read every step with `idle_backlog=1`), and every answer equals its solo run."""
+    from hf_specdec import EagleSpeculator
+    from test_eagle import convert
+
+    model = served_model()
+    head = EagleSpeculator.from_pretrained(convert(tmp_path, model, 3, aux_layers=[0, 1, 1]))
+    if idle_backlog == "window":
+        head.IDLE_WINDOW = 1
+    elif idle_backlog is not None:
+        head.IDLE_WINDOW, head.IDLE_BACKLOG = None, idle_backlog
+    engine = ServingEngine(model, tokenizer, head, num_speculative_tokens=3, max_batch_size=3, warmup=False)
+    policy, drafted_rows, asked = engine.step.policy, [], []
+    assert policy.draft_subsets
+    choose_drafters, propose = policy.choose_drafters, head.propose
+
+    def every_other(rows, context=0.0, unread=None):
+        choose_drafters(rows, context, unread)  # the real choice runs (and records), then is overridden
+        counts = [2 if len(engine.scheduler.running[r].prompt_ids) % 4 == 1 else 0 for r in rows]  # even i
+        policy.chosen[-1] = max(counts)
+        return counts
+
+    def recorded(batch, k, rows=None):
+        draft = propose(batch, k, rows)
+        asked.append(rows)
+        drafted_rows.extend(len(engine.scheduler.running[r].prompt_ids) % 4
+                            for r, n in zip(batch.active, draft.num_tokens.tolist()) if n)
+        return draft
+
+    policy.choose_drafters, head.propose = every_other, recorded
+    engine.start()
+    try:
+        served_equal_solo(engine, model, [(repeating(5 + 2 * i, seed=20 + i), 12 + 4 * i) for i in range(5)])
+    finally:
+        engine.shutdown()
+    assert engine.metrics.num_draft_tokens > 0 and any(r is not None for r in asked)
+    assert drafted_rows and set(drafted_rows) == {1}  # only the rows asked for drafted
+
+
 @pytest.mark.parametrize("speculator", ["ngram", "draft", "eagle", "none"])
 def test_warm_up_runs_real_steps_and_leaves_nothing_behind(tokenizer, tmp_path, speculator):
     """`warmup=True`: synthetic greedy and sampled requests run through the real step before `start` returns,

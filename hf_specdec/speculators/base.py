@@ -25,6 +25,10 @@ class Speculator:
     #: Drafting costs next to nothing (a lookup, no model): the engine asks for `num_speculative_tokens` drafts each
     #: step and then chooses how many to verify from what each row offers and its proposal's confidence class.
     drafts_are_free: bool = False
+    #: `propose(batch, k, rows=...)` drafts for the given rows only (the others get none and keep what they have
+    #: not read yet): adaptive k can then choose which rows a model speculator drafts for (`AdaptiveK.choose_drafters`)
+    #: and pay its forwards and its backlog for those rows alone.
+    drafts_row_subsets: bool = False
     #: `propose_tree` is implemented: the engine can verify draft trees (`generate(..., speculative_tree_nodes=N)`).
     supports_trees: bool = False
     #: Acceptance assumed for each confidence class (`DraftProposal.confidence`) before a call has any evidence.
@@ -81,6 +85,10 @@ class Speculator:
     def relative_cost(self, target) -> float:
         """Cost of drafting one token relative to one target decode step (adaptive k weighs drafts with it)."""
         return 0.0
+
+    def unread_rows(self, batch: SequenceBatch) -> list[float]:
+        """`unread`, per row of `batch.active`: what drafting for that row alone would read first."""
+        return [0.0] * len(batch.active)
 
     def unread(self, batch: SequenceBatch) -> float:
         """What this speculator must read before it can draft for `batch.active` this step, in target tokens: the

@@ -37,6 +37,7 @@ class EagleSpeculator(Speculator):
     needs_hidden_states = True
     joins_in_verify = True
     supports_trees = True
+    drafts_row_subsets = True
     # While drafting is off (`_consume_backlog`): a row keeps its newest `IDLE_WINDOW` target states and no more, and
     # the head reads none of them until drafting resumes; `None` keeps every state, the head reading them every
     # `IDLE_BACKLOG` steps so that it always holds the whole context.
@@ -82,10 +83,14 @@ class EagleSpeculator(Speculator):
         return params / target.num_parameters()
 
     def unread(self, batch: SequenceBatch) -> float:
+        return sum(self.unread_rows(batch))
+
+    def unread_rows(self, batch: SequenceBatch) -> list[float]:
         pending = self._pending
         if pending is None:
-            return 0.0
-        return sum(max(0, pending.count(r) - 1) for r in self._with_states(batch.active)) * self._read_cost
+            return [0.0] * len(batch.active)
+        held = set(pending.rows)  # rows joining this step have no states yet
+        return [max(0, pending.count(r) - 1) * self._read_cost if r in held else 0.0 for r in batch.active]
 
     def begin(self, target, batch: SequenceBatch) -> None:
         # Reading a state costs the head's fc and layer (no LM head: only a row's newest entry gets logits).
@@ -106,14 +111,22 @@ class EagleSpeculator(Speculator):
         self._pending.add(hidden)
 
     @torch.no_grad()
-    def propose(self, batch: SequenceBatch, k: int) -> DraftProposal:
+    def propose(self, batch: SequenceBatch, k: int, rows: list[int] | None = None) -> DraftProposal:
+        """Drafts `k` tokens for each row of `batch.active`, or only for `rows` among them (the others get none
+        and keep their states unread, within `IDLE_WINDOW`, as in a step without drafts)."""
         everyone = list(batch.active)
         self._rows, self._real_lengths = [], None
+        asked = None if rows is None else set(rows)
+        wanted = everyone if asked is None else [r for r in everyone if r in asked]
         # Rows fed for the first time this step (joining a running batch) have no states yet: nothing to draft from.
-        rows = [] if k == 0 or self._pending is None else self._with_states(everyone)
+        rows = [] if k == 0 or self._pending is None else self._with_states(wanted)
         if not rows:  # keep the states for later
             self._consume_backlog(batch, everyone)
             return DraftProposal.empty(len(everyone), batch.device)
+        if len(wanted) < len(everyone):  # the rows left out this step: as in a step without drafts
+            drafting = set(rows)
+            self._consume_backlog(batch, [r for r in everyone if r not in drafting])
+            self._real_lengths = None
         self._rows = rows
         rows_t = torch.tensor(rows, device=batch.device) if len(rows) < len(everyone) else batch.active_tensor()
         runner = self._runner
