@@ -17,6 +17,8 @@ catch-ups of 3-1378 states timed in a served run).
 
     python benchmarks/serve_sim.py --configs off,ngram,ngram-unchecked,eagle,eagle-unchecked --head-forward 4
 
+`--weight-power P` weighs rows by the work they have left to the power P (`AdaptiveK.WEIGHT_POWER`).
+
 Small changes of policy move which requests share which steps, and that moves the throughput by a percent or two
 either way on its own (a deterministic but chaotic system); `--seeds N` runs each configuration N times, the exact
 schedule and then arrivals moved a little (seeded), and reports the median of the per-seed ratios with their range.
@@ -34,6 +36,7 @@ import torch
 from serve_replay import configured  # benchmarks/ is the script's folder
 
 from hf_specdec import step as step_module
+from hf_specdec.adaptive import AdaptiveK
 from hf_specdec.calibration import host_linear
 from hf_specdec.dense_runner import runner_attention
 from hf_specdec.models import DEFAULT_MODEL, load_model
@@ -137,7 +140,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=1,
                         help="runs per configuration: the exact schedule, then arrivals each moved by up to a tenth "
                              "of their gap (seeded); reported: the median of the per-seed ratios")
+    parser.add_argument("--weight-power", type=float, default=None,
+                        help=f"AdaptiveK.WEIGHT_POWER for every configuration (default {AdaptiveK.WEIGHT_POWER})")
     args = parser.parse_args()
+    if args.weight_power is not None:
+        AdaptiveK.WEIGHT_POWER = args.weight_power
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(DEFAULT_MODEL)
     requests = workload(tokenizer, args.requests)

@@ -405,24 +405,39 @@ class AdaptiveK:
         self._last = (max(len(rows), 1), context)
         return ks
 
-    def choose_drafters(self, rows: list[int], context: float = 0.0, unread: list[float] | None = None) -> list[int]:
+    def choose_drafters(self, rows: list[int], available: list[int] | None = None, context: float = 0.0,
+                        unread: list[float] | None = None) -> list[int]:
         """Drafts per row for a model speculator that drafts for the rows it is asked to only
         (`Speculator.drafts_row_subsets`), before it drafts, for a packed verify: the rows and depths of highest
-        expected gain, as `choose_rows` takes them from drafts on offer, with what making them costs added: the
+        expected gain, as `choose_rows` takes them from drafts on offer (`available`: at most this many per row, 0
+        where the speculator cannot draft; `None`: `max_k` each), with what making them costs added: the
         speculator's forwards (`draft_cost_per_token` per depth) and, with `price_reading`, the backlog of the rows
-        chosen alone (`unread`, per row, in target tokens; see `choose`). Pricing every row's k drafts, as `choose`
-        does, makes a few rows' drafts look as dear as everyone's: at a large batch, where only the rows the run
-        waits for (`weigh`) or the surest ones pay, they were never made. Records the step's k like `choose`."""
+        chosen alone (`unread`, per row, in target tokens; see `choose`). A row whose own backlog costs more than
+        its drafts could gain is left out first, so that it does not veto the others. Pricing every row's k drafts,
+        as `choose` does, makes a few rows' drafts look as dear as everyone's: at a large batch, where only the
+        rows the run waits for (`weigh`) or the surest ones pay, they were never made. Records the step's k like
+        `choose`."""
         n = len(rows)
         counts = [0] * n
-        if self.max_k and rows:
-            backlog = torch.tensor(unread if unread is not None else counts, dtype=torch.float64)
-            best = self.min_gain * float(self.weights[torch.tensor(rows, dtype=torch.long)].sum())  # plain, cost 1
-            for k in range(1, self.max_k + 1):
-                ks, _, expected, tokens = self._choose_rows(rows, [k] * n, None, context)
+        offered = [self.max_k] * n if available is None else [max(0, min(a, self.max_k)) for a in available]
+        if self.max_k and rows and any(offered):
+            backlog = torch.tensor(unread if unread is not None else [0.0] * n, dtype=torch.float64)
+            plain = float(self.weights[torch.tensor(rows, dtype=torch.long)].sum())  # expected tokens, cost 1
+            if unread is not None and float(backlog.max()) > 0:
+                # A row's drafts raise the step's value only where their gain beats the plain tokens times what
+                # its backlog adds to the step's cost.
+                depth = torch.arange(1, self.max_k + 1, dtype=torch.float64)
+                gains = self._gains(rows, None, depth).masked_fill(
+                    depth[None, :] > torch.tensor(offered, dtype=torch.float64)[:, None], 0.0).sum(1)
+                extra = self._relative(n, 1 + backlog / self.read_horizon / n, context) - 1
+                offered = [0 if g < self.min_gain * plain * e else a
+                           for a, g, e in zip(offered, gains.tolist(), extra.tolist())]
+            best = self.min_gain * plain
+            for k in range(1, max(offered, default=0) + 1):
+                ks, _, expected, tokens = self._choose_rows(rows, [min(k, a) for a in offered], None, context)
                 depth = max(ks)
                 if depth == 0:
-                    break
+                    continue
                 chosen = torch.tensor(ks) > 0
                 tokens += float(backlog[chosen].sum()) / self.read_horizon / n
                 cost = float(self._relative(n, torch.tensor([tokens], dtype=torch.float64), context)[0])
@@ -430,10 +445,8 @@ class AdaptiveK:
                                                               dtype=torch.float64)))
                 if expected / cost > best:
                     best, counts = expected / cost, ks
-                if depth < k:  # no row took its k-th draft: a larger k offers only drafts ranked after those
-                    break
         self.chosen.append(max(counts, default=0))
-        self.num_declined += not any(counts) and bool(rows)
+        self.num_declined += not any(counts) and any(offered)
         self._last = (max(n, 1), context)
         return counts
 

@@ -344,8 +344,11 @@ class Step:
             wanted = None  # the drafts per row chosen before drafting, for a speculator drafting for some rows only
             if self.policy is not None and self.policy.draft_subsets and self.policy.packed and \
                     self.speculator.drafts_row_subsets:
-                backlog = self.speculator.unread_rows(batch) if self.policy.reads_backlog else None
-                wanted = self.policy.choose_drafters(batch.active, context, backlog)
+                # Rows the speculator cannot draft for this step (no states yet) are offered none.
+                held = self.speculator.unread_rows(batch)
+                offered = [0 if u is None else max(0, b - 1) for u, b in zip(held, budget)]
+                backlog = [u or 0.0 for u in held] if self.policy.reads_backlog else None
+                wanted = self.policy.choose_drafters(batch.active, offered, context, backlog)
                 k = max(wanted)
                 unread = sum(u for u, w in zip(backlog, wanted) if w) if backlog is not None else 0.0
             elif self.policy is not None:

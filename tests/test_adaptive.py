@@ -489,5 +489,9 @@ def test_a_model_speculator_drafts_only_for_the_rows_worth_it():
     assert counts[0] > 0 and counts[1:] == [0] * 15 and policy.chosen[-1] == counts[0]
     assert policy.choose_drafters(rows, unread=[0.0] + [50.0] * 15) == counts
     assert policy.choose_drafters(rows, unread=[500.0] + [0.0] * 15) == [0] * 16
+    assert policy.choose_drafters(rows, available=[0] + [3] * 15) == [0] * 16  # it cannot draft for the heavy row
+    policy.weigh(rows, [150, 150] + [20] * 14)  # two rows the run waits for, one with a dear backlog
+    counts = policy.choose_drafters(rows, unread=[500.0] + [0.0] * 15)
+    assert counts[0] == 0 and counts[1] > 0 and counts[2:] == [0] * 14
     policy.weigh(rows, None)  # every row alike: no draft pays for the batch
-    assert policy.choose_drafters(rows) == [0] * 16 and policy.num_declined == 3  # with `choose` above
+    assert policy.choose_drafters(rows) == [0] * 16 and policy.num_declined == 4  # with `choose` above

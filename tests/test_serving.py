@@ -270,9 +270,10 @@ def test_eagle_head_drafts_for_the_rows_adaptive_k_picks(tokenizer, tmp_path, id
     assert policy.draft_subsets
     choose_drafters, propose = policy.choose_drafters, head.propose
 
-    def every_other(rows, context=0.0, unread=None):
-        choose_drafters(rows, context, unread)  # the real choice runs (and records), then is overridden
-        counts = [2 if len(engine.scheduler.running[r].prompt_ids) % 4 == 1 else 0 for r in rows]  # even i
+    def every_other(rows, available=None, context=0.0, unread=None):
+        choose_drafters(rows, available, context, unread)  # the real choice runs (and records), then is overridden
+        counts = [min(2, a) if len(engine.scheduler.running[r].prompt_ids) % 4 == 1 else 0  # even i
+                  for r, a in zip(rows, available)]
         policy.chosen[-1] = max(counts)
         return counts
 
@@ -283,7 +284,22 @@ def test_eagle_head_drafts_for_the_rows_adaptive_k_picks(tokenizer, tmp_path, id
                             for r, n in zip(batch.active, draft.num_tokens.tolist()) if n)
         return draft
 
-    policy.choose_drafters, head.propose = every_other, recorded
+    restart, drafting = head._restart, set()
+
+    def restarted(row, start):  # a row about to draft reads all its states: never cut to the idle window
+        assert row not in drafting
+        restart(row, start)
+
+    def consume(batch, rows, keep=frozenset()):
+        drafting.clear()
+        drafting.update(keep)
+        try:
+            consume_backlog(batch, rows, keep)
+        finally:
+            drafting.clear()
+
+    consume_backlog = head._consume_backlog
+    policy.choose_drafters, head.propose, head._restart, head._consume_backlog = every_other, recorded, restarted, consume
     engine.start()
     try:
         served_equal_solo(engine, model, [(repeating(5 + 2 * i, seed=20 + i), 12 + 4 * i) for i in range(5)])
@@ -291,6 +307,37 @@ def test_eagle_head_drafts_for_the_rows_adaptive_k_picks(tokenizer, tmp_path, id
         engine.shutdown()
     assert engine.metrics.num_draft_tokens > 0 and any(r is not None for r in asked)
     assert drafted_rows and set(drafted_rows) == {1}  # only the rows asked for drafted
+
+
+def test_eagle_head_drafts_for_rows_the_serving_policy_picks_as_rows_join(tokenizer, tmp_path):
+    """The real choice (`AdaptiveK.choose_drafters`), made eager (every draft looks nearly free and sure), with
+    requests joining a running batch: a row that joins in a step is offered no drafts (the head holds no states for
+    it yet), the head drafts for the rows picked, and every answer equals its solo run."""
+    from hf_specdec import EagleSpeculator
+    from test_eagle import convert
+
+    model = served_model()
+    head = EagleSpeculator.from_pretrained(convert(tmp_path, model, 3, aux_layers=[0, 1, 1]))
+    engine = ServingEngine(model, tokenizer, head, num_speculative_tokens=3, max_batch_size=2, warmup=False)
+    policy = engine.step.policy
+    policy.step_cost, policy.measured, policy.returns = StepCost(0.0, ((1.0, 10.0), (64.0, 10.6))), None, None
+    policy.draft_cost_per_token, policy.priors[:] = 0.0, 0.95
+    choose_drafters, offers = policy.choose_drafters, []
+
+    def recorded(rows, available=None, context=0.0, unread=None):
+        counts = choose_drafters(rows, available, context, unread)
+        offers.append((list(rows), list(available), counts))
+        assert all(c <= a for c, a in zip(counts, available))
+        return counts
+
+    policy.choose_drafters = recorded
+    engine.start()
+    try:
+        served_equal_solo(engine, model, [(repeating(5 + 2 * i, seed=30 + i), 10 + 5 * i) for i in range(5)])
+    finally:
+        engine.shutdown()
+    assert engine.metrics.num_draft_tokens > 0
+    assert any(0 in available and any(counts) for _, available, counts in offers)  # a newcomer beside drafts
 
 
 @pytest.mark.parametrize("speculator", ["ngram", "draft", "eagle", "none"])

@@ -86,8 +86,9 @@ class Speculator:
         """Cost of drafting one token relative to one target decode step (adaptive k weighs drafts with it)."""
         return 0.0
 
-    def unread_rows(self, batch: SequenceBatch) -> list[float]:
-        """`unread`, per row of `batch.active`: what drafting for that row alone would read first."""
+    def unread_rows(self, batch: SequenceBatch) -> list[float | None]:
+        """`unread`, per row of `batch.active`: what drafting for that row alone would read first; `None` for a row
+        it cannot draft for this step (an EAGLE head holds no states yet for a row joining in this step)."""
         return [0.0] * len(batch.active)
 
     def unread(self, batch: SequenceBatch) -> float:

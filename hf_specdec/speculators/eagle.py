@@ -83,14 +83,12 @@ class EagleSpeculator(Speculator):
         return params / target.num_parameters()
 
     def unread(self, batch: SequenceBatch) -> float:
-        return sum(self.unread_rows(batch))
+        return sum(u for u in self.unread_rows(batch) if u is not None)
 
-    def unread_rows(self, batch: SequenceBatch) -> list[float]:
+    def unread_rows(self, batch: SequenceBatch) -> list[float | None]:
         pending = self._pending
-        if pending is None:
-            return [0.0] * len(batch.active)
-        held = set(pending.rows)  # rows joining this step have no states yet
-        return [max(0, pending.count(r) - 1) * self._read_cost if r in held else 0.0 for r in batch.active]
+        held = set() if pending is None else set(pending.rows)  # rows joining this step have no states yet
+        return [max(0, pending.count(r) - 1) * self._read_cost if r in held else None for r in batch.active]
 
     def begin(self, target, batch: SequenceBatch) -> None:
         # Reading a state costs the head's fc and layer (no LM head: only a row's newest entry gets logits).
@@ -125,7 +123,7 @@ class EagleSpeculator(Speculator):
             return DraftProposal.empty(len(everyone), batch.device)
         if len(wanted) < len(everyone):  # the rows left out this step: as in a step without drafts
             drafting = set(rows)
-            self._consume_backlog(batch, [r for r in everyone if r not in drafting])
+            self._consume_backlog(batch, [r for r in everyone if r not in drafting], keep=drafting)
             self._real_lengths = None
         self._rows = rows
         rows_t = torch.tensor(rows, device=batch.device) if len(rows) < len(everyone) else batch.active_tensor()
@@ -236,20 +234,21 @@ class EagleSpeculator(Speculator):
         return DraftTree(torch.cat(cand_tokens, dim=1).gather(1, chosen), parents,
                          torch.isfinite(all_scores.gather(1, chosen)))
 
-    def _consume_backlog(self, batch: SequenceBatch, rows: list[int]) -> None:
+    def _consume_backlog(self, batch: SequenceBatch, rows: list[int], keep: set[int] = frozenset()) -> None:
         """A step without drafts. The head needs a row's states only to draft for it, and while adaptive k keeps
         drafting off (a compute-bound batch, where drafts do not pay) reading them would cost a head forward over
         every committed token of every row. So a row keeps only its newest `IDLE_WINDOW` states; once it holds more,
         its head cache starts again from that window (`_restart`), as a head with a sliding window would, and the
         head reads them when drafting resumes. Drafts made from a window may differ from a full-context head's;
         they are verified all the same, so the output does not. With `IDLE_WINDOW = None` the head keeps the whole
-        context, reading the states in one forward once a row holds `IDLE_BACKLOG` of them."""
+        context, reading the states in one forward once a row holds `IDLE_BACKLOG` of them. Rows in `keep` (drafting
+        in this step) are left whole: the head reads all their states before it drafts."""
         pending = self._pending
         if pending is None:
             return
         if self.IDLE_WINDOW is not None:
             for row in pending.rows:
-                if pending.count(row) > self.IDLE_WINDOW:
+                if row not in keep and pending.count(row) > self.IDLE_WINDOW:
                     self._restart(row, pending.keep_last(row, self.IDLE_WINDOW))
             return
         if pending.most() < self.IDLE_BACKLOG:
