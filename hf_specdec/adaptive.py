@@ -432,19 +432,22 @@ class AdaptiveK:
                 extra = self._relative(n, 1 + backlog / self.read_horizon / n, context) - 1
                 offered = [0 if g < self.min_gain * plain * e else a
                            for a, g, e in zip(offered, gains.tolist(), extra.tolist())]
-            best = self.min_gain * plain
-            for k in range(1, max(offered, default=0) + 1):
-                ks, _, expected, tokens = self._choose_rows(rows, [min(k, a) for a in offered], None, context)
-                depth = max(ks)
-                if depth == 0:
-                    continue
-                chosen = torch.tensor(ks) > 0
-                tokens += float(backlog[chosen].sum()) / self.read_horizon / n
-                cost = float(self._relative(n, torch.tensor([tokens], dtype=torch.float64), context)[0])
-                cost = float(self._corrected(n, torch.tensor(cost + self.draft_cost_per_token * depth,
-                                                              dtype=torch.float64)))
-                if expected / cost > best:
-                    best, counts = expected / cost, ks
+            # The drafts of highest weighed gain, then the head's depth: each row's first `d` of them for every d,
+            # the head's forwards (`d`) and the chosen rows' backlog priced, in one evaluation over d.
+            ks = torch.tensor(self._choose_rows(rows, offered, None, context)[0], dtype=torch.long)
+            most = int(ks.max())
+            if most:
+                d = torch.arange(1, most + 1)
+                capped = torch.minimum(ks[None, :], d[:, None])  # [depths, rows]
+                gained = self._gains(rows, None, d.double()).cumsum(1).T  # [depths, rows]: first j drafts' gain
+                expected = plain + gained.gather(0, (capped - 1).clamp(min=0)).masked_fill(capped == 0, 0.0).sum(1)
+                read = float(backlog[ks > 0].sum()) / self.read_horizon / n
+                tokens = 1 + capped.sum(1).double() / n + read
+                cost = self._relative(n, tokens, context) + self.draft_cost_per_token * d.double()
+                value = expected / self._corrected(n, cost)
+                best = int(torch.argmax(value))
+                if float(value[best]) > self.min_gain * plain:
+                    counts = capped[best].tolist()
         self.chosen.append(max(counts, default=0))
         self.num_declined += not any(counts) and any(offered)
         self._last = (max(n, 1), context)
