@@ -10,7 +10,7 @@ pays: the speculator's cost when it drafts nothing), `-uncalibrated` (expected g
 accepted over expected), `-unchecked` (no return check: `returns.DraftReturns`), `-unread` (a model speculator's backlog, read before
 drafting, left unpriced: `Speculator.unread`), `-grouped` (no token rows: a step verifying drafts pads or groups its rows' queries,
 `paged_cache.token_rows_pay`), `-unpacked` (no packed linear weights: `HF_SPECDEC_PACKED_LINEAR=off`; also with
-`off`), `-marginX` (`min_gain` X, e.g. `ngram-margin1.25`), `-flat` (a GPU's flat step-cost curve on every model of the policy: drafts look
+`off`), `-marginX` (`min_gain` X, e.g. `ngram-margin1.25`), `-subsets` (an EAGLE head drafts for the rows `AdaptiveK.choose_drafters` picks: `draft_subsets`), `-flat` (a GPU's flat step-cost curve on every model of the policy: drafts look
 free, as they did to the H100's policy).
 
     python benchmarks/serve_replay.py --configs off,ngram,ngram-noweight,ngram-static --rounds 3
@@ -69,13 +69,15 @@ def configured(model, tokenizer, name: str, num_requests: int, max_batch_size: i
             policy.read_horizon = float("inf")
         elif option.startswith("margin"):
             policy.min_gain = float(option[len("margin"):])
+        elif option == "subsets":  # a model speculator drafts for the rows adaptive k picks (`choose_drafters`)
+            policy.draft_subsets = True
         elif option in ("flat", "unpacked"):  # applied below, or by `run`
             pass
         elif option == "grouped":  # no token rows: steps verifying drafts pad or group their rows' queries
             PagedKVCache.token_rows = False
         else:
             raise SystemExit(f"unknown option {option!r} in {name!r}: use -static, -noweight, -never, -uncalibrated, "
-                             f"-unchecked, -unread, -grouped, -flat, -unpacked or -marginX")
+                             f"-unchecked, -unread, -grouped, -flat, -unpacked, -subsets or -marginX")
     if "flat" in options:
         flat = DEFAULT_STEP_COST["cuda"]
         policy.step_cost = flat

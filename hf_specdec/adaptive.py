@@ -296,8 +296,8 @@ class AdaptiveK:
             batches; in one call a model speculator reads the prompts once and drafting rarely stops.
         draft_subsets (`bool`): a model speculator that can draft for some rows only
             (`Speculator.drafts_row_subsets`) drafts for the rows `choose_drafters` picks, priced for those rows
-            alone, where the verify is packed. The serving engine's choice, where a large batch's drafts pay only in
-            the rows the run waits for (`weigh`).
+            alone, where the verify is packed. Off by default, the serving engine's too: faster on the virtual
+            clock, not yet shown over HTTP (docs/benchmarks.md, "Drafts for the rows the run waits for").
     """
 
     def __init__(self, num_rows: int, max_k: int, step_cost: StepCost, draft_cost_per_token: float = 0.0,
@@ -486,11 +486,10 @@ class AdaptiveK:
         share = torch.tensor(remaining, dtype=torch.float64).clamp(min=0) / longest
         self.weights[rows] = share ** self.WEIGHT_POWER
 
-    # Weights are (work left / the most any row has left) ** WEIGHT_POWER: the rows the run waits for count, those
-    # well short of the longest next to nothing (at 8, a row with 80% of the most left weighs 0.17, one with half
-    # 0.004). On the virtual clock (benchmarks/serve_sim.py, three seeds) 8 against 1 took EAGLE from 1.001x to
-    # 1.017x speculation off and n-gram from 0.994x to 0.991x (docs/benchmarks.md).
-    WEIGHT_POWER = 8.0
+    # Weights are (work left / the most any row has left) ** WEIGHT_POWER. On the virtual clock
+    # (benchmarks/serve_sim.py) 8 with `draft_subsets` took EAGLE from 1.001x to 1.017-1.038x speculation off, but over
+    # HTTP on this CPU that pair measured 0.80-1.11x (docs/benchmarks.md): both stay off by default until a run shows it.
+    WEIGHT_POWER = 1.0
 
     # A speculator's backlog (`Speculator.unread`) is read once for the drafting steps that follow: priced as spread
     # over this many. Charged whole to one step, a resume would rarely pay where every later step would (a newcomer's

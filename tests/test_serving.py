@@ -267,7 +267,7 @@ def test_eagle_head_drafts_for_the_rows_adaptive_k_picks(tokenizer, tmp_path, id
         head.IDLE_WINDOW, head.IDLE_BACKLOG = None, idle_backlog
     engine = ServingEngine(model, tokenizer, head, num_speculative_tokens=3, max_batch_size=3, warmup=False)
     policy, drafted_rows, asked = engine.step.policy, [], []
-    assert policy.draft_subsets
+    policy.draft_subsets = True
     choose_drafters, propose = policy.choose_drafters, head.propose
 
     def every_other(rows, available=None, context=0.0, unread=None):
@@ -322,6 +322,7 @@ def test_eagle_head_drafts_for_rows_the_serving_policy_picks_as_rows_join(tokeni
     policy = engine.step.policy
     policy.step_cost, policy.measured, policy.returns = StepCost(0.0, ((1.0, 10.0), (64.0, 10.6))), None, None
     policy.draft_cost_per_token, policy.priors[:] = 0.0, 0.95
+    policy.draft_subsets = True
     choose_drafters, offers = policy.choose_drafters, []
 
     def recorded(rows, available=None, context=0.0, unread=None):

@@ -292,7 +292,7 @@ class ServingEngine:
             # drafts, newcomers' prompts), read before it drafts again, is priced with the drafts (`price_reading`).
             policy = AdaptiveK(slots, self.k, cost, draft_cost, priors=self.speculator.confidence_priors,
                                packed=self.target.packed, measure_steps=True, calibrate=True, check_returns=True,
-                               price_reading=True, draft_subsets=True)
+                               price_reading=True)
         constraints = None
         try:
             from ..structured import xgrammar
