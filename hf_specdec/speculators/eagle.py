@@ -124,7 +124,6 @@ class EagleSpeculator(Speculator):
         if len(wanted) < len(everyone):  # the rows left out this step: as in a step without drafts
             drafting = set(rows)
             self._consume_backlog(batch, [r for r in everyone if r not in drafting], keep=drafting)
-            self._real_lengths = None
         self._rows = rows
         rows_t = torch.tensor(rows, device=batch.device) if len(rows) < len(everyone) else batch.active_tensor()
         runner = self._runner
