@@ -191,22 +191,9 @@ def offloaded(model) -> bool:
     return "disk" in places or ("cpu" in places and input_device(model).type != "cpu")
 
 
-def _speculator_modules(speculator) -> list[torch.nn.Module]:
-    """The modules a speculator runs (a draft model, a head), found in its attributes and its parts'."""
-    from .speculators.base import Speculator
-
-    found = []
-    for value in vars(speculator).values():
-        if isinstance(value, torch.nn.Module):
-            found.append(value)
-        elif isinstance(value, Speculator):
-            found += _speculator_modules(value)
-    return found
-
-
 def speculator_key(speculator) -> str | None:
     """A digest of a speculator's class and modules; None for one that runs no module (n-gram lookup)."""
-    modules = _speculator_modules(speculator)
+    modules = speculator.modules()
     if not modules:
         return None
     return hashlib.sha256(json.dumps([type(speculator).__name__, *map(_module_fingerprint, modules)]).encode()
@@ -317,7 +304,7 @@ def host_linear(model, speculator=None, use_profile: bool = True):
                                or any(packed.values())):
         yield
         return
-    modules = [model, *(_speculator_modules(speculator) if speculator is not None else [])]
+    modules = [model, *(speculator.modules() if speculator is not None else [])]
     with thin_linear(modules, profile.thin_linear_rows, profile.linear_rows or None,
                      profile.thin_linear_shapes or None, packed or None):
         yield
@@ -538,8 +525,6 @@ def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] 
     random state is left as it was. `progress`: a function taking a message, called before each measurement;
     `timer`: what times a forward or a product (`measure.Timer`; tests pass made-up timings). With `retry=False`,
     what was found unsteady in the last `UNSTEADY_RETRY_S` is not measured again (`force` measures anyway)."""
-    from .generation import resolve_speculator
-
     say = progress or (lambda message: None)
     profile = None if force else load_profile(model)
 
@@ -595,7 +580,9 @@ def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] 
             save_profile(model, profile)
             _note_unsteady(model, "step", False)
         for spec in speculators:
-            spec = resolve_speculator(spec)
+            if not callable(getattr(spec, "modules", None)):
+                raise TypeError(f"calibrate takes speculator objects, got {type(spec).__name__}; turn a name or a "
+                                "draft model into one with hf_specdec.resolve_speculator")
             key = speculator_key(spec)
             if key is None or (key in profile.draft_costs and not force):
                 continue

@@ -15,11 +15,12 @@ from .demo.app import add_arguments as add_demo_arguments
 from .head_convert import CONFIG_NAME as HEAD_CONFIG_NAME
 from .head_convert import head_speculator_from_dir
 from .models import (
-    DEFAULT_MODEL, EMBEDDED_MODELS, has_trained_head, load_causal_lm, load_model,
-    load_tokenizer, trained_head,
+    DEFAULT_MODEL, EMBEDDED_MODELS, has_trained_head, load_causal_lm, load_model, load_tokenizer, parse_dtype,
+    trained_head,
 )
 from .quantization import QUANTIZATIONS, load_draft
 from .speculators.eagle import EagleSpeculator
+from .speculators.resolve import resolve_speculator
 from .speculators.hybrid import HybridSpeculator
 from .speculators.heads import CONFIG_NAME as EAGLE_CONFIG_NAME
 from .tokenizers import check_tokenizers_match
@@ -28,10 +29,6 @@ from .train_eagle import cmd_train_eagle
 from .workloads import GROUNDED, OPEN_CHAT, chat_inputs
 
 
-
-def _dtype(args):
-    """`--dtype` as a torch dtype (None: the model's default; float32 for the embedded GGUF models)."""
-    return None if args.dtype is None else getattr(torch, args.dtype)
 
 def _speculator(spec: str, target, target_tokenizer, quantization: str | None = None, model_name: str = ""):
     """'ngram', 'eagle' (the trained head shipped for the embedded model `model_name`), a head directory,
@@ -97,7 +94,7 @@ def _calibrate(args, model, speculators, explicit: bool = False) -> None:
 
     if not explicit and (getattr(args, "no_calibrate", False) or not enabled()):
         return
-    profile = calibrate(model, [s for s in speculators if not isinstance(s, str)], force=getattr(args, "force", False),
+    profile = calibrate(model, [resolve_speculator(s) for s in speculators if not isinstance(s, str)], force=getattr(args, "force", False),
                         progress=lambda message: print(f"hf_specdec calibrate: {message}", file=sys.stderr),
                         retry=explicit)
     print(f"hf_specdec calibrate: profile {profile_path(model)}" if profile is not None else
@@ -110,7 +107,7 @@ def cmd_calibrate(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, dtype=_dtype(args), device=args.device)
+    model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=args.device)
     speculators = {}
     for name in filter(None, args.speculators.split(",")):
         for quantization in _quantizations(args.draft_quantization) if name not in ("ngram", "eagle") else [None]:
@@ -125,7 +122,7 @@ def cmd_run(args) -> int:
     speculator on a grounded and an open-chat prompt (or on `--prompt`), and which one is best on each."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, dtype=_dtype(args), device=args.device)
+    model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=args.device)
     speculators = _run_speculators(args, model, tokenizer)
     _calibrate(args, model, speculators.values())
     tree = {}
@@ -194,7 +191,7 @@ def cmd_generate(args) -> int:
     """Streams one prompt's speculative generation, then prints the metrics line."""
     from transformers import TextStreamer
 
-    model, tokenizer = load_model(args.model, dtype=_dtype(args), device=args.device)
+    model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=args.device)
     inputs = chat_inputs(tokenizer, [args.prompt]).to(model.device)
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k) \
         if args.sample else dict(do_sample=False)
@@ -251,7 +248,7 @@ def cmd_bench(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, dtype=_dtype(args), device=args.device)
+    model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=args.device)
     speculators = {}
     for name in args.speculators.split(","):
         for quantization in _quantizations(args.draft_quantization) if name not in ("ngram", "eagle") else [None]:
@@ -298,7 +295,7 @@ def cmd_serve(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, dtype=_dtype(args), device=args.device)
+    model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=args.device)
     speculator = _speculator(args.speculator, model, tokenizer, model_name=args.model)
     _calibrate(args, model, [speculator])
     engine = ServingEngine(model, tokenizer, speculator, num_speculative_tokens=args.k,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
+
+from .errors import UnsupportedModelError
 
 logger = logging.getLogger("hf_specdec")
 
@@ -19,10 +20,6 @@ _MAX_VOCAB_PADDING = 1024
 _OWN_ATTENTION_MASKS = {
     "doge": "computes a dynamic attention mask from its cached value states",
 }
-
-
-class UnsupportedModelError(ValueError):
-    """The model cannot be decoded speculatively by hf_specdec."""
 
 
 def check_model_supported(model, role: str = "model") -> None:
@@ -221,35 +218,3 @@ def check_vocab_compatible(target, draft) -> None:
             f"the draft model's vocabulary ({draft_vocab} tokens) cannot match the target's ({target_vocab}); "
             "speculative decoding needs both models to share one tokenizer. Pick a draft from the target's family"
         )
-
-
-class _DropKnownSkewMessages(logging.Filter):
-    """Drops the two messages torchao 0.18's import gives under torch 2.13 (see `torchao_skew_messages_dropped`)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        cuda_kernel = message.startswith("Failed to load ") and "/torchao/_C" in message
-        enum_constant = "is an Enum subclass" in message and "register_constant()" in message
-        return not (cuda_kernel or enum_constant)
-
-
-@contextmanager
-def torchao_skew_messages_dropped():
-    """Runs the first import of transformers' model code without torchao's two version-skew messages.
-
-    transformers imports torchao, when installed, as soon as its model code loads (`transformers.quantizers`).
-    torchao 0.18, the newest release, predates torch 2.13: its PyPI wheel carries CUDA kernels (`_C_cutlass_90a`,
-    `_C_mxfp8`) that a CPU build of torch cannot load, logged as "Failed to load .../torchao/_C_*.so", and it
-    registers its Enum types with a pytree call torch 2.13 deprecates, logged as one "W... _pytree.py ...
-    register_constant()" line per type. Neither changes what hf_specdec uses torchao for (fp8 weight-only drafts, on
-    its Python path), so exactly those messages are dropped inside this block; anything else still shows.
-    """
-    loggers = [logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")]
-    quiet = _DropKnownSkewMessages()
-    for logger in loggers:
-        logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        for logger in loggers:
-            logger.removeFilter(quiet)

@@ -25,9 +25,8 @@ from .constraints import RowConstraints
 from .engine import SpeculativeEngine
 from .metrics import SpeculativeMetrics
 from .speculators.base import Speculator
-from .speculators.draft_model import DraftModelSpeculator
 from .speculators.grammar import GrammarSpeculator
-from .speculators.ngram import NgramSpeculator
+from .speculators.resolve import resolve_speculator
 from .structured import Grammar, compile_grammars, xgrammar
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
@@ -50,32 +49,6 @@ class SpeculativeGenerateOutput(GenerateDecoderOnlyOutput):
     (a later `generate` given None recomputes them from the prompt, as with `use_cache=False`)."""
 
     speculative_metrics: SpeculativeMetrics | None = None
-
-
-def resolve_speculator(speculator) -> Speculator:
-    """Turns what a user passed as `speculator=` into a `Speculator`, or raises naming `speculator`."""
-    if isinstance(speculator, Speculator):
-        return speculator
-    if isinstance(speculator, PreTrainedModel):
-        return DraftModelSpeculator(speculator)
-    if isinstance(speculator, str):
-        if speculator == "ngram":
-            return NgramSpeculator()
-        if speculator == "grammar":
-            return GrammarSpeculator()
-        heads = ""
-        if speculator.lower() in ("eagle", "eagle3", "medusa", "mlp", "hybrid"):
-            heads = ("; a head is a speculator object: hf_specdec.EagleSpeculator.from_pretrained(path), e.g. the "
-                     "shipped one for SmolLM2, hf_specdec.trained_head('smollm2-135m-instruct')")
-        raise ValueError(
-            f"speculator={speculator!r} is not a known speculator name; pass 'ngram', 'grammar' (with grammar=), "
-            "a draft PreTrainedModel "
-            f"(load one with AutoModelForCausalLM.from_pretrained) or an hf_specdec.Speculator{heads}"
-        )
-    raise TypeError(
-        f"speculator= must be a draft PreTrainedModel, 'ngram' or an hf_specdec.Speculator, "
-        f"got {type(speculator).__name__}"
-    )
 
 
 def _check_num_speculative_tokens(k) -> int:

@@ -27,23 +27,14 @@ from .eagle_convert import (
     _read_json, _resolve_source, _target_config, convert_eagle, eagle_speculator_from_dir, load_pickled_tensors,
     looks_like_reference_eagle, read_reference_tensors,
 )
+from .speculators.head_format import CONFIG_NAME, FORMAT, FORMAT_VERSION, HeadCheckpointError, check_tensors, load_head_dir
 from .speculators.heads import HIDDEN_STATES_CONVENTION, WEIGHTS_NAME, EagleCheckpointError
-from .speculators.heads import check_tensors as check_head_tensors
-from .speculators import medusa, mlp
 from .speculators.medusa import MedusaSpeculator
 from .speculators.mlp import MlpSpeculator
 
 logger = logging.getLogger("hf_specdec")
 
-CONFIG_NAME = "head_config.json"
-FORMAT = "hf_specdec-head"
-FORMAT_VERSION = 1
-KINDS = {"mlp_speculator": (MlpSpeculator, mlp.expected_tensors), "medusa": (MedusaSpeculator, medusa.expected_tensors)}
-
-
-class HeadCheckpointError(EagleCheckpointError):
-    """A draft-head checkpoint (reference layout or ours) that cannot be used: unknown layout, missing or extra
-    tensors, wrong shapes or dtypes, unreadable files. A subclass of `EagleCheckpointError`."""
+KINDS = {cls.kind: cls for cls in (MlpSpeculator, MedusaSpeculator)}
 
 
 def convert_head(src: str | Path, dst: str | Path, target=None, *, dtype: torch.dtype | None = None,
@@ -74,7 +65,7 @@ def convert_head(src: str | Path, dst: str | Path, target=None, *, dtype: torch.
     tensors = read_tensors(src_dir)
     convert = _convert_mlp if kind == "mlp_speculator" else _convert_medusa
     config, converted, names = convert(source_config, tensors, target_config, str(src_dir))
-    check_tensors(converted, config, str(src_dir), names)
+    check_tensors(converted, config, str(src_dir), KINDS[config["kind"]].expected_tensors, names)
     if dtype is not None:
         converted = {n: t.to(dtype) if t.is_floating_point() else t for n, t in converted.items()}
     config["source"] = {"path": str(src), "architectures": source_config.get("architectures")}
@@ -153,9 +144,9 @@ def _convert_mlp(source_config, tensors, target_config, where):
                "top_k_tokens_per_head": source_config.get("top_k_tokens_per_head")}
     config = _config("mlp_speculator", section, target_config)
     if section["tie_weights"]:
-        tensors = _untie(tensors, mlp.expected_tensors(config), where)
+        tensors = _untie(tensors, MlpSpeculator.expected_tensors(config), where)
     prefix = "speculator." if any(n.startswith("speculator.") for n in names.values()) else ""
-    return config, tensors, {n: prefix + n for n in mlp.expected_tensors(config)} | names
+    return config, tensors, {n: prefix + n for n in MlpSpeculator.expected_tensors(config)} | names
 
 
 def _untie(tensors, expected, where):
@@ -217,7 +208,7 @@ def _convert_medusa(source_config, tensors, target_config, where):
     config = _config("medusa", section, target_config)
     prefix = next((p for p in ("medusa_head.", "medusa_heads.") if any(n.startswith(p) for n in tensors)), "")
     spelled = {ours: _medusa_source_name(ours, num_layers, vllm_style, prefix)
-               for ours in medusa.expected_tensors(config)}
+               for ours in MedusaSpeculator.expected_tensors(config)}
     return config, converted, spelled | names
 
 
@@ -267,49 +258,6 @@ def _config(kind: str, section: dict, target_config) -> dict:
     }
 
 
-def check_tensors(tensors: dict[str, torch.Tensor], config: dict, where: str,
-                  source_names: dict[str, str] | None = None) -> None:
-    """Raises `HeadCheckpointError` naming (as the checkpoint spells it) the first missing, unexpected,
-    misshapen, mistyped or non-finite tensor (the EAGLE checker, with this kind's tensors)."""
-    expected = {name: (shape, "int" if name == "draft_to_target" else "float")
-                for name, shape in KINDS[config["kind"]][1](config).items()}
-    check_head_tensors(tensors, config, where, source_names, expected=expected,
-                       what=f"a {config['kind']} head with this config", error=HeadCheckpointError)
-
-
-def load_head_dir(path: str | Path, kind: str | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Reads and checks a directory in our format; returns `(config, tensors)`.
-
-    Args:
-        kind (`str`, *optional*): refuse a head of another kind (`"mlp_speculator"` or `"medusa"`).
-    """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    config_file = path / CONFIG_NAME
-    if not config_file.is_file():
-        hint = " (it is a reference checkpoint: convert it first)" if (path / "config.json").is_file() else ""
-        raise HeadCheckpointError(f"{path} has no {CONFIG_NAME}{hint}; convert the head with `hf-specdec "
-                                  "convert-head SRC DST --target TARGET` (or hf_specdec.convert_head)")
-    config = json.loads(config_file.read_text())
-    if config.get("format") != FORMAT or config.get("format_version") != FORMAT_VERSION or config.get(
-            "kind") not in KINDS:
-        raise HeadCheckpointError(f"{config_file} is not {FORMAT} version {FORMAT_VERSION} of a known kind; "
-                                  "re-convert the head")
-    if kind is not None and config["kind"] != kind:
-        raise HeadCheckpointError(f"{path} holds a {config['kind']} head, not a {kind} head; load it with "
-                                  f"{KINDS[config['kind']][0].__name__}.from_pretrained")
-    weights_file = path / WEIGHTS_NAME
-    try:
-        tensors = load_file(str(weights_file))
-    except (SafetensorError, OSError) as error:
-        raise HeadCheckpointError(f"could not read {weights_file} ({error}); the file is missing, truncated or "
-                                  "corrupt: convert the head again") from error
-    check_tensors(tensors, config, str(weights_file))
-    return config, tensors
-
-
 def _write(dst, config, tensors) -> Path:
     from safetensors.torch import save_file
 
@@ -317,7 +265,7 @@ def _write(dst, config, tensors) -> Path:
     dst.mkdir(parents=True, exist_ok=True)
     save_file({n: t.contiguous() for n, t in tensors.items()}, str(dst / WEIGHTS_NAME), metadata={"format": FORMAT})
     (dst / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-    load_head_dir(dst)  # what we wrote must load
+    load_head_dir(dst, config["kind"], KINDS[config["kind"]].expected_tensors)  # what we wrote must load
     return dst
 
 
@@ -329,8 +277,8 @@ def head_speculator_from_dir(path):
     if (Path(path) / CONFIG_NAME).is_file():
         kind = json.loads((Path(path) / CONFIG_NAME).read_text()).get("kind")
         if kind not in KINDS:
-            load_head_dir(path)  # raises, naming what is wrong with the directory
-        return KINDS[kind][0].from_pretrained(path)
+            load_head_dir(path, kind, lambda config: {})  # raises, naming what is wrong with the directory
+        return KINDS[kind].from_pretrained(path)
     eagle = eagle_speculator_from_dir(path)  # converted EAGLE heads; raises for unconverted ones
     if eagle is not None:
         return eagle

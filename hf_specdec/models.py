@@ -14,7 +14,20 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def parse_dtype(name: str | None):
+    """A `--dtype` value ("float32", "bfloat16", ...) as a torch dtype; None keeps the model's default (float32 for
+    the embedded GGUF models)."""
+    if name is None:
+        return None
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}: pass a torch dtype name such as float32, bfloat16 or float16")
+    return dtype
 
 
 @dataclass(frozen=True)

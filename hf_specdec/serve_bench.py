@@ -300,12 +300,11 @@ def table(rows: list[dict]) -> str:
 
 
 def cmd_bench_serve(args) -> int:
-    from .cli import _dtype
-    from .models import load_model
+    from .models import load_model, parse_dtype
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, dtype=_dtype(args), device=args.device)
+    model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=args.device)
     speculators = {SPECULATION_OFF: ("ngram", 0)}
     for name in filter(None, args.speculators.split(",")):
         speculators[f"hf_specdec serve {name}"] = (name, None)

@@ -220,14 +220,14 @@ def test_calibrate_measures_once_and_leaves_the_random_state_alone(monkeypatch):
     torch.manual_seed(7)
     expected = torch.rand(3)
     torch.manual_seed(7)
-    profile = calibrate(target, [draft, "ngram"], **TINY_GRID)
+    profile = calibrate(target, [resolve_speculator(draft), resolve_speculator("ngram")], **TINY_GRID)
     assert torch.equal(torch.rand(3), expected)
     key = calibration.speculator_key(resolve_speculator(draft))
     verify_steps = float(profile.step_cost.relative(1, torch.tensor(5.0), 64 + 12))  # k = 4: a 5-token verify
     assert set(profile.draft_costs) == {key} and profile.draft_costs[key] == round(2.0 / 40.0 * verify_steps, 4)
     assert all(t > 0 for _, t in profile.step_cost.points)
     mtime = profile_path(target).stat().st_mtime_ns
-    assert calibrate(target, [draft], **TINY_GRID) == profile  # cached: nothing measured again
+    assert calibrate(target, [resolve_speculator(draft)], **TINY_GRID) == profile  # cached: nothing measured again
     assert profile_path(target).stat().st_mtime_ns == mtime
 
 
@@ -485,7 +485,7 @@ def test_a_draft_cost_is_kept_only_when_its_calls_agree(noisy, monkeypatch, capl
 
     monkeypatch.setattr(measure, "draft_sample", sample)
     with caplog.at_level(logging.WARNING, logger="hf_specdec"):
-        profile = calibrate(target, [draft], **GRID, timer=fake_timer())
+        profile = calibrate(target, [resolve_speculator(draft)], **GRID, timer=fake_timer())
     key = calibration.speculator_key(resolve_speculator(draft))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     if noisy:

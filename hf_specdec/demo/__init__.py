@@ -6,7 +6,8 @@ Importing this package does not import gradio.
 """
 
 from .app import add_arguments, build_app, launch, main
-from .session import NGRAM_LABEL, BatchResult, Comparison, DemoInputError, DemoLimits, DemoSession, Settings
+from .session import DemoInputError, DemoLimits, DemoSession
+from .stream import NGRAM_LABEL, BatchResult, Comparison, Settings
 
 __all__ = ["NGRAM_LABEL", "BatchResult", "Comparison", "DemoInputError", "DemoLimits", "DemoSession", "Settings",
            "add_arguments", "build_app", "launch", "main"]

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from ..extraction import ITEMS as EXTRACTION_ITEMS
 from ..extraction import extraction_prompt
+from ..speculators.resolve import resolve_speculator
 from ..models import DEFAULT_MODEL
 from ..workloads import GROUNDED, OPEN_CHAT
 from .render import CSS, LEGEND, batch_html, chart_html, metrics_html, pane_html, status_html
@@ -197,7 +198,8 @@ def launch(args: argparse.Namespace, gpu: Callable | None = None) -> int:
         from ..calibration import calibrate, enabled
 
         if enabled():
-            calibrate(session.model, [s for s in session.speculators.values() if not isinstance(s, str)], retry=False)
+            calibrate(session.model, [resolve_speculator(s) for s in session.speculators.values()
+                                      if not isinstance(s, str)], retry=False)
         session.warm_up()
     app = build_app(session, gpu)
     app.queue(default_concurrency_limit=1, max_size=32)  # one generation at a time keeps timings honest

@@ -18,10 +18,7 @@ import torch
 from ..models import DEFAULT_MODEL, has_trained_head, load_causal_lm, load_model, load_tokenizer, trained_head
 from ..tokenizers import check_tokenizers_match
 from ..workloads import chat_inputs
-from .stream import BatchResult, Comparison, Pane, StepStreamer
-
-NGRAM_LABEL = "n-gram (prompt lookup)"
-
+from .stream import NGRAM_LABEL, BatchResult, Comparison, Pane, Settings, StepStreamer
 
 class DemoInputError(ValueError):
     """Input the demo refuses; the message names the problem and the fix, and is shown to the person as is."""
@@ -44,29 +41,6 @@ class DemoLimits:
     max_new_tokens: int = 512
     max_k: int = 16
     max_batch_prompts: int = 8
-
-
-@dataclass(frozen=True)
-class Settings:
-    """One request's generation settings, already checked (see `DemoSession.check_settings`)."""
-
-    speculator: str = NGRAM_LABEL
-    k: int = 5
-    max_new_tokens: int = 128
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int = 0
-    schedule: str = "adaptive"
-    grammar: object = None  # JSON mode: an hf_specdec.Grammar both runs follow
-    tokenizer: object = None  # the target's, which compiles the grammar
-
-    def generate_kwargs(self) -> dict:
-        constraint = dict(grammar=self.grammar, tokenizer=self.tokenizer) if self.grammar is not None else {}
-        if not self.do_sample:
-            return dict(max_new_tokens=self.max_new_tokens, do_sample=False, **constraint)
-        return dict(max_new_tokens=self.max_new_tokens, do_sample=True, temperature=self.temperature,
-                    top_p=self.top_p, top_k=0, **constraint)
 
 
 def load_speculators(model, tokenizer, drafts: list[str] = (), eagle: str | None = None,

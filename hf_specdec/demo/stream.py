@@ -11,14 +11,35 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..metrics import SpeculativeMetrics
 
-if TYPE_CHECKING:
-    from .session import Settings
+NGRAM_LABEL = "n-gram (prompt lookup)"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One request's generation settings, already checked (see `DemoSession.check_settings`)."""
+
+    speculator: str = NGRAM_LABEL
+    k: int = 5
+    max_new_tokens: int = 128
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    schedule: str = "adaptive"
+    grammar: object = None  # JSON mode: an hf_specdec.Grammar both runs follow
+    tokenizer: object = None  # the target's, which compiles the grammar
+
+    def generate_kwargs(self) -> dict:
+        constraint = dict(grammar=self.grammar, tokenizer=self.tokenizer) if self.grammar is not None else {}
+        if not self.do_sample:
+            return dict(max_new_tokens=self.max_new_tokens, do_sample=False, **constraint)
+        return dict(max_new_tokens=self.max_new_tokens, do_sample=True, temperature=self.temperature,
+                    top_p=self.top_p, top_k=0, **constraint)
 
 
 @dataclass

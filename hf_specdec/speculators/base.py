@@ -34,6 +34,17 @@ class Speculator:
     #: Acceptance assumed for each confidence class (`DraftProposal.confidence`) before a call has any evidence.
     confidence_priors: tuple[float, ...] = (0.6,)
 
+    def modules(self) -> list[torch.nn.Module]:
+        """The modules this speculator runs (a draft model, a head), found in its attributes and its parts'; empty for
+        one that runs no module (n-gram lookup). Its measured draft cost is cached under their fingerprints."""
+        found = []
+        for value in vars(self).values():
+            if isinstance(value, torch.nn.Module):
+                found.append(value)
+            elif isinstance(value, Speculator):
+                found += value.modules()
+        return found
+
     @property
     def joins_in_verify(self) -> bool:
         """Rows joining a running batch may be fed their prompts inside the others' verify (packed steps): the

@@ -12,6 +12,7 @@ format (tensors, config) is written by `hf_specdec.convert_head` and read in `hf
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 
 from ..types import PAD_ID, DraftProposal, SequenceBatch
 from .base import Speculator, sample_or_argmax
+from .head_format import load_head_dir
 from .heads import check_head_target
 
 
@@ -36,9 +38,11 @@ class FinalStateSpeculator(Speculator):
 
     needs_hidden_states = True
     joins_in_verify = True
-    #: Our format's kind (`head_config.json`) and the module class built from it; set by each subclass.
+    #: Our format's kind (`head_config.json`), the module class built from it and the tensors (names and shapes) a
+    #: config of that kind holds; set by each subclass.
     kind: str = ""
     head_class: type[nn.Module]
+    expected_tensors: Callable[[dict], dict[str, tuple[int, ...]]]
 
     def __init__(self, head: nn.Module):
         self.head = head.eval()
@@ -63,9 +67,7 @@ class FinalStateSpeculator(Speculator):
     @classmethod
     def from_pretrained(cls, path: str | Path):
         """Loads a head converted to our format by `hf_specdec.convert_head` (`hf-specdec convert-head`)."""
-        from ..head_convert import load_head_dir
-
-        config, tensors = load_head_dir(path, kind=cls.kind)
+        config, tensors = load_head_dir(path, cls.kind, cls.expected_tensors)
         head = cls.head_class(config)
         head.load_state_dict({n: t.float() if t.is_floating_point() else t for n, t in tensors.items()})
         return cls(head)
@@ -204,3 +206,4 @@ class MedusaSpeculator(FinalStateSpeculator):
 
     kind = "medusa"
     head_class = MedusaHeads
+    expected_tensors = staticmethod(expected_tensors)

@@ -115,3 +115,4 @@ class MlpSpeculator(FinalStateSpeculator):
 
     kind = "mlp_speculator"
     head_class = MlpSpeculatorHead
+    expected_tensors = staticmethod(expected_tensors)
