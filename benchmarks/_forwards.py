@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from hf_specdec.model_runner import ModelRunner
+from hf_specdec.runners.model_runner import ModelRunner
 
 
 def filled_runner(model, rows: int, context: int) -> ModelRunner:

@@ -14,7 +14,7 @@ import time
 import torch
 
 import hf_specdec  # noqa: F401  (registers generate(speculator=...))
-from hf_specdec import adaptive
+from hf_specdec.costs import adaptive
 from hf_specdec.models import DEFAULT_MODEL, load_model
 from hf_specdec.workloads import GROUNDED, OPEN_CHAT, chat_inputs
 

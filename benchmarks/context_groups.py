@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from hf_specdec.model_runner import ModelRunner, paged_attention
+from hf_specdec.runners.model_runner import ModelRunner, paged_attention
 from hf_specdec.models import DEFAULT_MODEL, load_model
-from hf_specdec.paged_cache import CONTEXT_SPLIT_MIN, context_groups
+from hf_specdec.cache.paged import CONTEXT_SPLIT_MIN, context_groups
 
 MIXES = {
     "1 x 2000 + 6 x 300": [2000] + [300] * 6,
@@ -64,7 +64,7 @@ def main() -> None:
             print(f"{name}: one group {1e3 * one:.1f} ms, {'two groups' if taken else 'rule keeps one'} "
                   f"{1e3 * two:.1f} ms ({one / two:.2f}x)", flush=True)
             if not taken:  # what two groups would have done
-                import hf_specdec.paged_cache as paged_cache
+                import hf_specdec.cache.paged as paged_cache
 
                 saved, paged_cache.CONTEXT_SPLIT_MIN = paged_cache.CONTEXT_SPLIT_MIN, 0
                 forced = []

@@ -11,8 +11,8 @@ import torch
 
 import serve_replay
 from hf_specdec.models import DEFAULT_MODEL, load_model
-from hf_specdec.paged_cache import PagedKVCache
-from hf_specdec.serve_bench import workload
+from hf_specdec.cache.paged import PagedKVCache
+from hf_specdec.tools.serve_bench import workload
 
 
 def main() -> None:

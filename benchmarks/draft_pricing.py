@@ -24,7 +24,7 @@ import torch
 
 from hf_specdec.cli import _speculator
 from hf_specdec.models import DEFAULT_MODEL, load_model
-from hf_specdec.serve_bench import workload
+from hf_specdec.tools.serve_bench import workload
 from hf_specdec.serving.engine import ServingEngine
 from _forwards import filled_runner, timed_forwards  # benchmarks/, this script's folder
 from serve_replay import replay
@@ -80,7 +80,7 @@ def controlled(model, policy, rows_list=(4, 12, 24), drafts_list=(2, 8), context
     `drafts` draft tokens (2 per row on the first rows), timed interleaved (medians), against what `policy` (an
     `AdaptiveK`, or a `StepCost`) says such a step costs relative to a plain one."""
     price = policy._relative if hasattr(policy, "_relative") else policy.relative
-    from hf_specdec.model_runner import paged_attention
+    from hf_specdec.runners.model_runner import paged_attention
 
     with torch.no_grad(), paged_attention(model):
         for rows in rows_list:
@@ -146,7 +146,7 @@ def report(name: str, steps: list[dict], speed: float) -> None:
 def profile(model, rows: int, context: int = 300, forwards: int = 5) -> None:
     """Self CPU time per forward of the ops that take the most, in plain forwards and in forwards where the first
     row verifies 2 drafts (a second attention group), under the PyTorch profiler."""
-    from hf_specdec.model_runner import paged_attention
+    from hf_specdec.runners.model_runner import paged_attention
 
     with torch.no_grad(), paged_attention(model):
         runner = filled_runner(model, rows, context)
@@ -180,7 +180,7 @@ def main() -> None:
         profile(model, args.profile)
         return
     if args.curve:
-        from hf_specdec.calibration import adaptive_costs
+        from hf_specdec.costs.calibration import adaptive_costs
         from hf_specdec.speculators import NgramSpeculator
 
         step_cost, _, source = adaptive_costs(model, NgramSpeculator())

@@ -12,7 +12,7 @@ import torch
 
 from hf_specdec.cli import _speculator
 from hf_specdec.models import DEFAULT_MODEL, load_model
-from hf_specdec.serve_bench import workload
+from hf_specdec.tools.serve_bench import workload
 from hf_specdec.serving.engine import ServingEngine
 
 

@@ -9,7 +9,7 @@ import torch
 
 from hf_specdec.models import load_model
 from hf_specdec.train_eagle import tokenize_prompts
-from hf_specdec.train_prompts import built_in_prompts
+from hf_specdec.train_eagle.prompts import built_in_prompts
 
 model, tokenizer = load_model()
 prompts = tokenize_prompts(tokenizer, built_in_prompts(200)[100:164])

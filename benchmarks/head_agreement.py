@@ -12,9 +12,9 @@ import torch
 
 from hf_specdec import EagleSpeculator
 from hf_specdec.models import load_model
-from hf_specdec.paged_cache import ATTENTION_NAME
+from hf_specdec.cache.paged import ATTENTION_NAME
 from hf_specdec.train_eagle import tokenize_prompts
-from hf_specdec.train_prompts import built_in_prompts, max_prompts
+from hf_specdec.train_eagle.prompts import built_in_prompts, max_prompts
 from hf_specdec.workloads import GROUNDED, HELD_OUT, OPEN_CHAT
 
 parser = argparse.ArgumentParser()

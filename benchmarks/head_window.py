@@ -13,7 +13,7 @@ import torch
 
 from hf_specdec import EagleSpeculator, trained_head
 from hf_specdec.models import DEFAULT_MODEL, load_model
-from hf_specdec.paged_cache import ATTENTION_NAME
+from hf_specdec.cache.paged import ATTENTION_NAME
 from hf_specdec.train_eagle import tokenize_prompts
 from hf_specdec.workloads import GROUNDED, HELD_OUT, OPEN_CHAT
 

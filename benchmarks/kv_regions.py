@@ -12,7 +12,7 @@ import time
 import torch
 
 from hf_specdec import StepCost
-from hf_specdec.engine import SpeculativeEngine
+from hf_specdec.decode.engine import SpeculativeEngine
 from hf_specdec.models import load_model
 from hf_specdec.workloads import OPEN_CHAT, chat_inputs
 

@@ -8,8 +8,8 @@ import time
 import torch
 
 from hf_specdec.models import load_model
-from hf_specdec import calibration
-from hf_specdec.model_runner import ModelRunner, paged_attention
+from hf_specdec.costs import calibration
+from hf_specdec.runners.model_runner import ModelRunner, paged_attention
 torch.set_num_threads(2)
 model, tok = load_model("smollm2-135m-instruct")
 profile = calibration.load_profile(model)

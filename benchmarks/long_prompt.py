@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from hf_specdec.bench import chat_inputs
+from hf_specdec.tools.bench import chat_inputs
 from hf_specdec.cli import _speculator
 from hf_specdec.models import DEFAULT_MODEL, load_model
-from hf_specdec.serve_bench import GROUNDED, OPEN_CHAT, workload
+from hf_specdec.tools.serve_bench import GROUNDED, OPEN_CHAT, workload
 from hf_specdec.serving.engine import ServingEngine
 
 

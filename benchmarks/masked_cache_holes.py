@@ -16,8 +16,8 @@ import torch
 from transformers import FalconConfig, FalconForCausalLM
 
 import hf_specdec  # noqa: F401
-from hf_specdec import dense_runner
-from hf_specdec.masked_cache import MaskedKVCache
+from hf_specdec.runners import dense as dense_runner
+from hf_specdec.cache.masked import MaskedKVCache
 
 VOCAB, ROWS, NEW, LAYERS = 512, 8, 64, 4
 stats = {"attended": 0, "copied": 0, "compactions": 0}

@@ -1,11 +1,11 @@
 """Deterministic comparison of n-gram speculation at batch 1: target forwards and tokens fed per workload prompt, for
 transformers' prompt lookup and hf_specdec's n-gram with adaptive k, and the time the CPU step-cost model
-(`hf_specdec.adaptive.DEFAULT_STEP_COST["cpu"]`, measured) implies for them. No timing, so it is the same on any
+(`hf_specdec.costs.adaptive.DEFAULT_STEP_COST["cpu"]`, measured) implies for them. No timing, so it is the same on any
 machine load; run `hf-specdec bench` for measured times."""
 import torch
 
 import hf_specdec
-from hf_specdec.adaptive import DEFAULT_STEP_COST
+from hf_specdec.costs.adaptive import DEFAULT_STEP_COST
 from hf_specdec.models import load_model
 from hf_specdec.workloads import GROUNDED, OPEN_CHAT, chat_inputs
 

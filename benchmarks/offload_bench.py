@@ -26,7 +26,7 @@ import torch
 from accelerate import dispatch_model
 
 import hf_specdec
-from hf_specdec.calibration import calibrate, describe
+from hf_specdec.costs.calibration import calibrate, describe
 from hf_specdec.models import load_model, trained_head
 from hf_specdec.workloads import GROUNDED, OPEN_CHAT, chat_inputs
 

@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from hf_specdec.compat import check_model_supported
-from hf_specdec.model_runner import ModelRunner, paged_attention
+from hf_specdec.runners.support import check_model_supported
+from hf_specdec.runners.model_runner import ModelRunner, paged_attention
 from hf_specdec.models import load_model
 
 

@@ -14,7 +14,7 @@ import time
 import torch
 
 from hf_specdec import EagleSpeculator
-from hf_specdec.model_runner import ModelRunner, committed_hidden_states, paged_attention
+from hf_specdec.runners.model_runner import ModelRunner, committed_hidden_states, paged_attention
 from hf_specdec.models import DEFAULT_MODEL, load_model, trained_head
 
 

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from hf_specdec.compat import check_model_supported
-from hf_specdec.model_runner import ModelRunner, paged_attention
+from hf_specdec.runners.support import check_model_supported
+from hf_specdec.runners.model_runner import ModelRunner, paged_attention
 from hf_specdec.models import DEFAULT_MODEL, load_model
 
 

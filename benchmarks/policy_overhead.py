@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from hf_specdec.adaptive import DEFAULT_STEP_COST, AdaptiveK
+from hf_specdec.costs.adaptive import DEFAULT_STEP_COST, AdaptiveK
 
 
 def main() -> None:

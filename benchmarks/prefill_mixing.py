@@ -19,9 +19,9 @@ from unittest import mock
 
 import torch
 
-from hf_specdec import paged_cache
-from hf_specdec.compat import check_model_supported
-from hf_specdec.model_runner import ModelRunner, paged_attention
+from hf_specdec.cache import paged as paged_cache
+from hf_specdec.runners.support import check_model_supported
+from hf_specdec.runners.model_runner import ModelRunner, paged_attention
 from hf_specdec.models import DEFAULT_MODEL, load_model
 
 

@@ -11,9 +11,9 @@ import statistics
 
 import torch
 
-import hf_specdec.paged_cache as paged_cache
+import hf_specdec.cache.paged as paged_cache
 from _forwards import filled_runner, timed_forwards  # benchmarks/, this script's folder
-from hf_specdec.model_runner import paged_attention
+from hf_specdec.runners.model_runner import paged_attention
 from hf_specdec.models import DEFAULT_MODEL, load_model
 
 

@@ -16,7 +16,7 @@ from transformers import (
     LlamaConfig, LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM,
 )
 
-from hf_specdec.model_runner import ModelRunner, paged_attention
+from hf_specdec.runners.model_runner import ModelRunner, paged_attention
 
 COMMON = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=4, pad_token_id=0, eos_token_id=None)
 ATTENTION = dict(intermediate_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=32,

@@ -14,7 +14,7 @@ import torch
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from hf_specdec import logits as logits_module
+from hf_specdec.decode import logits as logits_module
 from hf_specdec.kernels._timing import median_ms
 from hf_specdec.kernels.sampling import apply_sampling_params
 from hf_specdec.models import DEFAULT_MODEL, load_model

@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serve_replay import run as run_in_process  # noqa: E402
 
-from hf_specdec.models import DEFAULT_MODEL, load_model  # noqa: E402
-from hf_specdec.serve_bench import run_server, workload  # noqa: E402
+from hf_specdec.models import DEFAULT_MODEL, load_model
+from hf_specdec.tools.serve_bench import run_server, workload
 
 
 def main() -> None:

@@ -33,12 +33,12 @@ import time
 
 import torch
 
-from hf_specdec.adaptive import DEFAULT_STEP_COST, MeasuredStepCost
+from hf_specdec.costs.adaptive import DEFAULT_STEP_COST, MeasuredStepCost
 from hf_specdec.cli import _speculator
 from hf_specdec.models import DEFAULT_MODEL, load_model
-from hf_specdec.paged_cache import PagedKVCache
-from hf_specdec.returns import DraftReturns
-from hf_specdec.serve_bench import workload
+from hf_specdec.cache.paged import PagedKVCache
+from hf_specdec.costs.returns import DraftReturns
+from hf_specdec.tools.serve_bench import workload
 from hf_specdec.serving.engine import ServingEngine
 
 
@@ -200,7 +200,7 @@ def main() -> None:
 
 def profile(model, tokenizer, name: str, requests, rate: float, max_batch_size: int) -> None:
     """One run of `name` with each step (`Step.__call__`, in the engine thread) under one cProfile profile."""
-    from hf_specdec.step import Step
+    from hf_specdec.decode.step import Step
 
     profiler, call = cProfile.Profile(), Step.__call__
     Step.__call__ = lambda self, *a: profiler.runcall(call, self, *a)

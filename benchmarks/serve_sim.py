@@ -35,13 +35,13 @@ import torch
 
 from serve_replay import configured  # benchmarks/ is the script's folder
 
-from hf_specdec import step as step_module
-from hf_specdec.adaptive import AdaptiveK
-from hf_specdec.calibration import host_linear
-from hf_specdec.dense_runner import runner_attention
+from hf_specdec.decode import step as step_module
+from hf_specdec.costs.adaptive import AdaptiveK
+from hf_specdec.costs.calibration import host_linear
+from hf_specdec.runners.dense import runner_attention
 from hf_specdec.models import DEFAULT_MODEL, load_model
-from hf_specdec.scheduler import Request
-from hf_specdec.serve_bench import workload
+from hf_specdec.decode.scheduler import Request
+from hf_specdec.tools.serve_bench import workload
 
 
 class Clock:

@@ -24,8 +24,8 @@ def child(args) -> dict:
 
     from hf_specdec.cli import _speculator
     from hf_specdec.models import DEFAULT_MODEL, load_model
-    from hf_specdec.scheduler import SamplingParams
-    from hf_specdec.serve_bench import workload
+    from hf_specdec.decode.scheduler import SamplingParams
+    from hf_specdec.tools.serve_bench import workload
     from hf_specdec.serving.engine import ServingEngine
 
     torch.set_num_threads(args.threads)

@@ -10,8 +10,8 @@ from contextlib import contextmanager
 
 import torch
 
-import hf_specdec.engine
-from hf_specdec import calibration
+import hf_specdec.decode.engine
+from hf_specdec.costs import calibration
 from hf_specdec.models import load_model
 from hf_specdec.workloads import GROUNDED, OPEN_CHAT, chat_inputs
 
@@ -33,7 +33,7 @@ def every_row_count(model, speculator=None, use_profile=True):
         yield
 
 
-hf_specdec.engine.host_linear = every_row_count
+hf_specdec.decode.engine.host_linear = every_row_count
 same = 0
 prompts = {**GROUNDED, **OPEN_CHAT}
 for name, prompt in prompts.items():

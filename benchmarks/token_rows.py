@@ -13,7 +13,7 @@ import statistics
 
 import torch
 
-from hf_specdec.model_runner import paged_attention
+from hf_specdec.runners.model_runner import paged_attention
 from hf_specdec.models import DEFAULT_MODEL, load_model
 from _forwards import filled_runner, timed_forwards  # benchmarks/, this script's folder
 

@@ -4,28 +4,29 @@
 speculative decoding. Importing does no network access and writes no files.
 """
 
-from .adaptive import StepCost
-from .block_manager import BlockManager, OutOfBlocksError
-from .compat import UnsupportedModelError
-from .eagle_convert import convert_eagle
-from .engine import SpeculativeEngine
-from .generation import SpeculativeGenerateOutput, register_generation_strategy, resolve_speculator
-from .head_convert import HeadCheckpointError, convert_head
+from .costs.adaptive import StepCost
+from .cache.block_manager import BlockManager, OutOfBlocksError
+from .errors import UnsupportedModelError
+from .speculators.convert_eagle import convert_eagle
+from .decode.engine import SpeculativeEngine
+from .generation import SpeculativeGenerateOutput, register_generation_strategy
+from .speculators.resolve import resolve_speculator
+from .speculators.convert_head import HeadCheckpointError, convert_head
 from .metrics import SpeculativeMetrics
 from .models import trained_head
-from .paged_cache import PagedKVCache
+from .cache.paged import PagedKVCache
 from .pipeline import SpeculativeTextGenerationPipeline, register_pipeline
 from .quantization import QuantizationUnavailableError, QuantizedCheckpointError, load_draft
 from .serving import SamplingParams, ServingEngine, generate_batch
 from .speculators import (
-    DraftModelSpeculator, EagleCheckpointError, EagleSpeculator, GrammarSpeculator, HybridSpeculator, MedusaSpeculator, MlpSpeculator,
-    NgramSpeculator, Speculator,
+    DraftModelSpeculator, EagleCheckpointError, EagleSpeculator, GrammarSpeculator, HybridSpeculator, MedusaSpeculator,
+    MlpSpeculator, NgramSpeculator, Speculator,
 )
-from .structured import Grammar, GrammarError, StructuredOutputUnavailableError
+from .structured.grammar import Grammar, GrammarError, StructuredOutputUnavailableError
 from .tokenizers import TokenizerMismatchError, check_tokenizers_match
 from .train_eagle import TrainingSet, build_training_set, train_eagle_head
 from .types import DraftProposal, VerifyResult
-from .verify import verify
+from .decode.verify import verify
 
 __version__ = "0.1.0"
 

@@ -19,15 +19,15 @@ from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLeng
                                                        StoppingCriteriaList, StopStringCriteria)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .adaptive import StepCost
-from .compat import check_model_supported, exact_context
-from .constraints import RowConstraints
-from .engine import SpeculativeEngine
+from .costs.adaptive import StepCost
+from .runners.support import check_model_supported, exact_context
+from .structured.constraints import RowConstraints
+from .decode.engine import SpeculativeEngine
 from .metrics import SpeculativeMetrics
-from .speculators.base import Speculator
+from .decode.speculator import Speculator
 from .speculators.grammar import GrammarSpeculator
 from .speculators.resolve import resolve_speculator
-from .structured import Grammar, compile_grammars, xgrammar
+from .structured.grammar import Grammar, compile_grammars, xgrammar
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 # speculator="grammar" drafts only tokens the grammar forces, which are always accepted: verify long runs of them.

@@ -12,13 +12,14 @@ from transformers.pipelines.base import is_valid_message
 from transformers.pipelines.pt_utils import KeyDataset
 from transformers.pipelines.text_generation import Chat, ReturnType
 
-from .generation import _check_num_speculative_tokens, resolve_speculator
-from .head_convert import head_speculator_from_dir
+from .generation import _check_num_speculative_tokens
+from .speculators.resolve import resolve_speculator
+from .speculators.convert_head import head_speculator_from_dir
 from .quantization import load_draft
-from .scheduler import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
-from .speculators.base import Speculator
+from .decode.scheduler import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
+from .decode.speculator import Speculator
 from .speculators.draft_model import DraftModelSpeculator
-from .structured import Grammar
+from .structured.grammar import Grammar
 from .tokenizers import check_tokenizers_match
 
 logger = logging.getLogger(__name__)
@@ -188,7 +189,7 @@ class SpeculativeTextGenerationPipeline(TextGenerationPipeline):
         return int(pad) not in self.tokenizer.all_special_ids
 
     def _continuous(self, inputs, batch_size: int, plan: dict):
-        from .scheduler import SamplingParams
+        from .decode.scheduler import SamplingParams
         from .serving.engine import ServingEngine
         from .serving.offline import generate_stream
 

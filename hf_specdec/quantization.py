@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .quantized_checkpoint import (  # noqa: F401  (QuantizedCheckpointError: part of this module's API)
+from .quantized_checkpoint import (
     QuantizedCheckpointError, check_quantized_checkpoint, checkpoint_quantization, expected_layout,
 )
 

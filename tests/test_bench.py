@@ -37,7 +37,7 @@ def test_bench_takes_speculator_objects():
     """A `Speculator` (an EAGLE head, an n-gram instance) is benchmarked by hf_specdec only: transformers cannot
     assist with it, and its cost comes from `relative_cost`, not a parameter count."""
     from hf_specdec import NgramSpeculator
-    from hf_specdec.bench import run_bench
+    from hf_specdec.tools.bench import run_bench
 
     model, tokenizer = make_model("llama", dtype=torch.float32), make_tokenizer()
     results = run_bench(model, tokenizer, {"ngram-object": NgramSpeculator()}, batch_sizes=(1,),
@@ -51,8 +51,8 @@ def test_bench_takes_speculator_objects():
 def test_bench_compares_the_packed_and_padded_layouts(monkeypatch):
     """`--compare-layout`: each hf_specdec configuration also runs with every step padded (HF_SPECDEC_PACKED=0 set
     for its calls only), and gives the same output."""
-    from hf_specdec import model_runner
-    from hf_specdec.bench import run_bench
+    from hf_specdec.runners import model_runner
+    from hf_specdec.tools.bench import run_bench
 
     seen = []
     original = model_runner.ModelRunner.__init__
@@ -75,7 +75,7 @@ def test_bench_compares_the_packed_and_padded_layouts(monkeypatch):
 def test_bench_serve_rounds_report_medians_and_paired_ratios():
     """Three rounds of three configurations: figures are medians over the rounds, ratios the medians of each round's
     own ratio (a round where everything ran slow does not distort them), identical the fewest seen."""
-    from hf_specdec.serve_bench import SPECULATION_OFF, TRANSFORMERS, ServeResult, summarize_rounds, table
+    from hf_specdec.tools.serve_bench import SPECULATION_OFF, TRANSFORMERS, ServeResult, summarize_rounds, table
 
     def result(name, tps, identical=8):
         return ServeResult(name, tps, 0.1 * tps, 0.2 * tps, tps, 2 * tps, 8, identical,
@@ -98,7 +98,7 @@ def test_bench_serve_rounds_report_medians_and_paired_ratios():
 def test_a_decode_outweighed_by_noise_is_not_reported(monkeypatch, capsys):
     """Where the one-token calls (TTFT) took longer than the full calls, the host's noise outweighed the decode:
     TPOT and the draft's relative cost are left out (with a message), never reported below zero."""
-    from hf_specdec import bench
+    from hf_specdec.tools import bench
 
     model, tokenizer = make_model("llama", dtype=torch.float32), make_tokenizer()
     inputs = tokenizer(["the cat sat"], return_tensors="pt")

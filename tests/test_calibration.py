@@ -13,10 +13,10 @@ import time
 import pytest
 import torch
 
-from hf_specdec import calibration, measure
-from hf_specdec.adaptive import StepCost
-from hf_specdec.calibration import Profile, calibrate, load_profile, profile_key, profile_path, save_profile
-from hf_specdec.generation import resolve_speculator
+from hf_specdec.costs import calibration, measure
+from hf_specdec.costs.adaptive import StepCost
+from hf_specdec.costs.calibration import Profile, calibrate, load_profile, profile_key, profile_path, save_profile
+from hf_specdec.speculators.resolve import resolve_speculator
 
 from conftest import make_model, ragged_batch
 from test_quantization import _prompts, _trained_llama, needs_bnb, needs_torchao
@@ -141,7 +141,7 @@ def test_a_profile_where_drafting_cannot_pay_drafts_nothing_and_says_why(caplog)
 
 
 def test_steps_with_nothing_to_draft_are_not_reported_as_declined():
-    from hf_specdec.adaptive import AdaptiveK
+    from hf_specdec.costs.adaptive import AdaptiveK
 
     # n-gram offers drafts only where the text repeats; steps where no row offered any are not declined ones.
     policy = AdaptiveK(1, 4, DEAR)

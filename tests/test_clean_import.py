@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from hf_specdec.compat import _DropKnownSkewMessages, torchao_skew_messages_dropped
+from hf_specdec.errors import _DropKnownSkewMessages, torchao_skew_messages_dropped
 
 
 def test_first_import_prints_nothing():

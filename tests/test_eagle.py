@@ -21,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_specdec
 from hf_specdec import EagleCheckpointError, EagleSpeculator, convert_eagle
-from hf_specdec.paged_cache import ATTENTION_NAME
+from hf_specdec.cache.paged import ATTENTION_NAME
 
 
 def make_target(num_layers: int = 2, seed: int = 0, dtype=torch.float64):
@@ -567,7 +567,7 @@ def test_hidden_states_only_for_speculators_that_ask(tmp_path, monkeypatch):
 
 
 def test_states_of_a_step_that_drafted_nothing_are_kept_and_appended():
-    from hf_specdec.model_runner import TargetHiddenStates
+    from hf_specdec.runners.model_runner import TargetHiddenStates
     from hf_specdec.speculators.eagle import _PendingStates
 
     def states(values: list[list[float]], width: int) -> torch.Tensor:  # right-aligned, padding 0
@@ -647,7 +647,7 @@ def test_adaptive_schedule_stays_lossless(tmp_path):
 def idle_then_drafting(fitted, tmp_path, monkeypatch):
     """A fitted target and its converted head, with adaptive k patched to keep drafting off for 14 steps and then
     draft 3 every step, all verified (no per-row trim by the policy's estimates)."""
-    from hf_specdec import adaptive
+    from hf_specdec.costs import adaptive
 
     target, src = fitted[3]
     directory = convert_eagle(src, tmp_path / "head", target=target)

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 import hf_specdec.kernels.paged_attention.triton_kernel as attention_kernel  # noqa: E402
 import hf_specdec.kernels.rejection_sample.triton_kernel as rejection_kernel  # noqa: E402
 import hf_specdec.kernels.sampling.triton_kernel as sampling_kernel  # noqa: E402
-from hf_specdec.kernels._backend import ENV_VAR  # noqa: E402
+from hf_specdec.kernels._backend import ENV_VAR
 
 MAX_NEW = 12
 

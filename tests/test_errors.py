@@ -79,7 +79,7 @@ def _small_vocabulary_draft(vocab_size: int):
 def test_draft_with_a_smaller_vocabulary_is_refused_before_any_forward(monkeypatch):
     """A draft with fewer ids than the target, given a prompt it cannot read: a clear error, not an IndexError in its
     embedding, before the first step (only the up-front trial forwards of compat.py have run)."""
-    from hf_specdec.step import Step
+    from hf_specdec.decode.step import Step
 
     steps = []
     original = Step.__call__

@@ -318,7 +318,7 @@ def test_right_padding_continues_each_prompt():
 
 
 def test_every_kv_block_returns_to_the_pool(monkeypatch):
-    from hf_specdec import model_runner
+    from hf_specdec.runners import model_runner
 
     runners = []
     original = model_runner.ModelRunner.__init__

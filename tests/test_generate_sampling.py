@@ -87,8 +87,8 @@ def test_cpu_sampling_warpers_run_as_the_reference_and_keep_transformers_tokens(
     """On a CPU, a call whose processors are exactly temperature, top-k and top-p runs the PyTorch reference (no
     vocabulary sort) instead of transformers' warpers, and keeps the same tokens with the same scores; any other
     processor keeps transformers' own path."""
-    import hf_specdec.logits as logits_module
-    from hf_specdec.logits import LogitsProcessing
+    import hf_specdec.decode.logits as logits_module
+    from hf_specdec.decode.logits import LogitsProcessing
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
     calls = []

@@ -16,13 +16,13 @@ pytest.importorskip("triton")
 if not hasattr(__import__("triton.runtime.jit").runtime.jit, "create_function_from_signature"):
     pytest.skip("this triton has no argument binder to record variants with", allow_module_level=True)
 
-from hf_specdec.kernels._backend import ENV_VAR  # noqa: E402
-from hf_specdec.kernels.paged_attention.triton_kernel import paged_attention_triton  # noqa: E402
-from hf_specdec.kernels.rejection_sample.triton_kernel import rejection_sample_triton  # noqa: E402
-from hf_specdec.kernels.sampling.triton_kernel import apply_sampling_params_triton  # noqa: E402
-from hf_specdec.kernels.variants import record_variants  # noqa: E402
-from hf_specdec.scheduler import SamplingParams  # noqa: E402
-from hf_specdec.serving.engine import ServingEngine  # noqa: E402
+from hf_specdec.kernels._backend import ENV_VAR
+from hf_specdec.kernels.paged_attention.triton_kernel import paged_attention_triton
+from hf_specdec.kernels.rejection_sample.triton_kernel import rejection_sample_triton
+from hf_specdec.kernels.sampling.triton_kernel import apply_sampling_params_triton
+from hf_specdec.kernels.variants import record_variants
+from hf_specdec.decode.scheduler import SamplingParams
+from hf_specdec.serving.engine import ServingEngine
 from test_serving import no_blocks_held, repeating, served_model, word_tokenizer  # noqa: E402
 
 

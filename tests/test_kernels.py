@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from hf_specdec.kernels._backend import ENV_VAR, interpreting, resolve_backend  # noqa: E402
-from hf_specdec.kernels.paged_attention import TreeMask, paged_attention, paged_attention_reference  # noqa: E402
-from hf_specdec.kernels.paged_attention import reference  # noqa: E402
-from hf_specdec.kernels.paged_attention.triton_kernel import paged_attention_triton  # noqa: E402
-from hf_specdec.kernels.rejection_sample import rejection_sample, rejection_sample_reference  # noqa: E402
-from hf_specdec.kernels.rejection_sample.triton_kernel import rejection_sample_triton  # noqa: E402
-from hf_specdec.kernels.sampling import apply_sampling_params, apply_sampling_params_reference  # noqa: E402
-from hf_specdec.kernels.sampling.triton_kernel import apply_sampling_params_triton  # noqa: E402
+from hf_specdec.kernels._backend import ENV_VAR, interpreting, resolve_backend
+from hf_specdec.kernels.paged_attention import TreeMask, paged_attention, paged_attention_reference
+from hf_specdec.kernels.paged_attention import reference
+from hf_specdec.kernels.paged_attention.triton_kernel import paged_attention_triton
+from hf_specdec.kernels.rejection_sample import rejection_sample, rejection_sample_reference
+from hf_specdec.kernels.rejection_sample.triton_kernel import rejection_sample_triton
+from hf_specdec.kernels.sampling import apply_sampling_params, apply_sampling_params_reference
+from hf_specdec.kernels.sampling.triton_kernel import apply_sampling_params_triton
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FEW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

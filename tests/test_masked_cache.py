@@ -14,9 +14,9 @@ from transformers import (
 
 import hf_specdec  # noqa: F401  (registers speculator=)
 from hf_specdec import UnsupportedModelError
-from hf_specdec import dense_runner
-from hf_specdec.dense_runner import DenseRunner, make_runner
-from hf_specdec.masked_cache import MaskedKVCache
+from hf_specdec.runners import dense as dense_runner
+from hf_specdec.runners.dense import DenseRunner, make_runner
+from hf_specdec.cache.masked import MaskedKVCache
 from conftest import VOCAB, ragged_batch, repetitive_prompt
 
 MAX_NEW = 20

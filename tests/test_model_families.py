@@ -41,7 +41,7 @@ def test_latent_attention_rows_of_very_different_lengths(model_type):
 def test_latent_attention_attends_on_the_pytorch_path():
     """The Triton kernel takes one head size for keys and values: a latent-attention model's cache asks for the
     PyTorch path (on CUDA too); others keep the automatic choice."""
-    from hf_specdec.recurrent_state import make_cache
+    from hf_specdec.cache.recurrent import make_cache
 
     assert make_cache(build("deepseek_v3")).kernel_backend == "torch"
     assert make_cache(build("llama")).kernel_backend == "auto"
@@ -89,8 +89,8 @@ def test_longrope_rows_crossing_the_switch_equal_plain_decoding(schedule):
     `original_max_position_embeddings` (16) while generating, a prompt past it, one ending on it, alone and in one
     ragged batch, equal their one-row plain decoding, though verify steps span the switch and short rows share
     forwards with long ones (`rope.TokenRope` picks the factors per token)."""
-    from hf_specdec.compat import exact_context
-    from hf_specdec.rope import recomputes_at_switch
+    from hf_specdec.runners.support import exact_context
+    from hf_specdec.cache.rope import recomputes_at_switch
 
     model = longrope_model(16, family="llama")
     assert not recomputes_at_switch(model)
@@ -108,8 +108,8 @@ def test_phi3_longrope_rows_crossing_the_switch_equal_plain_decoding(speculator,
     plain decoding: drafts stop at the switch and the row is recomputed there (`rope.RopeRows`)."""
     import copy
 
-    from hf_specdec.compat import exact_context
-    from hf_specdec.rope import recomputes_at_switch
+    from hf_specdec.runners.support import exact_context
+    from hf_specdec.cache.rope import recomputes_at_switch
 
     model = longrope_model(16)
     assert recomputes_at_switch(model)
@@ -125,7 +125,7 @@ def test_phi3_longrope_rows_crossing_the_switch_equal_plain_decoding(speculator,
         spec = EagleSpeculator.from_pretrained(convert(tmp_path, model, 3, aux_layers=[0, 1, 1]))
         kwargs.update(speculative_tree_nodes=6, speculative_tree_branching=2)
     recomputes = []
-    from hf_specdec.model_runner import ModelRunner
+    from hf_specdec.runners.model_runner import ModelRunner
 
     original = ModelRunner.recompute
 
@@ -178,7 +178,7 @@ def test_phi3_longrope_served_past_its_original_context():
 def test_longrope_without_transformers_rotary_is_capped_at_its_original_context():
     """A LongRoPE model whose rotary module hf_specdec cannot switch per token is served up to
     `original_max_position_embeddings` and refused past it, naming why."""
-    from hf_specdec.compat import exact_context
+    from hf_specdec.runners.support import exact_context
     from hf_specdec.serving.engine import RequestError, ServingEngine
 
     model = longrope_model(16)
@@ -209,7 +209,7 @@ def test_longrope_switching_never_writes_the_rotary_module():
     back."""
     import pickle
 
-    from hf_specdec.rope import TokenRope
+    from hf_specdec.cache.rope import TokenRope
 
     model = longrope_model(16)
     ids, mask = ragged([6, 20], seed=1)
@@ -242,8 +242,8 @@ def test_phimoe_longrope_is_capped_at_its_original_context():
     frequencies cannot switch: it is served up to `original_max_position_embeddings`, naming why."""
     from transformers import PhimoeConfig, PhimoeForCausalLM
 
-    from hf_specdec.compat import exact_context
-    from hf_specdec.rope import TokenRope
+    from hf_specdec.runners.support import exact_context
+    from hf_specdec.cache.rope import TokenRope
 
     config = tiny_config(PhimoeConfig)
     half = config.hidden_size // config.num_attention_heads // 2

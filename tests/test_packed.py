@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from conftest import ARCHITECTURES, VOCAB, make_model, ragged_batch
-from hf_specdec import model_runner
-from hf_specdec.adaptive import AdaptiveK, StepCost
-from hf_specdec.compat import check_model_supported
-from hf_specdec.model_runner import ModelRunner, paged_attention
+from hf_specdec.runners import model_runner
+from hf_specdec.costs.adaptive import AdaptiveK, StepCost
+from hf_specdec.runners.support import check_model_supported
+from hf_specdec.runners.model_runner import ModelRunner, paged_attention
 
 
 def _steps(seed: int, rows: int, vocab: int, joins: bool = False):
@@ -42,7 +42,7 @@ def test_packed_steps_give_the_padded_logits_and_hidden_states(arch, monkeypatch
     model = make_model(arch)
     check_model_supported(model, "target model")
     assert model._hf_specdec_packable
-    from hf_specdec import paged_cache
+    from hf_specdec.cache import paged as paged_cache
 
     grouped, query_groups = [], paged_cache.query_groups
     monkeypatch.setattr(paged_cache, "query_groups", lambda *a: grouped.append(query_groups(*a)) or grouped[-1])
@@ -101,7 +101,7 @@ def test_committed_states_picked_from_the_packed_stream_equal_the_padded_ones():
 def test_a_row_per_token_gives_the_padded_logits_and_hidden_states(arch, monkeypatch):
     """Token rows (every token of a packed step its own attention row, one query over its row's context up to
     itself) give what the padded layout gives, sliding windows and mixed layer types included."""
-    from hf_specdec import paged_cache
+    from hf_specdec.cache import paged as paged_cache
 
     model = make_model(arch)
     check_model_supported(model, "target model")
@@ -126,7 +126,7 @@ def test_a_row_per_token_gives_the_padded_logits_and_hidden_states(arch, monkeyp
 
 
 def test_token_rows_are_taken_where_few_rows_verify_a_few_drafts():
-    from hf_specdec.paged_cache import token_rows_pay
+    from hf_specdec.cache.paged import token_rows_pay
 
     smollm2 = dict(num_context=300, kv_width=3 * 64)
     # One row of 12 verifying 2 drafts: otherwise a second attention group, which copies that row's context anyway.
@@ -142,9 +142,9 @@ def test_token_rows_are_taken_where_few_rows_verify_a_few_drafts():
 
 @pytest.mark.parametrize("speculator", ["ngram", "draft"])
 def test_generation_on_token_rows_is_the_targets_own(speculator, monkeypatch):
-    from hf_specdec import paged_cache
+    from hf_specdec.cache import paged as paged_cache
 
-    from hf_specdec.engine import SpeculativeEngine
+    from hf_specdec.decode.engine import SpeculativeEngine
 
     monkeypatch.setattr(paged_cache.PagedKVCache, "token_rows", True)  # every packed step, whatever it feeds
     monkeypatch.setattr(SpeculativeEngine, "REGION_MAX_NEW_TOKENS", 0)  # contexts gathered, not read in place
@@ -249,7 +249,7 @@ def test_rows_joining_a_running_batch_are_prefilled_inside_the_others_verify(spe
     for the others. With the padded layout (`HF_SPECDEC_PACKED=0`) the same requests get prefill-only steps, so the
     count below can fail."""
     from hf_specdec import ServingEngine
-    from hf_specdec.step import Step
+    from hf_specdec.decode.step import Step
 
     target = make_model("llama")
     draft = _speculator(speculator, target, tmp_path)
@@ -337,8 +337,8 @@ def test_rows_in_regions_read_their_context_in_place_and_give_the_gathered_outpu
     """Rows given consecutive regions of the pool (`ModelRunner.give_regions`, what a one-call `generate` does)
     attend to a view of the pool instead of a gathered copy: padded and packed steps, a tree step, and steps over
     part of the rows (gathered again) give the same logits and hidden states as rows taking blocks as they grow."""
-    from hf_specdec import paged_cache
-    from hf_specdec.paged_cache import TreeAttention
+    from hf_specdec.cache import paged as paged_cache
+    from hf_specdec.cache.paged import TreeAttention
 
     model = make_model(arch)
     check_model_supported(model, "target model")
@@ -390,8 +390,8 @@ def test_rows_in_regions_read_their_context_in_place_and_give_the_gathered_outpu
 
 
 def test_a_one_call_generate_reads_its_rows_in_place_until_one_finishes(monkeypatch):
-    from hf_specdec import paged_cache
-    from hf_specdec.engine import SpeculativeEngine
+    from hf_specdec.cache import paged as paged_cache
+    from hf_specdec.decode.engine import SpeculativeEngine
 
     plans = []
     plan_step = paged_cache.PagedKVCache.plan_step
@@ -478,7 +478,7 @@ def test_rows_of_very_different_contexts_attend_in_two_groups_and_give_the_one_g
     """A long prompt's row beside short ones: the PyTorch path gathers the short rows' contexts padded to their own
     longest only (`paged_cache.context_groups`), reading rows that sit in consecutive regions in place; padded and
     packed steps give the logits and hidden states of one group padded to the longest context."""
-    from hf_specdec import paged_cache
+    from hf_specdec.cache import paged as paged_cache
 
     model = make_model(arch)
     check_model_supported(model, "target model")
@@ -526,7 +526,7 @@ def test_rows_of_very_different_contexts_attend_in_two_groups_and_give_the_one_g
 
 
 def test_context_groups_are_taken_where_padding_would_cost_more_than_a_second_group():
-    from hf_specdec.paged_cache import CONTEXT_SPLIT_MIN, context_groups
+    from hf_specdec.cache.paged import CONTEXT_SPLIT_MIN, context_groups
 
     assert context_groups([2000] + [300] * 6) == ([1, 2, 3, 4, 5, 6], 300)
     assert context_groups([300, 2000, 250]) == ([0, 2], 300)
@@ -542,7 +542,7 @@ def test_models_that_reshape_keys_or_values_after_the_cache_keep_one_context_gro
     """Grouped attention hands attention the KV pools; a model that reshapes keys or values between the cache's
     update and attention (multi-head latent attention expands its cached latents there) fails the grouped trial and
     keeps one group: steps whose contexts differ widely still run, with one group's logits."""
-    from hf_specdec import paged_cache
+    from hf_specdec.cache import paged as paged_cache
     from model_sweep import build
 
     monkeypatch.setattr(paged_cache, "CONTEXT_SPLIT_MIN", 0)

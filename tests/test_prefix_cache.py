@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from hf_specdec.model_runner import ModelRunner
-from hf_specdec.model_runner import paged_attention
-from hf_specdec.prefix_cache import PrefixCache
+from hf_specdec.runners.model_runner import ModelRunner
+from hf_specdec.runners.model_runner import paged_attention
+from hf_specdec.cache.prefix import PrefixCache
 from hf_specdec.serving import ServingEngine
 
 from conftest import VOCAB, make_model

@@ -13,9 +13,9 @@ from transformers import (
 )
 
 from hf_specdec import UnsupportedModelError
-from hf_specdec.compat import check_model_supported
-from hf_specdec.model_runner import ModelRunner, paged_attention
-from hf_specdec.recurrent_state import RecurrentPagedCache, recurrent_mixers
+from hf_specdec.runners.support import check_model_supported
+from hf_specdec.runners.model_runner import ModelRunner, paged_attention
+from hf_specdec.cache.recurrent import RecurrentPagedCache, recurrent_mixers
 
 VOCAB = 96
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=None,
@@ -132,7 +132,7 @@ def _batched(target, prompts, lengths, speculator):
 
 
 def test_draft_trees_are_refused():
-    from hf_specdec.paged_cache import TreeAttention
+    from hf_specdec.cache.paged import TreeAttention
 
     cache = RecurrentPagedCache()
     cache.add_sequence(0)

@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_specdec import DraftProposal, NgramSpeculator, verify
+from hf_specdec import DraftProposal, NgramSpeculator
+from hf_specdec.decode import verify
 from hf_specdec.types import PAD_ID, SequenceBatch
 from conftest import make_model, ragged_batch, repetitive_prompt
 
@@ -73,7 +74,7 @@ def test_ngram_matches_brute_force(rows, k, lo, extra):
 
 
 def _runners_spy(monkeypatch):
-    from hf_specdec import model_runner
+    from hf_specdec.runners import model_runner
 
     runners, original = [], model_runner.ModelRunner.__init__
 

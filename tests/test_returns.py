@@ -3,8 +3,8 @@ adaptive k's draft prices corrected by it."""
 
 import pytest
 
-from hf_specdec.adaptive import AdaptiveK, StepCost
-from hf_specdec.returns import DraftReturns
+from hf_specdec.costs.adaptive import AdaptiveK, StepCost
+from hf_specdec.costs.returns import DraftReturns
 
 # A token costs 5% of a 4-row step: at acceptance 0.67, drafting pays on this curve.
 CURVE = StepCost(per_row=0.0, points=((1.0, 10.0), (64.0, 10.0 + 63 * 0.5)))

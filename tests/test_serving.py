@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 
-from hf_specdec.adaptive import StepCost
-from hf_specdec.scheduler import SamplingParams
+from hf_specdec.costs.adaptive import StepCost
+from hf_specdec.decode.scheduler import SamplingParams
 from hf_specdec.serving import QueueFullError, RequestError, ServingEngine
 
 from conftest import VOCAB, make_model
@@ -100,7 +100,7 @@ def tokenizer():
 def test_requests_joining_a_running_batch_equal_their_solo_runs(tokenizer, speculator, regions, monkeypatch):
     """Requests arrive while others run; each equals its solo run. With KV regions per slot (small ones here, so
     the longer requests also outgrow theirs), steps whose rows sit in consecutive slots read them in place."""
-    from hf_specdec import paged_cache
+    from hf_specdec.cache import paged as paged_cache
 
     views = []
     plan_step = paged_cache.PagedKVCache.plan_step
@@ -776,7 +776,7 @@ def test_row_penalties_count_only_the_rows_own_tokens():
     """A row's repetition penalty counts its tokens from its first column (not the left padding before it), its
     frequency penalty only those of its output, each position up to its own history length; a row without
     penalties beside it is untouched, and so are columns past the step's width."""
-    from hf_specdec.scheduler import RowSampling
+    from hf_specdec.decode.scheduler import RowSampling
 
     sampling = RowSampling(2, "cpu", vocab_size=10)
     sampling.set(0, SamplingParams(repetition_penalty=2.0, frequency_penalty=1.0, logit_bias={3: 0.5}),
@@ -876,7 +876,7 @@ def test_sampled_penalties_keep_the_penalized_distribution(tokenizer):
 
 
 def test_logprobs_are_refused_with_draft_trees(tokenizer, tmp_path):
-    from hf_specdec.scheduler import Request
+    from hf_specdec.decode.scheduler import Request
 
     engine = ServingEngine(served_model(), tokenizer, "ngram", num_speculative_tokens=2, max_batch_size=2)
     engine.step.tree_nodes = 4  # as a tree-drafting engine would have it
@@ -924,7 +924,7 @@ def test_prompt_logprobs_are_the_targets(tokenizer, speculator, monkeypatch):
     different lengths in one forward, beside running requests, and for a prompt whose prefix the prefix cache holds;
     the answers after them equal their solo runs, and `max_tokens=0` scores the prompt alone, ending at once, every
     block back."""
-    from hf_specdec.scheduler import Scheduler
+    from hf_specdec.decode.scheduler import Scheduler
 
     shared, score = [], Scheduler._score
     monkeypatch.setattr(Scheduler, "_score", lambda self, rows, amounts, cached: shared.append(len(set(amounts)))

@@ -14,10 +14,10 @@ import xgrammar as xgr  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList  # noqa: E402
 
 import hf_specdec  # noqa: E402
-from hf_specdec import Grammar, GrammarError  # noqa: E402
-from hf_specdec.constraints import RowConstraints  # noqa: E402
-from hf_specdec.speculators.base import Speculator  # noqa: E402
-from hf_specdec.types import DraftProposal  # noqa: E402
+from hf_specdec import Grammar, GrammarError
+from hf_specdec.structured.grammar.constraints import RowConstraints
+from hf_specdec.decode.speculator import Speculator
+from hf_specdec.types import DraftProposal
 
 from conftest import VOCAB, make_model  # noqa: E402
 
@@ -509,8 +509,8 @@ def test_draft_trees_with_a_constraint_are_refused(tokenizer):
 
 
 def test_no_matcher_or_block_is_left_after_a_call(tokenizer, monkeypatch):
-    from hf_specdec import constraints as constraints_module
-    from hf_specdec import model_runner
+    from hf_specdec.structured.grammar import constraints as constraints_module
+    from hf_specdec.runners import model_runner
 
     runners, tables = [], []
     original_runner, original_constraints = model_runner.ModelRunner.__init__, RowConstraints.__init__
@@ -745,7 +745,7 @@ def test_cli_generate_with_a_json_schema(tmp_path, capsys):
 def test_bench_json_workload_is_constrained_and_identical():
     """The json workload runs each row under its own schema: plain generate (xgrammar's processor) is the baseline,
     every hf_specdec configuration equals it, and speculator='grammar' runs beside the chosen speculators."""
-    from hf_specdec.bench import run_bench
+    from hf_specdec.tools.bench import run_bench
     from hf_specdec.extraction import PROMPTS
 
     from tokenizers import pre_tokenizers

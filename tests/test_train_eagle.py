@@ -455,7 +455,7 @@ def test_cli_trains_resumes_and_writes_a_loadable_head(tmp_path, capsys):
 
 
 def test_built_in_prompt_set_is_large_varied_and_leaves_the_benchmark_out():
-    from hf_specdec.train_prompts import HAND_WRITTEN, built_in_prompts, max_prompts
+    from hf_specdec.train_eagle.prompts import HAND_WRITTEN, built_in_prompts, max_prompts
     from hf_specdec.workloads import GROUNDED, OPEN_CHAT
 
     assert built_in_prompts() == HAND_WRITTEN
@@ -476,7 +476,7 @@ def test_built_in_prompt_set_grows_only_at_its_end():
     latter the shipped head's), never change."""
     import hashlib
 
-    from hf_specdec.train_prompts import built_in_prompts, max_prompts
+    from hf_specdec.train_eagle.prompts import built_in_prompts, max_prompts
 
     first = built_in_prompts(5872)
     assert hashlib.sha1("\n".join(first).encode()).hexdigest() == "aaa3c94db6badfc9aff2583c1be0256b39601a90"

@@ -15,7 +15,7 @@ from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 from hf_specdec import EagleSpeculator, convert_eagle
 from hf_specdec.kernels.paged_attention.reference import tree_attention_mask
 from hf_specdec.types import PAD_ID, DraftTree
-from hf_specdec.verify import verify_tree
+from hf_specdec.decode.verify import verify_tree
 
 
 def random_tree(rows: int, n: int, seed: int, vocab: int = VOCAB, invalid: float = 0.0) -> DraftTree:

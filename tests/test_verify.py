@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from hf_specdec import DraftProposal, verify
+from hf_specdec import DraftProposal
+from hf_specdec.decode import verify
 from hf_specdec.types import PAD_ID
 
 VOCAB = 6

@@ -195,7 +195,7 @@ def launch(args: argparse.Namespace, gpu: Callable | None = None) -> int:
     limits = DemoLimits(max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens)
     session = DemoSession.load(args.model, args.draft, args.eagle, device=device, limits=limits)
     if args.warm_up:
-        from ..calibration import calibrate, enabled
+        from ..costs.calibration import calibrate, enabled
 
         if enabled():
             calibrate(session.model, [resolve_speculator(s) for s in session.speculators.values()

@@ -158,7 +158,7 @@ class DemoSession:
                         self.tokenizer if grammar is not None else None)
 
     def _check_json(self, schema_text: str | None):
-        from ..structured import Grammar, StructuredOutputUnavailableError
+        from ..structured.grammar import Grammar, StructuredOutputUnavailableError
 
         try:
             grammar = Grammar.json_schema(schema_text) if (schema_text or "").strip() else Grammar.json()

@@ -1,6 +1,6 @@
 """Serving: continuous batching (`ServingEngine`) and an OpenAI-compatible HTTP server (`hf-specdec serve`)."""
 
-from ..scheduler import Request, SamplingParams
+from ..decode.scheduler import Request, SamplingParams
 from .engine import Delta, QueueFullError, RequestError, RequestStream, ServingEngine
 from .offline import generate_batch, generate_stream
 

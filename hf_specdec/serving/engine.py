@@ -17,22 +17,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..adaptive import AdaptiveK
-from ..calibration import adaptive_costs, host_linear
-from ..compat import check_model_supported, exact_context
-from ..constraints import RowConstraints, first_position_spellable
-from ..generation import DEFAULT_GRAMMAR_TOKENS, resolve_speculator
+from ..costs.adaptive import AdaptiveK
+from ..costs.calibration import adaptive_costs, host_linear
+from ..runners.support import check_model_supported, exact_context
+from ..structured.constraints import RowConstraints, first_position_spellable
+from ..generation import DEFAULT_GRAMMAR_TOKENS
+from ..speculators.resolve import resolve_speculator
 from ..metrics import SpeculativeMetrics, logger
-from ..dense_runner import make_runner, runner_attention
-from ..distributed import tp_group
-from ..model_runner import ModelRunner
-from ..paged_cache import PagedKVCache
-from ..prefix_cache import PrefixCache
-from ..scheduler import Request, RowSampling, SamplingParams, Scheduler
+from ..runners.dense import make_runner, runner_attention
+from ..runners.distributed import tp_group
+from ..runners.model_runner import ModelRunner
+from ..cache.paged import PagedKVCache
+from ..cache.prefix import PrefixCache
+from ..decode.scheduler import Request, RowSampling, SamplingParams, Scheduler
 from ..speculators.draft_model import DraftModelSpeculator
 from ..speculators.grammar import GrammarSpeculator
-from ..step import Step
-from ..stopping import StopRules
+from ..decode.step import Step
+from ..decode.stopping import StopRules
 from ..types import SequenceBatch
 from .detokenize import AnswerText, decodes_locally
 
@@ -295,7 +296,7 @@ class ServingEngine:
                                price_reading=True)
         constraints = None
         try:
-            from ..structured import xgrammar
+            from ..structured.grammar import xgrammar
 
             xgrammar()
             if self.tokenizer is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
-from ..scheduler import SamplingParams
+from ..decode.scheduler import SamplingParams
 from .engine import RequestStream, ServingEngine
 
 

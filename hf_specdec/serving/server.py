@@ -16,7 +16,7 @@ import secrets
 import time
 import uuid
 
-from ..scheduler import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SamplingParams
+from ..decode.scheduler import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SamplingParams
 from .engine import MAX_LOGPROBS, QueueFullError, RequestError, ServingEngine
 
 logger = logging.getLogger(__name__)
@@ -593,7 +593,7 @@ def _grammar(body: dict):
     """`(grammar, the field that asked for it)` from OpenAI's `response_format` or vLLM's structured-output fields
     (`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, or `structured_outputs` with one of `json`,
     `regex`, `choice`, `grammar`, `json_object`); `(None, None)` for free text. At most one may be given."""
-    from ..structured import Grammar
+    from ..structured.grammar import Grammar
 
     asked = []
     for name in ("response_format", *_GUIDED):
@@ -632,7 +632,7 @@ def _absent(value) -> bool:
 
 
 def _vllm_grammar(kind: str, value):
-    from ..structured import Grammar
+    from ..structured.grammar import Grammar
 
     if kind == "json":
         return Grammar.json_schema(value)

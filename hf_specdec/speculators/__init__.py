@@ -1,6 +1,6 @@
 """Speculators: what proposes draft tokens. Each implements `base.Speculator`."""
 
-from .base import Speculator
+from ..decode.speculator import Speculator
 from .draft_model import DraftModelSpeculator
 from .eagle import EagleSpeculator
 from .grammar import GrammarSpeculator

@@ -7,10 +7,10 @@ from contextlib import ExitStack
 
 import torch
 
-from ..dense_runner import make_runner, runner_attention
-from ..model_runner import ModelRunner
+from ..runners.dense import make_runner, runner_attention
+from ..runners.model_runner import ModelRunner
 from ..types import DraftProposal, SequenceBatch, gather_right_aligned
-from .base import Speculator, sample_or_argmax
+from ..decode.speculator import Speculator, sample_or_argmax
 
 
 class DraftModelSpeculator(Speculator):
@@ -56,7 +56,7 @@ class DraftModelSpeculator(Speculator):
         return self._runner.num_forwards if self._runner is not None else 0
 
     def validate(self, target) -> None:
-        from ..compat import check_model_supported, check_vocab_compatible
+        from ..runners.support import check_model_supported, check_vocab_compatible
 
         check_model_supported(self.model, role="draft model (speculator)")
         check_vocab_compatible(target, self.model)  # its device may differ: its runner moves ids and logits

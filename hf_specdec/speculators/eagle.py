@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from ..model_runner import ModelRunner, TargetHiddenStates
-from ..paged_cache import TreeAttention
+from ..runners.model_runner import ModelRunner, TargetHiddenStates
+from ..cache.paged import TreeAttention
 from ..types import PAD_ID, DraftProposal, DraftTree, SequenceBatch, gather_right_aligned
-from .base import Speculator, sample_or_argmax
+from ..decode.speculator import Speculator, sample_or_argmax
 from .heads import EagleHead, check_head_target, load_eagle_dir
 
 

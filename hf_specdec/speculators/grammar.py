@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..types import DraftProposal, SequenceBatch
-from .base import Speculator
+from ..decode.speculator import Speculator
 
 
 class GrammarSpeculator(Speculator):

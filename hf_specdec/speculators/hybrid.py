@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..types import PAD_ID, DraftProposal, SequenceBatch
-from .base import Speculator
+from ..decode.speculator import Speculator
 from .eagle import EagleSpeculator
 from .ngram import NgramSpeculator
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..types import PAD_ID, DraftProposal, SequenceBatch
-from .base import Speculator, sample_or_argmax
+from ..decode.speculator import Speculator, sample_or_argmax
 from .head_format import load_head_dir
 from .heads import check_head_target
 

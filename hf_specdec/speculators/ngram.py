@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..types import PAD_ID, DraftProposal, SequenceBatch
-from .base import Speculator
+from ..decode.speculator import Speculator
 
 # Confidence classes are the matched context length, capped here: beyond it, longer matches predict no better.
 _MAX_CLASS = 8

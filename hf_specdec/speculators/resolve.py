@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedModel
 
-from .base import Speculator
+from ..decode.speculator import Speculator
 from .draft_model import DraftModelSpeculator
 from .grammar import GrammarSpeculator
 from .ngram import NgramSpeculator

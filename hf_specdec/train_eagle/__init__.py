@@ -1,7 +1,7 @@
 """Trains EAGLE heads from the target itself: `hf_specdec.train_eagle_head` and `hf-specdec train-eagle`.
 
 The training set is self-distilled (`data`): the target continues prompts (a file, or the built-in set of
-`hf_specdec.train_prompts`), then one teacher-forced pass over each sequence records the hidden states the head
+`hf_specdec.train_eagle.prompts`), then one teacher-forced pass over each sequence records the hidden states the head
 reads and the target's next-token argmax at every position. Entry p of the head reads the target's feature at p
 and the token at p + 1 and learns (a) the target's argmax at p + 1 (cross-entropy) and (b) to reproduce what its
 own input would be at p + 1 (the target's feature for EAGLE-1/2, `fc` of the target's states for EAGLE-3), which
@@ -22,8 +22,7 @@ from .data import (
     default_layers, read_prompts, teacher_top_k, tokenize_prompts,
 )
 from .head import (
-    check_init_from_is_not_out, check_new_head_options, head_config_for, head_to_fine_tune_config, new_head,
-    save_head,
+    check_init_from_is_not_out, check_new_head_options, head_config_for, head_to_fine_tune_config, new_head, save_head,
 )
 from .loop import CHECKPOINT_NAME, TrainResult, eagle_loss, train_eagle_head
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..speculators.heads import STORAGE_BITS
-from ..train_prompts import HAND_WRITTEN, built_in_prompts, max_prompts
+from .prompts import HAND_WRITTEN, built_in_prompts, max_prompts
 from .data import (
     TRAINING_PARTS_DIR, TRAINING_SET_NAME, TrainingSet, add_soft_labels, build_in_parts, default_layers, read_prompts,
     tokenize_prompts,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..eagle_convert import _write
+from ..speculators.convert_eagle import _write
 from ..speculators.heads import (
     CONFIG_NAME, FORMAT, FORMAT_VERSION, HIDDEN_STATES_CONVENTION, WEIGHTS_NAME, EagleHead, check_head_target,
     load_eagle_dir, pack_weights,
@@ -84,7 +84,7 @@ def _read_head_to_fine_tune(target, path: str | Path, version: int | None, draft
     path = Path(path)
     what = f"--init-from {path}"
     if not (path / CONFIG_NAME).is_file():
-        from ..head_convert import CONFIG_NAME as OTHER_HEAD_CONFIG
+        from ..speculators.convert_head import CONFIG_NAME as OTHER_HEAD_CONFIG
 
         if (path / OTHER_HEAD_CONFIG).is_file():
             raise ValueError(f"{what} holds an MLP speculator or Medusa head ({OTHER_HEAD_CONFIG}); train-eagle "

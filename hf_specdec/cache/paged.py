@@ -23,16 +23,16 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .compat import torchao_skew_messages_dropped
+from ..errors import torchao_skew_messages_dropped
 
 with torchao_skew_messages_dropped():  # the first import of transformers' model code (see there)
     from transformers import AttentionInterface
 from transformers.cache_utils import Cache  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
-from .block_manager import BlockManager  # noqa: E402
-from .kernels._backend import resolve_backend  # noqa: E402
-from .kernels.paged_attention.reference import (  # noqa: E402
+from .block_manager import BlockManager
+from ..kernels._backend import resolve_backend
+from ..kernels.paged_attention.reference import (
     TreeMask, attend, attention_mask, context_slots, slots_of, tree_attention_mask,
 )
 
@@ -664,7 +664,7 @@ def paged_attention_forward(
     plan = plan.on(query.device)
     packed = plan.packed
     if plan.backend == "triton":
-        from .kernels.paged_attention.triton_kernel import paged_attention_triton
+        from ..kernels.paged_attention.triton_kernel import paged_attention_triton
 
         if packed is not None:  # the kernel reads each row's queries from the stream in place
             out = paged_attention_triton(query, key, value, plan.block_tables, packed.positions, plan.block_size,
@@ -706,7 +706,7 @@ def _attend_context_groups(query, key_pool, value_pool, mask, groups, scaling, s
     """Padded queries `[rows, heads, q, dim]` attending group by group to contexts gathered (or viewed) per group
     from the pools `[num_slots, kv_heads, dim]`; returns `[rows, q, heads, dim]`."""
     if key_pool.dim() != 3 or value_pool.dim() != 3 or key_pool.shape[0] != value_pool.shape[0]:
-        from .compat import UnsupportedModelError
+        from ..errors import UnsupportedModelError
 
         raise UnsupportedModelError("the model changed the keys or values between the cache's update and attention, "
                                     "which hf_specdec's grouped attention cannot follow; set "

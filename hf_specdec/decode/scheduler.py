@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kernels.sampling import apply_sampling_params
-from .metrics import SpeculativeMetrics
-from .model_runner import TargetHiddenStates, committed_hidden_states
+from ..kernels.sampling import apply_sampling_params
+from ..metrics import SpeculativeMetrics
+from ..runners.model_runner import TargetHiddenStates, committed_hidden_states
 from .step import emitted_logprobs
-from .types import SequenceBatch, gather_right_aligned
+from ..types import SequenceBatch, gather_right_aligned
 
 
 # Prompt tokens per forward for a prompt whose log probabilities are reported (`Request.prompt_logprobs`): each

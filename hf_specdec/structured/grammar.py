@@ -14,7 +14,7 @@ import threading
 import weakref
 from dataclasses import dataclass
 
-from .schema_support import narrow_enums, unenforced
+from .schema import narrow_enums, unenforced
 
 _INSTALL = 'structured output needs xgrammar: pip install "hf_specdec[structured]" (or pip install xgrammar)'
 

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from .distributed import RankZeroDecides, tp_group
-from .kernels._backend import resolve_backend
-from .paged_cache import ATTENTION_NAME, PLAN_KWARG, PagedKVCache, _ragged
-from .recurrent_state import make_cache, recurrent_layers_split
-from .rope import RopeRows, rope_factors
+from ..kernels._backend import resolve_backend
+from ..cache.paged import ATTENTION_NAME, PLAN_KWARG, PagedKVCache, _ragged
+from ..cache.recurrent import make_cache, recurrent_layers_split
+from ..cache.rope import RopeRows, rope_factors
 
 
 @contextmanager
@@ -231,7 +231,7 @@ class ModelRunner(CacheRows):
                 **{PLAN_KWARG: plan},
             )
         if plan.num_attended < plan.num_updates:  # (differential attention attends twice per layer: fine)
-            from .compat import UnsupportedModelError
+            from ..errors import UnsupportedModelError
 
             raise UnsupportedModelError(
                 f"{type(self.model).__name__} attended in {plan.num_updates - plan.num_attended} of its "

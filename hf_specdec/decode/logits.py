@@ -17,8 +17,8 @@ import torch
 from transformers import LogitsProcessorList
 from transformers.generation import logits_process as lp
 
-from .kernels._backend import resolve_backend
-from .kernels.sampling import apply_sampling_params
+from ..kernels._backend import resolve_backend
+from ..kernels.sampling import apply_sampling_params
 
 _HISTORY_FREE = tuple(
     getattr(lp, name)

@@ -30,10 +30,10 @@ from unittest import mock
 
 import torch
 
-from .speculators.base import Speculator
-from .extraction import PROMPTS as EXTRACTION_PROMPTS
-from .extraction import SCHEMAS as EXTRACTION_SCHEMAS
-from .workloads import GROUNDED, OPEN_CHAT, chat_inputs
+from ..decode.speculator import Speculator
+from ..extraction import PROMPTS as EXTRACTION_PROMPTS
+from ..extraction import SCHEMAS as EXTRACTION_SCHEMAS
+from ..workloads import GROUNDED, OPEN_CHAT, chat_inputs
 
 WORKLOADS = {"grounded": list(GROUNDED.values()), "open_chat": list(OPEN_CHAT.values()), "json": EXTRACTION_PROMPTS}
 # The json workload: each row constrained by its request's schema. Its baseline is plain generate with xgrammar's
@@ -161,7 +161,7 @@ def _constraint(workload: str, picks: list[int], tokenizer) -> dict:
     """`generate` arguments constraining a constrained workload's rows (one grammar per row)."""
     if workload not in CONSTRAINED:
         return {}
-    from .structured import Grammar
+    from ..structured.grammar import Grammar
 
     return dict(grammar=[Grammar.json_schema(CONSTRAINED[workload][i]) for i in picks], tokenizer=tokenizer)
 

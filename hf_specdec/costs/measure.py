@@ -172,8 +172,8 @@ def measure_step_cost(model, rows: tuple[int, ...], tokens: tuple[int, ...], con
     `StepCost`. Returns `(step cost, Measurement)`; the
     measurement's `problem` says why the cost is not to be trusted."""
     from .adaptive import StepCost
-    from .dense_runner import make_runner, runner_attention
-    from .model_runner import input_device
+    from ..runners.dense import make_runner, runner_attention
+    from ..runners.model_runner import input_device
 
     vocab = model.config.get_text_config().vocab_size
     device = input_device(model)  # not model.device: `meta` for a model offloaded to disk
@@ -230,7 +230,7 @@ def measure_thin_linear(model, rows: tuple[int, ...], margin: float, repeats: in
     for it, empty where it never did),
     as the forms' speeds differ by shape: on an AMD EPYC with MKL the thin form is 1.6-2.9x faster for an LM head's
     `[vocab, hidden]` weight from 2 rows up, and slower for the layers' at 6-12 rows."""
-    from .model_runner import input_device
+    from ..runners.model_runner import input_device
 
     layers = [m for m in model.modules() if thin_linear_candidate(m)]
     device = input_device(model)  # not model.device: `meta` when the first weights live on disk
@@ -338,7 +338,7 @@ def measure_packed_linear(model, rows: tuple[int, ...], margin: float, forms: di
     the other's time in every middle round (empty where it never did), the timings, and why they are not to be
     trusted (None when they are). Measured on an AMD EPYC with MKL: 2-3x faster for SmolLM2's LM head from 1 row,
     about 2x for its layers over 2-8 rows."""
-    from .model_runner import input_device
+    from ..runners.model_runner import input_device
 
     layers = [m for m in model.modules() if thin_linear_candidate(m) and packed_linear_supported(m.weight)
               and getattr(m, "_hf_hook", None) is None]  # an offloaded layer's weight is streamed in per forward
@@ -403,7 +403,7 @@ def measure_draft_cost(model, speculator, step_cost, k: int = 4, max_new_tokens:
     random prompt). Each call's drafting is divided by the same call's verify forwards (of k + 1 tokens, priced at
     `step_cost.relative(1, k + 1)` plain steps), so a load that changed since the step cost was measured cancels
     out. Returns `(cost, timings, why it is not to be trusted or None)`."""
-    from .model_runner import input_device
+    from ..runners.model_runner import input_device
 
     sample = sample or draft_sample
     vocab = model.config.get_text_config().vocab_size

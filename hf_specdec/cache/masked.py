@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .compat import torchao_skew_messages_dropped
+from ..errors import torchao_skew_messages_dropped
 
 with torchao_skew_messages_dropped():  # the first import of transformers' model code (see there)
     from transformers.cache_utils import Cache

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .speculators.eagle import EagleSpeculator
-from .speculators.heads import (
+from .eagle import EagleSpeculator
+from .heads import (
     CONFIG_NAME, FORMAT, FORMAT_VERSION, HIDDEN_STATES_CONVENTION, WEIGHTS_NAME, EagleCheckpointError, check_tensors,
     load_eagle_dir,
 )

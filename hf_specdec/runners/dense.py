@@ -21,7 +21,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 
 from .distributed import RankZeroDecides, tp_group
-from .masked_cache import MaskedKVCache
+from ..cache.masked import MaskedKVCache
 from .model_runner import CacheRows, ModelRunner, input_device, paged_attention
 
 # Config fields of attention windows counted in cache columns: holes would widen them, so rows stay contiguous.
@@ -88,7 +88,7 @@ class DenseRunner(CacheRows):
     def __init__(self, model, block_size: int = 16, max_num_blocks: int | None = None,
                  contiguous: bool | None = None, max_hole_fraction: float | None = None):
         if max_num_blocks is not None:
-            from .compat import UnsupportedModelError
+            from ..errors import UnsupportedModelError
 
             raise UnsupportedModelError(
                 f"{type(model).__name__} runs on hf_specdec's masked cache (it does not use transformers' attention "
@@ -174,7 +174,7 @@ def check_dense_supported(model, role: str, name: str) -> None:
     inside each row), feeds one more token, and compares each row's logits with the model's uncached forward of that
     row alone. It tries holes first, then contiguous rows (for attention that depends on column distances, as MPT's
     ALiBi does); what passes is remembered on the model, so it costs at most eight small forwards once per model."""
-    from .compat import UnsupportedModelError
+    from ..errors import UnsupportedModelError
 
     if getattr(model, "_hf_specdec_trial_passed", False):
         return

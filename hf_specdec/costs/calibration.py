@@ -43,10 +43,11 @@ import torch
 import torch.nn.functional as F
 
 from .adaptive import DEFAULT_STEP_COST, StepCost
-from .measure import (ATTEMPTS, Timer, check_step_cost, measure_draft_cost, measure_packed_linear, measure_step_cost,
-                      measure_thin_linear, pack_linear_weight, packed_linear, packed_linear_supported,
-                      thin_linear_candidate)
-from .model_runner import input_device
+from .measure import (
+    ATTEMPTS, Timer, check_step_cost, measure_draft_cost, measure_packed_linear, measure_step_cost,
+    measure_thin_linear, pack_linear_weight, packed_linear, packed_linear_supported, thin_linear_candidate,
+)
+from ..runners.model_runner import input_device
 
 logger = logging.getLogger("hf_specdec")
 
@@ -202,7 +203,7 @@ def speculator_key(speculator) -> str | None:
 
 # The cache --------------------------------------------------------------------------------------------------------
 def profile_path(model):
-    from .models import cache_dir
+    from ..models import cache_dir
 
     digest = hashlib.sha256(json.dumps(profile_key(model), sort_keys=True).encode()).hexdigest()[:24]
     return cache_dir() / "calibration" / f"{digest}.json"
@@ -225,7 +226,7 @@ def load_profile(model) -> Profile | None:
             _loaded[memo] = Profile.from_json(json.loads(path.read_text()), profile_key(model))
         except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as error:
             logger.warning(f"ignoring the calibration profile {path}: {error}; `hf-specdec calibrate` (or "
-                           "hf_specdec.calibration.calibrate(model)) measures it again")
+                           "hf_specdec.costs.calibration.calibrate(model)) measures it again")
             _loaded[memo] = None
     return _loaded[memo]
 

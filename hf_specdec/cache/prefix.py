@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from .paged_cache import PagedKVCache, slots_of
+from .paged import PagedKVCache, slots_of
 
 
 class PrefixCache:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from .errors import UnsupportedModelError
+from ..errors import UnsupportedModelError
 
 logger = logging.getLogger("hf_specdec")
 
@@ -25,7 +25,7 @@ _OWN_ATTENTION_MASKS = {
 def check_model_supported(model, role: str = "model") -> None:
     """Raises `UnsupportedModelError` unless `model` is a decoder-only LM whose KV cache (and recurrent state) we can
     roll back per row: paged, for models on transformers' attention interface, else masked (`dense_runner.py`)."""
-    from .recurrent_state import is_recurrent
+    from ..cache.recurrent import is_recurrent
 
     config = model.config
     name = type(model).__name__
@@ -47,7 +47,7 @@ def check_model_supported(model, role: str = "model") -> None:
             "whose state cannot be rolled back to an earlier token; only full and sliding-window attention and "
             "recurrent layers that keep their state through transformers' cache methods are supported"
         )
-    from .dense_runner import check_dense_supported, uses_paged_cache
+    from .dense import check_dense_supported, uses_paged_cache
 
     if not uses_paged_cache(model):  # it attends by its own code: served through its cache and attention mask
         check_dense_supported(model, role, name)
@@ -186,9 +186,9 @@ def exact_context(model) -> tuple[int | None, str | None]:
     (`rope.py`), for models whose rotary modules are transformers' kind on the paged cache (without recurrent layers,
     where a recompute is needed). Elsewhere it serves them up to that length, below which every forward takes the
     short factors."""
-    from .dense_runner import uses_paged_cache
-    from .recurrent_state import is_recurrent
-    from .rope import TokenRope, longrope_parameters, recomputes_at_switch
+    from .dense import uses_paged_cache
+    from ..cache.recurrent import is_recurrent
+    from ..cache.rope import TokenRope, longrope_parameters, recomputes_at_switch
 
     config = model.config.get_text_config()
     limit = getattr(config, "max_position_embeddings", None)

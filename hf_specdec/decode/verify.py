@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from .kernels.rejection_sample import rejection_sample, sample_with_noise
-from .types import PAD_ID, DraftProposal, DraftTree, VerifyResult
+from ..kernels.rejection_sample import rejection_sample, sample_with_noise
+from ..types import PAD_ID, DraftProposal, DraftTree, VerifyResult
 
 
 def verify(target_logits: torch.Tensor, draft: DraftProposal, do_sample: bool,

@@ -23,14 +23,14 @@ from pathlib import Path
 
 import torch
 
-from .eagle_convert import (
+from .convert_eagle import (
     _read_json, _resolve_source, _target_config, convert_eagle, eagle_speculator_from_dir, load_pickled_tensors,
     looks_like_reference_eagle, read_reference_tensors,
 )
-from .speculators.head_format import CONFIG_NAME, FORMAT, FORMAT_VERSION, HeadCheckpointError, check_tensors, load_head_dir
-from .speculators.heads import HIDDEN_STATES_CONVENTION, WEIGHTS_NAME, EagleCheckpointError
-from .speculators.medusa import MedusaSpeculator
-from .speculators.mlp import MlpSpeculator
+from .head_format import CONFIG_NAME, FORMAT, FORMAT_VERSION, HeadCheckpointError, check_tensors, load_head_dir
+from .heads import HIDDEN_STATES_CONVENTION, WEIGHTS_NAME, EagleCheckpointError
+from .medusa import MedusaSpeculator
+from .mlp import MlpSpeculator
 
 logger = logging.getLogger("hf_specdec")
 

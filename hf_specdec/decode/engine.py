@@ -12,18 +12,18 @@ from contextlib import ExitStack
 
 import torch
 
-from .adaptive import AdaptiveK, StepCost
-from .calibration import adaptive_costs, host_linear, report_idle
-from .block_manager import OutOfBlocksError
+from ..costs.adaptive import AdaptiveK, StepCost
+from ..costs.calibration import adaptive_costs, host_linear, report_idle
+from ..cache.block_manager import OutOfBlocksError
 from .logits import LogitsProcessing
-from .metrics import SpeculativeMetrics, logger
-from .dense_runner import make_runner, runner_attention
+from ..metrics import SpeculativeMetrics, logger
+from ..runners.dense import make_runner, runner_attention
 from .scheduler import Request, Scheduler
-from .speculators.base import Speculator
+from .speculator import Speculator
 from .step import Step
 from .stopping import StopRules
-from .constraints import RowConstraints
-from .types import SequenceBatch
+from ..structured.constraints import RowConstraints
+from ..types import SequenceBatch
 
 
 class SpeculativeEngine:

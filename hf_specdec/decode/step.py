@@ -19,11 +19,11 @@ import time
 
 import torch
 
-from .constraints import RowConstraints
-from .model_runner import TargetHiddenStates, committed_hidden_states
-from .paged_cache import TreeAttention
-from .speculators.base import Speculator
-from .types import PAD_ID, DraftProposal, DraftTree, gather_right_aligned
+from ..structured.constraints import RowConstraints
+from ..runners.model_runner import TargetHiddenStates, committed_hidden_states
+from ..cache.paged import TreeAttention
+from .speculator import Speculator
+from ..types import PAD_ID, DraftProposal, DraftTree, gather_right_aligned
 from .verify import verify, verify_tree
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..types import DraftProposal, DraftTree, SequenceBatch
-from ..verify import sample_unnormalized
+from .verify import sample_unnormalized
 
 
 class Speculator:
