@@ -16,7 +16,7 @@ from collections import defaultdict
 import torch
 
 from hf_specdec import EagleSpeculator, SpeculativeMetrics, trained_head
-from hf_specdec.costs.adaptive import DEFAULT_STEP_COST
+from hf_specdec.costs.step_cost import DEFAULT_STEP_COST
 from hf_specdec.models import load_model
 from hf_specdec.train_eagle import tokenize_prompts
 from hf_specdec.workloads import OPEN_CHAT

@@ -157,7 +157,7 @@ def kernel_target(row: dict) -> tuple[str, bool]:
 # --- 3. step cost -----------------------------------------------------------------------------------------------------
 def run_step_cost(ctx: Context) -> dict:
     """`StepCost.measure` on the target, printed as the `DEFAULT_STEP_COST` entry it should replace."""
-    from hf_specdec.costs.adaptive import DEFAULT_STEP_COST, StepCost
+    from hf_specdec.costs.step_cost import DEFAULT_STEP_COST, StepCost
     from hf_specdec.models import load_causal_lm
 
     if ctx.dry_run:

@@ -16,10 +16,11 @@ import time
 
 import torch
 
-from hf_specdec.tools.bench import chat_inputs
+from hf_specdec.workloads import chat_inputs
 from hf_specdec.cli import _speculator
 from hf_specdec.models import DEFAULT_MODEL, load_model
-from hf_specdec.tools.serve_bench import GROUNDED, OPEN_CHAT, workload
+from hf_specdec.workloads import GROUNDED, OPEN_CHAT
+from hf_specdec.tools.serve_bench import workload
 from hf_specdec.serving.engine import ServingEngine
 
 

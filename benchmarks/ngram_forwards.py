@@ -5,7 +5,7 @@ machine load; run `hf-specdec bench` for measured times."""
 import torch
 
 import hf_specdec
-from hf_specdec.costs.adaptive import DEFAULT_STEP_COST
+from hf_specdec.costs.step_cost import DEFAULT_STEP_COST
 from hf_specdec.models import load_model
 from hf_specdec.workloads import GROUNDED, OPEN_CHAT, chat_inputs
 

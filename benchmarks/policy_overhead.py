@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from hf_specdec.costs.adaptive import DEFAULT_STEP_COST, AdaptiveK
+from hf_specdec.costs.step_cost import DEFAULT_STEP_COST
+from hf_specdec.costs.adaptive import AdaptiveK
 
 
 def main() -> None:

@@ -4,19 +4,21 @@
 speculative decoding. Importing does no network access and writes no files.
 """
 
-from .costs.adaptive import StepCost
+from .costs.step_cost import StepCost
 from .cache.block_manager import BlockManager, OutOfBlocksError
 from .errors import UnsupportedModelError
 from .speculators.convert_eagle import convert_eagle
 from .decode.engine import SpeculativeEngine
 from .generation import SpeculativeGenerateOutput, register_generation_strategy
 from .speculators.resolve import resolve_speculator
-from .speculators.convert_head import HeadCheckpointError, convert_head
+from .speculators.head_format import HeadCheckpointError
+from .speculators.convert_head import convert_head
 from .metrics import SpeculativeMetrics
 from .models import trained_head
 from .cache.paged import PagedKVCache
 from .pipeline import SpeculativeTextGenerationPipeline, register_pipeline
-from .quantization import QuantizationUnavailableError, QuantizedCheckpointError, load_draft
+from .quantization import QuantizationUnavailableError, load_draft
+from .quantized_checkpoint import QuantizedCheckpointError
 from .serving import SamplingParams, ServingEngine, generate_batch
 from .speculators import (
     DraftModelSpeculator, EagleCheckpointError, EagleSpeculator, GrammarSpeculator, HybridSpeculator, MedusaSpeculator,

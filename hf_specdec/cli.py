@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .demo.app import add_arguments as add_demo_arguments
-from .speculators.convert_head import CONFIG_NAME as HEAD_CONFIG_NAME
+from .speculators.head_format import CONFIG_NAME as HEAD_CONFIG_NAME
 from .speculators.convert_head import head_speculator_from_dir
 from .models import (
     DEFAULT_MODEL, EMBEDDED_MODELS, has_trained_head, load_causal_lm, load_model, load_tokenizer, parse_dtype,
@@ -27,6 +27,18 @@ from .tokenizers import check_tokenizers_match
 from .train_eagle import add_arguments as add_train_eagle_arguments
 from .train_eagle import cmd_train_eagle
 from .workloads import GROUNDED, OPEN_CHAT, chat_inputs
+from .costs.calibration import calibrate, enabled
+from .costs.profile import profile_path
+from .costs.calibration import describe
+from .costs.profile import load_profile
+from .structured.grammar import Grammar, GrammarError
+from .tools.bench import environment, run_bench, save, table
+from .serving.server import serve
+from .serving import ServingEngine
+from .demo import launch
+from .speculators.convert_eagle import convert_eagle
+from .speculators.convert_head import convert_head
+from .tools.serve_bench import add_arguments as add_serve_bench_arguments
 
 
 
@@ -90,7 +102,6 @@ def _run_speculators(args, model, tokenizer) -> dict[str, object]:
 def _calibrate(args, model, speculators, explicit: bool = False) -> None:
     """Measures this host's costs for `model` and `speculators` where the cache lacks them (`hf-specdec calibrate`);
     `--no-calibrate` skips it (calls then use what is cached, else the static defaults)."""
-    from .costs.calibration import calibrate, enabled, profile_path
 
     if not explicit and (getattr(args, "no_calibrate", False) or not enabled()):
         return
@@ -103,7 +114,6 @@ def _calibrate(args, model, speculators, explicit: bool = False) -> None:
 
 def cmd_calibrate(args) -> int:
     """Measures and caches this host's step cost, small-row linear form and draft costs for a model."""
-    from .costs.calibration import describe, load_profile
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -223,7 +233,6 @@ def cmd_generate(args) -> int:
 def _grammar(args):
     """The `hf_specdec.Grammar` that `generate`'s --json-schema FILE / --json / --regex PATTERN / --grammar FILE
     ask for, or None."""
-    from .structured.grammar import Grammar, GrammarError
 
     given = [name for name in ("json_schema", "json", "regex", "grammar") if getattr(args, name)]
     if len(given) > 1:
@@ -244,7 +253,6 @@ def _grammar(args):
 
 def cmd_bench(args) -> int:
     """Plain generate vs transformers' assisted generation vs hf_specdec, on built-in workloads."""
-    from .tools.bench import environment, run_bench, save, table
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -287,11 +295,9 @@ def _tree_shapes(text: str, option: str = "--trees") -> tuple[tuple[int, int], .
 def cmd_serve(args) -> int:
     """Serves the model behind an OpenAI-compatible API with speculative decoding and continuous batching."""
     try:
-        from .serving.server import serve
         import fastapi, uvicorn  # noqa: F401,E401
     except ImportError:
         raise SystemExit("hf-specdec serve needs the serve extra: pip install 'hf_specdec[serve]'") from None
-    from .serving import ServingEngine
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -313,14 +319,12 @@ def cmd_serve(args) -> int:
 
 def cmd_demo(args) -> int:
     """Serves the Gradio demo app (plain vs speculative generation, side by side)."""
-    from .demo import launch
 
     return launch(args)
 
 
 def cmd_convert_eagle(args) -> int:
     """Converts a published EAGLE-1/2 or EAGLE-3 head into hf_specdec's format."""
-    from .speculators.convert_eagle import convert_eagle
 
     aux_layers = [int(i) for i in args.aux_layers.split(",")] if args.aux_layers else None
     dtype = getattr(torch, args.dtype) if args.dtype else None
@@ -332,7 +336,6 @@ def cmd_convert_eagle(args) -> int:
 
 def cmd_convert_head(args) -> int:
     """Converts a published EAGLE head, MLP speculator or Medusa heads into hf_specdec's format (layout detected)."""
-    from .speculators.convert_head import convert_head
 
     options = {}
     if args.aux_layers:
@@ -495,7 +498,6 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--no-calibrate", action="store_true", help="skip measuring this host's costs at start")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     srv.set_defaults(func=cmd_serve)
-    from .tools.serve_bench import add_arguments as add_serve_bench_arguments
 
     sbench = sub.add_parser("bench-serve", help="requests arriving at a fixed rate: hf-specdec serve (each "
                             "speculator, and speculation off) vs transformers' continuous batching")

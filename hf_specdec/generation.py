@@ -12,22 +12,22 @@ import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import LogitsProcessorList, PrefixConstrainedLogitsProcessor
 from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
                                                        StoppingCriteriaList, StopStringCriteria)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .costs.adaptive import StepCost
+from .costs.step_cost import StepCost
 from .runners.support import check_model_supported, exact_context
 from .structured.constraints import RowConstraints
 from .decode.engine import SpeculativeEngine
 from .metrics import SpeculativeMetrics
-from .decode.speculator import Speculator
 from .speculators.grammar import GrammarSpeculator
 from .speculators.resolve import resolve_speculator
 from .structured.grammar import Grammar, compile_grammars, xgrammar
+from .tokenizers import check_tokenizers_match
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 # speculator="grammar" drafts only tokens the grammar forces, which are always accepted: verify long runs of them.
@@ -142,8 +142,6 @@ def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=N
     spec.validate(self)
     tokenizer, assistant_tokenizer = kwargs.get("tokenizer"), kwargs.pop("assistant_tokenizer", None)
     if assistant_tokenizer is not None:
-        from .tokenizers import check_tokenizers_match
-
         if tokenizer is None:
             raise ValueError("assistant_tokenizer= needs tokenizer= too, so the two can be compared")
         check_tokenizers_match(tokenizer, assistant_tokenizer)

@@ -21,6 +21,9 @@ from .decode.speculator import Speculator
 from .speculators.draft_model import DraftModelSpeculator
 from .structured.grammar import Grammar
 from .tokenizers import check_tokenizers_match
+from .decode.scheduler import SamplingParams
+from .serving.engine import ServingEngine
+from .serving.offline import generate_stream
 
 logger = logging.getLogger(__name__)
 
@@ -189,10 +192,6 @@ class SpeculativeTextGenerationPipeline(TextGenerationPipeline):
         return int(pad) not in self.tokenizer.all_special_ids
 
     def _continuous(self, inputs, batch_size: int, plan: dict):
-        from .decode.scheduler import SamplingParams
-        from .serving.engine import ServingEngine
-        from .serving.offline import generate_stream
-
         preprocess_params, postprocess_params = plan["preprocess"], plan["postprocess"]
         max_new_tokens = plan["max_new_tokens"] or 256
         top_p, top_k = plan["top_p"], plan["top_k"]

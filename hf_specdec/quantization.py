@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 
 from .quantized_checkpoint import (
-    QuantizedCheckpointError, check_quantized_checkpoint, checkpoint_quantization, expected_layout,
+    check_quantized_checkpoint, checkpoint_quantization, expected_layout,
 )
+from .workloads import GROUNDED, OPEN_CHAT, chat_inputs
 
 logger = logging.getLogger("hf_specdec")
 
@@ -230,8 +231,6 @@ def calibration_texts(calibration: str | list[str] | None, tokenizer=None, targe
 
 
 def _target_generations(target, tokenizer, num_prompts: int, max_new_tokens: int) -> list[str]:
-    from .workloads import GROUNDED, OPEN_CHAT, chat_inputs
-
     prompts = (list(OPEN_CHAT.values()) + list(GROUNDED.values()))[:num_prompts]
     texts = []
     for prompt in prompts:  # one at a time: no padding tokens in the texts

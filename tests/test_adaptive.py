@@ -4,7 +4,8 @@ proposal by its confidence class."""
 import pytest
 import torch
 
-from hf_specdec.costs.adaptive import DEFAULT_STEP_COST, AdaptiveK, MeasuredStepCost, StepCost
+from hf_specdec.costs.step_cost import DEFAULT_STEP_COST, MeasuredStepCost, StepCost
+from hf_specdec.costs.adaptive import AdaptiveK
 
 # A forward costs 1 + 0.18 per token: 5 drafts at batch 1 cost 1.6 plain steps.
 LINEAR = StepCost(per_row=0.0, points=((1, 1.18), (2, 1.36)))

@@ -151,8 +151,8 @@ def test_offloaded_sampling_keeps_the_target_distribution(tmp_path):
 def test_calibration_measures_an_offloaded_model(saved, tmp_path):
     """`StepCost.measure` (what `hf-specdec calibrate` runs) works on a model whose `device` is `meta`, and the
     profile of an offloaded model is not the in-memory one's (its costs differ: the weights stream every forward)."""
-    from hf_specdec.costs.adaptive import StepCost
-    from hf_specdec.costs.calibration import profile_key
+    from hf_specdec.costs.step_cost import StepCost
+    from hf_specdec.costs.profile import profile_key
 
     target = load(saved["target"], tmp_path / "offload", **ALL_ON_DISK)
     cost = StepCost.measure(target, rows=(1,), tokens=(1, 4), contexts=(8,), repeats=1)
@@ -163,7 +163,7 @@ def test_calibration_measures_an_offloaded_model(saved, tmp_path):
 def test_thin_linear_reaches_offloaded_layers(saved, tmp_path):
     """The host's faster linear form also runs in layers whose weights accelerate streams in from disk: the hook's
     inner forward is switched (the hook stays, so the streamed weights are the ones used), exactly, and restored."""
-    from hf_specdec.costs.calibration import thin_linear
+    from hf_specdec.costs.linear_forms import thin_linear
 
     target = load(saved["target"], tmp_path / "offload", device_map=CPU_DISK_MAP)
     layer = target.model.layers[1].mlp.down_proj
@@ -185,7 +185,7 @@ def test_thin_linear_reaches_offloaded_layers(saved, tmp_path):
 def test_linear_form_is_measured_for_a_model_all_on_disk(saved, tmp_path):
     """Calibration's small-row linear timing covers layers whose weights are on disk (a stand-in of each shape is
     timed), instead of finding no layer on the CPU and measuring nothing."""
-    from hf_specdec.costs.measure import measure_thin_linear
+    from hf_specdec.costs.linear_forms import measure_thin_linear
 
     target = load(saved["target"], tmp_path / "offload", **ALL_ON_DISK)
     assert all(m.weight.device.type == "meta" for m in target.modules() if type(m) is torch.nn.Linear)

@@ -13,9 +13,10 @@ import time
 import pytest
 import torch
 
-from hf_specdec.costs import calibration, measure
-from hf_specdec.costs.adaptive import StepCost
-from hf_specdec.costs.calibration import Profile, calibrate, load_profile, profile_key, profile_path, save_profile
+from hf_specdec.costs import calibration, draft_cost, linear_forms
+from hf_specdec.costs.step_cost import StepCost
+from hf_specdec.costs.profile import Profile, load_profile, profile_key, profile_path, save_profile
+from hf_specdec.costs.calibration import calibrate
 from hf_specdec.speculators.resolve import resolve_speculator
 
 from conftest import make_model, ragged_batch

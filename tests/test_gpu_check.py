@@ -38,7 +38,7 @@ def test_dry_run_runs_every_stage_and_writes_the_report(tmp_path):
     assert stages["tests"]["kernels"]["tests"] > stages["tests"]["kernels"]["skipped"] == 0
     assert {row["op"] for row in stages["kernels"]["rows"]} == {"rejection_sample", "sampling_params",
                                                                "paged_attention"}
-    from hf_specdec.costs.adaptive import StepCost
+    from hf_specdec.costs.step_cost import StepCost
 
     literal = stages["step_cost"]["literal"]
     assert isinstance(eval(literal.split(": ", 1)[1].rstrip(","), {"StepCost": StepCost}), StepCost)
@@ -206,7 +206,7 @@ def test_packages_installed_during_the_run_become_importable(tmp_path, monkeypat
 
 
 def test_step_cost_literal_is_source_for_the_default():
-    from hf_specdec.costs.adaptive import StepCost
+    from hf_specdec.costs.step_cost import StepCost
 
     cost = StepCost(per_row=0.01, points=((1.0, 1.25), (1024.0, 6.5)), per_context_token=2e-5)
     literal = step_cost_literal("cuda", cost)

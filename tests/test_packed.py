@@ -13,7 +13,8 @@ import torch
 
 from conftest import ARCHITECTURES, VOCAB, make_model, ragged_batch
 from hf_specdec.runners import model_runner
-from hf_specdec.costs.adaptive import AdaptiveK, StepCost
+from hf_specdec.costs.adaptive import AdaptiveK
+from hf_specdec.costs.step_cost import StepCost
 from hf_specdec.runners.support import check_model_supported
 from hf_specdec.runners.model_runner import ModelRunner, paged_attention
 

@@ -16,9 +16,8 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_specdec
-from hf_specdec.quantization import (
-    QuantizationUnavailableError, QuantizedCheckpointError, check_quantized_checkpoint, load_draft,
-)
+from hf_specdec.quantization import QuantizationUnavailableError, load_draft
+from hf_specdec.quantized_checkpoint import QuantizedCheckpointError, check_quantized_checkpoint
 
 from conftest import make_tokenizer
 

@@ -3,7 +3,8 @@ adaptive k's draft prices corrected by it."""
 
 import pytest
 
-from hf_specdec.costs.adaptive import AdaptiveK, StepCost
+from hf_specdec.costs.adaptive import AdaptiveK
+from hf_specdec.costs.step_cost import StepCost
 from hf_specdec.costs.returns import DraftReturns
 
 # A token costs 5% of a 4-row step: at acceptance 0.67, drafting pays on this curve.

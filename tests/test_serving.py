@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from hf_specdec.costs.adaptive import StepCost
+from hf_specdec.costs.step_cost import StepCost
 from hf_specdec.decode.scheduler import SamplingParams
 from hf_specdec.serving import QueueFullError, RequestError, ServingEngine
 

@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList  # n
 
 import hf_specdec  # noqa: E402
 from hf_specdec import Grammar, GrammarError
-from hf_specdec.structured.grammar.constraints import RowConstraints
+from hf_specdec.structured.constraints import RowConstraints
 from hf_specdec.decode.speculator import Speculator
 from hf_specdec.types import DraftProposal
 
@@ -509,7 +509,7 @@ def test_draft_trees_with_a_constraint_are_refused(tokenizer):
 
 
 def test_no_matcher_or_block_is_left_after_a_call(tokenizer, monkeypatch):
-    from hf_specdec.structured.grammar import constraints as constraints_module
+    from hf_specdec.structured import constraints as constraints_module
     from hf_specdec.runners import model_runner
 
     runners, tables = [], []
@@ -790,7 +790,8 @@ def test_demo_json_mode():
     import json
 
     from hf_specdec.demo import app as demo_app
-    from hf_specdec.demo.session import NGRAM_LABEL, DemoInputError, DemoSession
+    from hf_specdec.demo.stream import NGRAM_LABEL
+    from hf_specdec.demo.session import DemoInputError, DemoSession
 
     tokenizer = piece_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

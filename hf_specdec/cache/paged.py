@@ -35,6 +35,7 @@ from ..kernels._backend import resolve_backend
 from ..kernels.paged_attention.reference import (
     TreeMask, attend, attention_mask, context_slots, slots_of, tree_attention_mask,
 )
+from ..errors import UnsupportedModelError
 
 ATTENTION_NAME = "hf_specdec_paged"
 PLAN_KWARG = "hf_specdec_plan"
@@ -706,8 +707,6 @@ def _attend_context_groups(query, key_pool, value_pool, mask, groups, scaling, s
     """Padded queries `[rows, heads, q, dim]` attending group by group to contexts gathered (or viewed) per group
     from the pools `[num_slots, kv_heads, dim]`; returns `[rows, q, heads, dim]`."""
     if key_pool.dim() != 3 or value_pool.dim() != 3 or key_pool.shape[0] != value_pool.shape[0]:
-        from ..errors import UnsupportedModelError
-
         raise UnsupportedModelError("the model changed the keys or values between the cache's update and attention, "
                                     "which hf_specdec's grouped attention cannot follow; set "
                                     "HF_SPECDEC_CONTEXT_GROUPS=0")

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .paged import PagedKVCache
+from ..errors import UnsupportedModelError
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the compiled paged-attention kernel takes
 
@@ -294,8 +295,6 @@ class RecurrentPagedCache(PagedKVCache):
 
     def _current_call(self, method: str) -> MixerCall:
         if self._call is None:
-            from ..errors import UnsupportedModelError
-
             raise UnsupportedModelError(
                 f"a layer called the cache's {method} outside the recurrent layers hf_specdec found, so its state "
                 "cannot be kept per row"

@@ -12,7 +12,8 @@ from contextlib import ExitStack
 
 import torch
 
-from ..costs.adaptive import AdaptiveK, StepCost
+from ..costs.adaptive import AdaptiveK
+from ..costs.step_cost import StepCost
 from ..costs.calibration import adaptive_costs, host_linear, report_idle
 from ..cache.block_manager import OutOfBlocksError
 from .logits import LogitsProcessing

@@ -19,6 +19,7 @@ from ..models import DEFAULT_MODEL
 from ..workloads import GROUNDED, OPEN_CHAT
 from .render import CSS, LEGEND, batch_html, chart_html, metrics_html, pane_html, status_html
 from .session import DemoInputError, DemoLimits, DemoSession
+from ..costs.calibration import calibrate, enabled
 
 logger = logging.getLogger("hf_specdec.demo")
 
@@ -195,8 +196,6 @@ def launch(args: argparse.Namespace, gpu: Callable | None = None) -> int:
     limits = DemoLimits(max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens)
     session = DemoSession.load(args.model, args.draft, args.eagle, device=device, limits=limits)
     if args.warm_up:
-        from ..costs.calibration import calibrate, enabled
-
         if enabled():
             calibrate(session.model, [resolve_speculator(s) for s in session.speculators.values()
                                       if not isinstance(s, str)], retry=False)

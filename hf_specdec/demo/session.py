@@ -19,6 +19,7 @@ from ..models import DEFAULT_MODEL, has_trained_head, load_causal_lm, load_model
 from ..tokenizers import check_tokenizers_match
 from ..workloads import chat_inputs
 from .stream import NGRAM_LABEL, BatchResult, Comparison, Pane, Settings, StepStreamer
+from ..structured.grammar import Grammar, StructuredOutputUnavailableError
 
 class DemoInputError(ValueError):
     """Input the demo refuses; the message names the problem and the fix, and is shown to the person as is."""
@@ -158,8 +159,6 @@ class DemoSession:
                         self.tokenizer if grammar is not None else None)
 
     def _check_json(self, schema_text: str | None):
-        from ..structured.grammar import Grammar, StructuredOutputUnavailableError
-
         try:
             grammar = Grammar.json_schema(schema_text) if (schema_text or "").strip() else Grammar.json()
             eos = self.model.generation_config.eos_token_id

@@ -9,13 +9,12 @@ import json
 import sys
 
 import torch
+from .paged_attention.bench import bench as attention_bench
+from .rejection_sample.bench import bench as rejection_bench
+from .sampling.bench import bench as sampling_bench
 
 
 def run(smoke: bool = False) -> list[dict]:
-    from .paged_attention.bench import bench as attention_bench
-    from .rejection_sample.bench import bench as rejection_bench
-    from .sampling.bench import bench as sampling_bench
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if smoke:
         return (rejection_bench(device, batch=3, k=2, vocab=37, repeats=1)

@@ -23,6 +23,7 @@ import torch
 from .distributed import RankZeroDecides, tp_group
 from ..cache.masked import MaskedKVCache
 from .model_runner import CacheRows, ModelRunner, input_device, paged_attention
+from ..errors import UnsupportedModelError
 
 # Config fields of attention windows counted in cache columns: holes would widen them, so rows stay contiguous.
 _WINDOW_FIELDS = ("sliding_window", "window_size", "attention_window", "local_attention_window")
@@ -88,8 +89,6 @@ class DenseRunner(CacheRows):
     def __init__(self, model, block_size: int = 16, max_num_blocks: int | None = None,
                  contiguous: bool | None = None, max_hole_fraction: float | None = None):
         if max_num_blocks is not None:
-            from ..errors import UnsupportedModelError
-
             raise UnsupportedModelError(
                 f"{type(model).__name__} runs on hf_specdec's masked cache (it does not use transformers' attention "
                 "interface), which is as wide as the batch's longest row and has no block pool to cap; drop "
@@ -174,7 +173,6 @@ def check_dense_supported(model, role: str, name: str) -> None:
     inside each row), feeds one more token, and compares each row's logits with the model's uncached forward of that
     row alone. It tries holes first, then contiguous rows (for attention that depends on column distances, as MPT's
     ALiBi does); what passes is remembered on the model, so it costs at most eight small forwards once per model."""
-    from ..errors import UnsupportedModelError
 
     if getattr(model, "_hf_specdec_trial_passed", False):
         return

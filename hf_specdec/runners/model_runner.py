@@ -15,6 +15,7 @@ from ..kernels._backend import resolve_backend
 from ..cache.paged import ATTENTION_NAME, PLAN_KWARG, PagedKVCache, _ragged
 from ..cache.recurrent import make_cache, recurrent_layers_split
 from ..cache.rope import RopeRows, rope_factors
+from ..errors import UnsupportedModelError
 
 
 @contextmanager
@@ -231,7 +232,6 @@ class ModelRunner(CacheRows):
                 **{PLAN_KWARG: plan},
             )
         if plan.num_attended < plan.num_updates:  # (differential attention attends twice per layer: fine)
-            from ..errors import UnsupportedModelError
 
             raise UnsupportedModelError(
                 f"{type(self.model).__name__} attended in {plan.num_updates - plan.num_attended} of its "

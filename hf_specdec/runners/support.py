@@ -5,6 +5,10 @@ from __future__ import annotations
 import logging
 
 from ..errors import UnsupportedModelError
+from ..cache.recurrent import is_recurrent
+from .dense import check_dense_supported, uses_paged_cache
+from .model_runner import ModelRunner, input_device, paged_attention
+from ..cache.rope import TokenRope, longrope_parameters, recomputes_at_switch
 
 logger = logging.getLogger("hf_specdec")
 
@@ -25,7 +29,6 @@ _OWN_ATTENTION_MASKS = {
 def check_model_supported(model, role: str = "model") -> None:
     """Raises `UnsupportedModelError` unless `model` is a decoder-only LM whose KV cache (and recurrent state) we can
     roll back per row: paged, for models on transformers' attention interface, else masked (`dense_runner.py`)."""
-    from ..cache.recurrent import is_recurrent
 
     config = model.config
     name = type(model).__name__
@@ -47,7 +50,6 @@ def check_model_supported(model, role: str = "model") -> None:
             "whose state cannot be rolled back to an earlier token; only full and sliding-window attention and "
             "recurrent layers that keep their state through transformers' cache methods are supported"
         )
-    from .dense import check_dense_supported, uses_paged_cache
 
     if not uses_paged_cache(model):  # it attends by its own code: served through its cache and attention mask
         check_dense_supported(model, role, name)
@@ -68,7 +70,6 @@ def _trial_forward(model, role: str, name: str) -> None:
         return
     import torch
 
-    from .model_runner import ModelRunner, input_device, paged_attention
 
     vocab = model.config.get_text_config().vocab_size
     device = input_device(model)  # never model.device: `meta` for a model offloaded to disk
@@ -120,7 +121,6 @@ def _packs_exactly(model, device, tokens: list[int], tolerance: float) -> bool:
     outside attention, or cannot take a tensor `logits_to_keep`, keeps the padded layout (nothing is refused)."""
     import torch
 
-    from .model_runner import ModelRunner
 
     logits = []
     try:
@@ -152,7 +152,6 @@ def _groups_exactly(model, device, tokens: list[int], tolerance: float) -> bool:
     group (nothing is refused)."""
     import torch
 
-    from .model_runner import ModelRunner
 
     logits = []
     try:
@@ -186,9 +185,6 @@ def exact_context(model) -> tuple[int | None, str | None]:
     (`rope.py`), for models whose rotary modules are transformers' kind on the paged cache (without recurrent layers,
     where a recompute is needed). Elsewhere it serves them up to that length, below which every forward takes the
     short factors."""
-    from .dense import uses_paged_cache
-    from ..cache.recurrent import is_recurrent
-    from ..cache.rope import TokenRope, longrope_parameters, recomputes_at_switch
 
     config = model.config.get_text_config()
     limit = getattr(config, "max_position_embeddings", None)

@@ -36,6 +36,7 @@ from ..decode.step import Step
 from ..decode.stopping import StopRules
 from ..types import SequenceBatch
 from .detokenize import AnswerText, decodes_locally
+from ..structured.grammar import xgrammar
 
 
 DEFAULT_PREFIX_CACHE_TOKENS = 8192
@@ -296,8 +297,6 @@ class ServingEngine:
                                price_reading=True)
         constraints = None
         try:
-            from ..structured.grammar import xgrammar
-
             xgrammar()
             if self.tokenizer is not None:
                 constraints = RowConstraints(slots, self.vocab_size, tokenizer=self.tokenizer)

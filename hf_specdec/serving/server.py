@@ -18,6 +18,8 @@ import uuid
 
 from ..decode.scheduler import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SamplingParams
 from .engine import MAX_LOGPROBS, QueueFullError, RequestError, ServingEngine
+from ..tokenizers import token_bytes
+from ..structured.grammar import Grammar
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +69,6 @@ def create_app(engine: ServingEngine, model_name: str, api_key: str | None = Non
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-    from ..tokenizers import token_bytes
 
     if engine.tokenizer is not None:  # read the tokenizer's byte spelling now, not on the first logprobs request
         token_bytes(engine.tokenizer)
@@ -309,7 +310,6 @@ class TokenLogprobs:
         prompt the tokens follow, whose text theirs continues (a leading space is theirs, not dropped)."""
         import codecs
 
-        from ..tokenizers import token_bytes
 
         self.tokenizer, self.chat = tokenizer, chat
         self.spelling = token_bytes(tokenizer) if tokenizer is not None else None
@@ -593,7 +593,6 @@ def _grammar(body: dict):
     """`(grammar, the field that asked for it)` from OpenAI's `response_format` or vLLM's structured-output fields
     (`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, or `structured_outputs` with one of `json`,
     `regex`, `choice`, `grammar`, `json_object`); `(None, None)` for free text. At most one may be given."""
-    from ..structured.grammar import Grammar
 
     asked = []
     for name in ("response_format", *_GUIDED):
@@ -632,8 +631,6 @@ def _absent(value) -> bool:
 
 
 def _vllm_grammar(kind: str, value):
-    from ..structured.grammar import Grammar
-
     if kind == "json":
         return Grammar.json_schema(value)
     if kind == "json_object":

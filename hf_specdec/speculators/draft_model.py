@@ -11,6 +11,7 @@ from ..runners.dense import make_runner, runner_attention
 from ..runners.model_runner import ModelRunner
 from ..types import DraftProposal, SequenceBatch, gather_right_aligned
 from ..decode.speculator import Speculator, sample_or_argmax
+from ..runners.support import check_model_supported, check_vocab_compatible
 
 
 class DraftModelSpeculator(Speculator):
@@ -56,8 +57,6 @@ class DraftModelSpeculator(Speculator):
         return self._runner.num_forwards if self._runner is not None else 0
 
     def validate(self, target) -> None:
-        from ..runners.support import check_model_supported, check_vocab_compatible
-
         check_model_supported(self.model, role="draft model (speculator)")
         check_vocab_compatible(target, self.model)  # its device may differ: its runner moves ids and logits
 

@@ -34,6 +34,7 @@ from ..decode.speculator import Speculator
 from ..extraction import PROMPTS as EXTRACTION_PROMPTS
 from ..extraction import SCHEMAS as EXTRACTION_SCHEMAS
 from ..workloads import GROUNDED, OPEN_CHAT, chat_inputs
+from ..structured.grammar import Grammar
 
 WORKLOADS = {"grounded": list(GROUNDED.values()), "open_chat": list(OPEN_CHAT.values()), "json": EXTRACTION_PROMPTS}
 # The json workload: each row constrained by its request's schema. Its baseline is plain generate with xgrammar's
@@ -161,7 +162,6 @@ def _constraint(workload: str, picks: list[int], tokenizer) -> dict:
     """`generate` arguments constraining a constrained workload's rows (one grammar per row)."""
     if workload not in CONSTRAINED:
         return {}
-    from ..structured.grammar import Grammar
 
     return dict(grammar=[Grammar.json_schema(CONSTRAINED[workload][i]) for i in picks], tokenizer=tokenizer)
 

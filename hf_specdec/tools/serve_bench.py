@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..workloads import GROUNDED, OPEN_CHAT, chat_inputs
+from ..models import load_model, parse_dtype
 
 LENGTHS = (16, 48, 96, 160)  # max_tokens of the requests, cycled: short and long answers mixed
 TRANSFORMERS = "transformers continuous batching"
@@ -300,8 +301,6 @@ def table(rows: list[dict]) -> str:
 
 
 def cmd_bench_serve(args) -> int:
-    from ..models import load_model, parse_dtype
-
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=args.device)

@@ -16,6 +16,8 @@ from .data import (
 )
 from .head import check_init_from_is_not_out, check_new_head_options, head_to_fine_tune_config
 from .loop import train_eagle_head
+from ..models import load_model
+from ..models import trained_head
 
 
 def add_arguments(parser) -> None:
@@ -72,7 +74,6 @@ def cmd_train_eagle(args) -> int:
     """`hf-specdec train-eagle`: build (or reuse) the self-distilled training set, train, write the head."""
     import time
 
-    from ..models import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -122,8 +123,6 @@ def _head_plan(args, target) -> tuple[int, list[int] | None]:
             raise SystemExit(str(error)) from None
         return version, None
     if args.init_from == "eagle":
-        from ..models import trained_head
-
         try:
             args.init_from = str(trained_head(args.target))
         except ValueError as error:

@@ -14,6 +14,7 @@ from ..speculators.heads import (
     load_eagle_dir, pack_weights,
 )
 from .data import TrainingSet
+from ..speculators.head_format import CONFIG_NAME as OTHER_HEAD_CONFIG
 
 
 def head_config_for(target, data: TrainingSet, version: int, *, draft_vocab_size: int | None = None,
@@ -84,8 +85,6 @@ def _read_head_to_fine_tune(target, path: str | Path, version: int | None, draft
     path = Path(path)
     what = f"--init-from {path}"
     if not (path / CONFIG_NAME).is_file():
-        from ..speculators.convert_head import CONFIG_NAME as OTHER_HEAD_CONFIG
-
         if (path / OTHER_HEAD_CONFIG).is_file():
             raise ValueError(f"{what} holds an MLP speculator or Medusa head ({OTHER_HEAD_CONFIG}); train-eagle "
                              "fine-tunes EAGLE heads only: give an EAGLE head's directory, or leave --init-from out "

@@ -1,0 +1,305 @@
+"""What a target forward costs on this host: the fitted curve adaptive k prices a verify with, its static defaults, and measuring it."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+from ..runners.dense import make_runner, runner_attention
+from ..runners.model_runner import input_device
+from .timing import ATTEMPTS, BOUND, FLOOR, Timer, out_of_bounds, measure_repeated, name, timed_round, wall_timer
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Wall time of one target forward of `rows` rows of `tokens` new tokens each over `context` cached tokens in
+    all, in milliseconds (or any unit): `per_row * rows + per_context_token * context + curve(rows * tokens)`, where
+    `curve` is piecewise linear through `points` (total tokens, time), extended at its average rate.
+    `StepCost.measure(model)` fits one to the machine at hand.
+
+    Args:
+        per_row (`float`): the cost each row adds (bookkeeping, kernel launches).
+        points (`tuple[tuple[float, float], ...]`): `(total tokens, time)` pairs, tokens ascending, times not
+            decreasing.
+        per_context_token (`float`): the cost of each cached token attended to (summed over the rows).
+    """
+
+    per_row: float
+    points: tuple[tuple[float, float], ...]
+    per_context_token: float = 0.0
+
+    def __post_init__(self):
+        tokens = [n for n, _ in self.points]
+        times = [t for _, t in self.points]
+        if len(self.points) < 2 or tokens != sorted(set(tokens)) or times != sorted(times) or times[0] <= 0:
+            raise ValueError(f"StepCost needs at least two (tokens, time) points with tokens ascending and times "
+                             f"positive and not decreasing, got {self.points!r}")
+        # Tuples (`at` bisects them), and the points as tensors, built once: the policy prices several steps per
+        # decode step.
+        object.__setattr__(self, "points", tuple((float(n), float(t)) for n, t in self.points))
+        object.__setattr__(self, "_xs", torch.tensor(tokens, dtype=torch.float64))
+        object.__setattr__(self, "_ys", torch.tensor(times, dtype=torch.float64))
+
+    def __call__(self, rows: int, tokens: torch.Tensor, context: float = 0.0) -> torch.Tensor:
+        n = rows * tokens.double()
+        xs, ys = self._xs, self._ys
+        n = n.clamp(min=float(self.points[0][0]))
+        i = (torch.searchsorted(xs, n) - 1).clamp(0, len(xs) - 2)
+        inside = ys[i] + (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i]) * (n - xs[i])
+        # Past the last point, time grows at the curve's average rate (its last segment may be flat).
+        beyond = ys[-1] + (ys[-1] - ys[0]) / (xs[-1] - xs[0]) * (n - xs[-1])
+        return self.per_row * rows + self.per_context_token * context + torch.where(n > xs[-1], beyond, inside)
+
+    def at(self, rows: int, tokens: float, context: float = 0.0) -> float:
+        """`self(rows, tokens, context)` for one number of tokens per row, in plain floats (no tensor ops)."""
+        points = self.points
+        n = max(rows * tokens, points[0][0])
+        (x0, y0), (x1, y1) = points[0], points[-1]
+        if n > x1:
+            curve = y1 + (y1 - y0) / (x1 - x0) * (n - x1)
+        else:
+            i = min(max(bisect.bisect_left(points, (n,)) - 1, 0), len(points) - 2)
+            (xa, ya), (xb, yb) = points[i], points[i + 1]
+            curve = ya + (yb - ya) / (xb - xa) * (n - xa)
+        return self.per_row * rows + self.per_context_token * context + curve
+
+    def relative(self, rows: int, tokens: torch.Tensor, context: float = 0.0) -> torch.Tensor:
+        """Cost of forwards of `tokens` per row relative to a plain decode step (1 token per row), over `context`
+        cached tokens in all."""
+        return self(rows, tokens, context) / self.at(rows, 1.0, context)
+
+    @classmethod
+    def measure(cls, model, rows: tuple[int, ...] = (1, 4, 16), tokens: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16),
+                contexts: tuple[int, ...] = (64, 256), repeats: int = 5) -> StepCost:
+        """Times target forwards through the paged KV cache (random token ids, each of `contexts` tokens cached per
+        row; interleaved and repeated, see `measure.py`) and fits a `StepCost` (`fit`). Takes under a minute on a
+        CPU; pass the result to `generate(..., speculative_step_cost=...)`. Logs a warning when the timings
+        disagree or break the physical bounds (a busy host); `hf-specdec calibrate` then keeps the static default."""
+        import logging
+
+
+        step_cost, measurement = measure_step_cost(model, rows, tokens, contexts, repeats)
+        if measurement.problem is not None:
+            logging.getLogger("hf_specdec").warning(f"StepCost.measure: not trustworthy ({measurement.problem})")
+        return step_cost
+
+    @classmethod
+    def fit(cls, samples: list[tuple[int, int, int, float]]) -> StepCost:
+        """Fits a `StepCost` to `(rows, total new tokens, total cached tokens, time)` samples by least squares
+        (`time = per_row * rows + per_context_token * cached + curve[total]`), then makes the curve non-decreasing."""
+        totals = sorted({n for _, n, _, _ in samples})
+        a = torch.zeros(len(samples), 2 + len(totals), dtype=torch.float64)
+        y = torch.tensor([t for *_, t in samples], dtype=torch.float64)
+        for i, (b, n, c, _) in enumerate(samples):
+            a[i, 0], a[i, 1] = b, c
+            a[i, 2 + totals.index(n)] = 1.0
+        # A light pull of the per-row and per-context costs towards 0 keeps the system solvable when no total was
+        # timed at two batch sizes or two context lengths.
+        ridge = torch.zeros(2, a.shape[1], dtype=torch.float64)
+        ridge[0, 0] = ridge[1, 1] = 1e-3
+        solution = torch.linalg.lstsq(torch.cat([a, ridge]), torch.cat([y, torch.zeros(2, dtype=torch.float64)]))
+        per_row = max(0.0, float(solution.solution[0]))
+        per_context_token = max(0.0, float(solution.solution[1]))
+        curve = torch.cummax(solution.solution[2:].clamp(min=1e-6), 0).values.tolist()
+        if len(totals) == 1:
+            totals, curve = totals + [totals[0] + 1], curve + curve
+        return cls(per_row=per_row, points=tuple(zip(map(float, totals), curve)), per_context_token=per_context_token)
+
+
+class MeasuredStepCost:
+    """A `StepCost` corrected by the wall times of the steps it prices.
+
+    Each observed step (its rows `B`, tokens fed `N` of which `D` are drafts, cached tokens `C`, and the time of its
+    target forward and verify) is fitted as `t = s * base(B, 1, C) + m * (base(B, (N - D) / B, C) - base(B, 1, C)) +
+    w * D + o * [D > 0]`: `s` puts the base curve in this host's units, `m` scales what other tokens beyond one per
+    row cost (newcomers' prompts; a profile taken on an idle host at other batch sizes can be off by half), `w` is
+    what a draft token costs and `o` what a step with drafts costs beyond its tokens (a ragged step's attention and
+    packing, the verify). Drafts are priced per token, not by the curve: a CPU's curve, measured at a few widths,
+    climbs in steps, and on its flat stretches it calls a few drafts free when each costs a few percent of a loaded
+    step (`benchmarks/draft_pricing.py`). Weighted least squares with counts that decay each step, so the fit follows
+    the load; a light prior holds `m = s`, `w = s` times the curve's average price of a token and `o = 0` until
+    steps say otherwise. Used only once `min_steps` steps were seen. `relative` then answers as `StepCost.relative`
+    does, for steps whose tokens beyond one per row are drafts.
+
+    Args:
+        base (`StepCost`): the curve whose shape is kept.
+        decay (`float`): factor on the counts per observed step (0.98: about the last 50 steps weigh).
+        min_steps (`int`): steps to see before the fit is used.
+        prior_steps (`float`): how many observed steps the prior weighs, each at a quarter of a plain step's extra
+            cost (for `m`), a step of 4 drafts at that price (for `w`) or 1 unit of time (for `o`).
+    """
+
+    # Once the fit is in use, a step further from its prediction (relatively) than OUTLIER times the typical
+    # relative error, and than OUTLIER_FLOOR, weighs the limit over its error (Huber's weights: its residual counts
+    # as if clipped to the limit).
+    OUTLIER, OUTLIER_FLOOR = 4.0, 0.15
+
+    def __init__(self, base: StepCost, decay: float = 0.98, min_steps: int = 16, prior_steps: float = 2.0):
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        self.base = base
+        self.decay = decay
+        self.min_steps = min_steps
+        self.prior_steps = prior_steps
+        # The curve's average price of one more token, end to end: the prior's price of a draft token.
+        (x0, y0), (x1, y1) = base.points[0], base.points[-1]
+        self.token_price = (y1 - y0) / (x1 - x0)
+        self.gram = torch.zeros(4, 4, dtype=torch.float64)
+        self.moment = torch.zeros(4, dtype=torch.float64)
+        self.weight = 0.0  # observations, decayed
+        self.steps = 0  # observations, all
+        self.skipped = 0  # steps not fitted (prefills)
+        self.typical_error = 0.05  # a step's relative distance from the fit, on average (outliers clipped)
+        self._params: tuple[float, float, float, float] | None = None
+        self._stale = False
+
+    def observe(self, rows: int, tokens_fed: int, context: float, draft_tokens: int, seconds: float) -> None:
+        """One step: `rows` rows fed `tokens_fed` tokens in all, `draft_tokens` of them drafts, over `context`
+        cached tokens, in `seconds`. A step whose other tokens beyond one per row outnumber its rows (newcomers'
+        prompts: a prefill, which the curve prices by extrapolation, with the engine's first allocations in the
+        first one) is not fitted: its error would land on the drafts' price, and drafts are priced for decode
+        steps."""
+        if tokens_fed - draft_tokens - rows > rows:
+            self.skipped += 1
+            return
+        plain = self.base.at(rows, 1.0, context)
+        other = self.base.at(rows, (tokens_fed - draft_tokens) / rows, context) - plain
+        x = torch.tensor([plain, other, float(draft_tokens), float(draft_tokens > 0)], dtype=torch.float64)
+        y = seconds * 1e3
+        weight = 1.0
+        if self.ready:
+            # A step far off the fit (a pause of the host, a collection) counts less, in proportion: a few drafts
+            # weigh as much as the whole prior on their price, so one such step would set it for a hundred steps.
+            predicted = float(x @ torch.tensor(self.params, dtype=torch.float64))
+            error = abs(y - predicted) / max(predicted, 1e-9)
+            limit = max(self.OUTLIER_FLOOR, self.OUTLIER * self.typical_error)
+            weight = min(1.0, limit / max(error, 1e-12))
+            self.typical_error = 0.95 * self.typical_error + 0.05 * min(error, limit)
+        self.gram.mul_(self.decay).add_(torch.outer(x, x), alpha=weight)
+        self.moment.mul_(self.decay).add_(x * y, alpha=weight)
+        self.weight = self.weight * self.decay + weight
+        self.steps += 1
+        self._stale = True
+
+    @property
+    def ready(self) -> bool:
+        return self.steps >= self.min_steps and self.params is not None
+
+    @property
+    def params(self) -> tuple[float, float, float, float] | None:
+        """`(s, m, w, o)`, or None before any step or when the fit is degenerate (`s <= 0`)."""
+        if self._stale:
+            self._stale = False
+            self._params = self._fit()
+        return self._params
+
+    def _fit(self) -> tuple[float, float, float, float] | None:
+        if self.weight == 0.0:
+            return None
+        # The prior in the data's own units: a quarter of a plain step's base cost for `m`, steps of 4 drafts for
+        # `w` (below), 1 ms for `o`.
+        ref = 0.0625 * float(self.gram[0, 0]) / self.weight
+        prior = torch.zeros(4, 4, dtype=torch.float64)
+        prior[0, 0] = prior[1, 1] = self.prior_steps * ref
+        prior[0, 1] = prior[1, 0] = -self.prior_steps * ref  # (m - s)^2
+        # (w - price * s)^2, weighed like `prior_steps` steps of 4 drafts each (least squares counts a step's drafts
+        # squared): the first steps with drafts outweigh it; one far off the fit is damped in `observe`.
+        price, drafts = self.token_price, 16 * self.prior_steps
+        prior[0, 0] += drafts * price ** 2
+        prior[2, 2] = drafts
+        prior[0, 2] = prior[2, 0] = -drafts * price
+        prior[3, 3] = self.prior_steps
+        try:
+            s, m, w, o = torch.linalg.solve(self.gram + prior, self.moment).tolist()
+        except RuntimeError:  # singular: nothing informative seen yet
+            return None
+        if not s > 0:
+            return None
+        return s, max(m, 0.0), max(w, 0.0), max(o, 0.0)
+
+    def relative(self, rows: int, tokens: torch.Tensor, context: float = 0.0) -> torch.Tensor:
+        """The cost of a step whose rows feed `tokens` each on average, every one past the first a draft, relative
+        to a plain step."""
+        s, _, w, o = self.params
+        tokens = torch.as_tensor(tokens, dtype=torch.float64)
+        plain = s * self.base.at(rows, 1.0, context)
+        drafts = (tokens - 1).clamp(min=0) * rows
+        return (plain + w * drafts + o * (drafts > 0).double()) / plain
+
+
+# Measured with `StepCost.measure` on the development machine (2-core x86-64 CPU, SmolLM2-135M in float32, batch
+# 1/4/16, 1-16 tokens per row, 64 and 256 tokens of context; `benchmarks/step_cost.py`, docs/benchmarks.md). On a
+# CPU the weights stream once per forward, each cached token adds attention work, and the per-token part grows in
+# steps as the matrix kernels change shape. On accelerators a forward of a few hundred tokens costs about as much as
+# one of a single token. Other hardware: `hf-specdec calibrate` (calibration.py) measures and caches one per host.
+DEFAULT_STEP_COST = {
+    "cpu": StepCost(per_row=0.0, per_context_token=0.00925, points=(
+        (1, 43.7), (2, 43.7), (3, 44.9), (4, 64.2), (6, 70.8), (8, 84.3), (12, 93.0), (16, 93.0), (24, 98.6),
+        (32, 111.3), (48, 133.4), (64, 161.3), (96, 208.5), (128, 229.0), (192, 302.7), (256, 391.5))),
+    "cuda": StepCost(per_row=0.0, points=((1.0, 1.005), (1024.0, 6.12))),
+}
+
+
+def check_step_times(medians: dict[tuple, float]) -> str | None:
+    """A forward of b rows x q tokens against b rows x 1 token and 1 row x 1 token over the same context."""
+    for key, cost in medians.items():
+        _, b, q, c = key
+        for other, work in (((b, 1, c), q), ((1, 1, c), b * q)):
+            if other != (b, q, c) and ("step", *other) in medians:
+                problem = out_of_bounds(cost, work, medians[("step", *other)], name(key))
+                if problem:
+                    return problem
+    return None
+
+
+def check_step_cost(step_cost, rows: tuple[int, ...] = (1, 4, 16), tokens: tuple[int, ...] = (2, 3, 4, 8),
+                    context_per_row: int = 128) -> str | None:
+    """The same bound on a fitted `StepCost`: a forward of q tokens per row within [FLOOR, BOUND * q] plain
+    steps (a fitted curve can stray where no timing pinned it, and a cached file can have been edited)."""
+    for b in rows:
+        relative = step_cost.relative(b, torch.tensor(tokens, dtype=torch.float64), b * context_per_row).tolist()
+        for q, r in zip(tokens, relative):
+            if not FLOOR <= r <= BOUND * q:
+                return (f"a forward of {q} tokens per row at batch {b} is priced at {r:.2f} plain steps, outside "
+                        f"the physical range [{FLOOR:.2f}, {BOUND * q:.2f}]")
+    return None
+
+
+# The target's step cost ---------------------------------------------------------------------------------------------
+def measure_step_cost(model, rows: tuple[int, ...], tokens: tuple[int, ...], contexts: tuple[int, ...],
+                      repeats: int, timer: Timer | None = None, attempts: int = ATTEMPTS):
+    """Times target forwards through the model's KV cache (paged, or masked: `dense_runner.make_runner`) with random
+    token ids, `contexts` tokens cached per row, every (rows, tokens, context) cell once per round, and fits a
+    `StepCost`. Returns `(step cost, Measurement)`; the
+    measurement's `problem` says why the cost is not to be trusted."""
+
+    vocab = model.config.get_text_config().vocab_size
+    device = input_device(model)  # not model.device: `meta` for a model offloaded to disk
+    timer = timer or wall_timer(device)
+    runners, cells = {}, {}
+    with torch.no_grad(), runner_attention(model):
+        for b, c in ((b, c) for c in contexts for b in rows):
+            runner = runners[b, c] = make_runner(model, num_blocks=b * (c + max(tokens)) // 16 + 2 * b + 1)
+            for seq in range(b):
+                runner.add_sequence(seq)
+            runner.forward(list(range(b)), torch.randint(vocab, (b, c), device=device), [c] * b, 1)
+            for q in tokens:
+                ids = torch.randint(vocab, (b, q), device=device)
+                cells["step", b, q, c] = lambda runner=runner, ids=ids, b=b, q=q: runner.forward(
+                    list(range(b)), ids, [q] * b, q)
+
+        def rollback(key):
+            _, b, _, c = key
+            for seq in range(b):
+                runners[b, c].rollback(seq, c)
+
+        timed_round(cells, lambda key, fn: fn(), after=rollback)  # warm-up
+        measurement = measure_repeated(lambda i: timed_round(cells, timer, i * 7, rollback), repeats,
+                                       check_step_times, attempts)
+    samples = [(b, b * q, b * c, 1000 * t) for (_, b, q, c), t in measurement.medians.items()]
+    step_cost = StepCost.fit(samples)
+    if measurement.problem is None:
+        measurement.problem = check_step_cost(step_cost, rows)
+    return step_cost, measurement
