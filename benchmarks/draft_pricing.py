@@ -22,7 +22,7 @@ import statistics
 
 import torch
 
-from hf_specdec.cli import _speculator
+from hf_specdec.tools.speculator_args import speculator_from_spec as _speculator
 from hf_specdec.models import DEFAULT_MODEL, load_model
 from hf_specdec.tools.serve_bench import workload
 from hf_specdec.serving.engine import ServingEngine

@@ -17,7 +17,7 @@ import time
 import torch
 
 from hf_specdec.workloads import chat_inputs
-from hf_specdec.cli import _speculator
+from hf_specdec.tools.speculator_args import speculator_from_spec as _speculator
 from hf_specdec.models import DEFAULT_MODEL, load_model
 from hf_specdec.workloads import GROUNDED, OPEN_CHAT
 from hf_specdec.tools.serve_bench import workload

@@ -34,7 +34,7 @@ import time
 import torch
 
 from hf_specdec.costs.step_cost import DEFAULT_STEP_COST, MeasuredStepCost
-from hf_specdec.cli import _speculator
+from hf_specdec.tools.speculator_args import speculator_from_spec as _speculator
 from hf_specdec.models import DEFAULT_MODEL, load_model
 from hf_specdec.cache.paged import PagedKVCache
 from hf_specdec.costs.returns import DraftReturns

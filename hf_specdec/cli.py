@@ -3,100 +3,36 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 import time
 
-from pathlib import Path
-
 import torch
 
+from .costs.calibration import calibrate, describe, enabled
+from .costs.profile import load_profile, profile_path
+from .demo import launch
 from .demo.app import add_arguments as add_demo_arguments
-from .speculators.head_format import CONFIG_NAME as HEAD_CONFIG_NAME
-from .speculators.convert_head import head_speculator_from_dir
-from .models import (
-    DEFAULT_MODEL, EMBEDDED_MODELS, has_trained_head, load_causal_lm, load_model, load_tokenizer, parse_dtype,
-    trained_head,
-)
-from .quantization import QUANTIZATIONS, load_draft
-from .speculators.eagle import EagleSpeculator
+from .models import DEFAULT_MODEL, load_model, parse_dtype
+from .quantization import QUANTIZATIONS
+from .serving import ServingEngine
+from .serving.server import serve
+from .speculators.convert_eagle import convert_eagle
+from .speculators.convert_head import convert_head
 from .speculators.resolve import resolve_speculator
-from .speculators.hybrid import HybridSpeculator
-from .speculators.heads import CONFIG_NAME as EAGLE_CONFIG_NAME
-from .tokenizers import check_tokenizers_match
+from .tools.bench import environment, run_bench, save, table
+from .tools.serve_bench import add_arguments as add_serve_bench_arguments
+from .tools.speculator_args import (
+    grammar_from_args,
+    quantizations_for,
+    run_speculators,
+    speculator_from_spec,
+    tree_shapes,
+)
 from .train_eagle import add_arguments as add_train_eagle_arguments
 from .train_eagle import cmd_train_eagle
 from .workloads import GROUNDED, OPEN_CHAT, chat_inputs
-from .costs.calibration import calibrate, enabled
-from .costs.profile import profile_path
-from .costs.calibration import describe
-from .costs.profile import load_profile
-from .structured.grammar import Grammar, GrammarError
-from .tools.bench import environment, run_bench, save, table
-from .serving.server import serve
-from .serving import ServingEngine
-from .demo import launch
-from .speculators.convert_eagle import convert_eagle
-from .speculators.convert_head import convert_head
-from .tools.serve_bench import add_arguments as add_serve_bench_arguments
-
-
-
-def _speculator(spec: str, target, target_tokenizer, quantization: str | None = None, model_name: str = ""):
-    """'ngram', 'eagle' (the trained head shipped for the embedded model `model_name`), a head directory,
-    'ngram+eagle' or 'ngram+HEAD_DIR' (`HybridSpeculator`: lookup where the text repeats, the head elsewhere), or a
-    draft model loaded like the target (its tokenizer, when it has one, must match), optionally quantized as it
-    loads (`hf_specdec.load_draft`); pre-quantized checkpoints load as they are."""
-    if (spec in ("ngram", "eagle", "grammar") or spec.startswith("ngram+")) and quantization is not None:
-        raise SystemExit(f"--draft-quantization {quantization} applies to draft models, not to {spec!r}")
-    if spec in ("ngram", "grammar"):
-        return spec
-    if spec.startswith("ngram+"):
-        head = _speculator(spec[len("ngram+"):], target, target_tokenizer, model_name=model_name)
-        if not isinstance(head, EagleSpeculator):
-            raise SystemExit(f"{spec!r}: after 'ngram+' give 'eagle' or an EAGLE head directory (a draft model or "
-                             "other head does not combine with the lookup)")
-        return HybridSpeculator(head)
-    if spec == "eagle":
-        try:
-            return EagleSpeculator.from_pretrained(trained_head(model_name))
-        except ValueError as error:
-            raise SystemExit(f"--speculator eagle: {error}") from None
-    if (Path(spec) / EAGLE_CONFIG_NAME).is_file():  # a converted EAGLE head (hf-specdec convert-eagle)
-        return EagleSpeculator.from_pretrained(spec)
-    if (Path(spec) / HEAD_CONFIG_NAME).is_file():  # a converted MLP speculator or Medusa head (convert-head)
-        return head_speculator_from_dir(spec)
-    quantize = dict(quantization=quantization, target=target, tokenizer=target_tokenizer)
-    if spec in EMBEDDED_MODELS:  # GGUF weights: load, then quantize a copy
-        draft = load_draft(load_causal_lm(spec, dtype=target.dtype, device=target.device), **quantize)
-    else:
-        draft = load_draft(spec, dtype=target.dtype, device=target.device, **quantize)
-    try:
-        draft_tokenizer = load_tokenizer(spec)
-    except (OSError, ValueError):
-        draft_tokenizer = None  # no tokenizer beside the draft: generate still checks vocabulary sizes
-    if draft_tokenizer is not None:
-        check_tokenizers_match(target_tokenizer, draft_tokenizer)
-    return draft
-
-
-def _quantizations(spec: str) -> list[str | None]:
-    """'none,fp8' -> [None, 'fp8'], refusing unknown names."""
-    names = [name.strip() for name in spec.split(",") if name.strip()]
-    unknown = [name for name in names if name not in ("none", *QUANTIZATIONS)]
-    if unknown or not names:
-        raise SystemExit(f"--draft-quantization: unknown {unknown or [spec]}; choose from none, "
-                         f"{', '.join(QUANTIZATIONS)}")
-    return [None if name == "none" else name for name in names]
-
-
-def _run_speculators(args, model, tokenizer) -> dict[str, object]:
-    """`run`'s speculators: with `--speculator auto`, n-gram, the trained EAGLE head shipped for the model and the
-    two combined (`HybridSpeculator`)."""
-    names = [args.speculator]
-    if args.speculator == "auto":
-        names = ["ngram"] + (["eagle", "ngram+eagle"] if has_trained_head(args.model) else [])
-    return {name: _speculator(name, model, tokenizer, model_name=args.model) for name in names}
 
 
 def _calibrate(args, model, speculators, explicit: bool = False) -> None:
@@ -120,8 +56,8 @@ def cmd_calibrate(args) -> int:
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=args.device)
     speculators = {}
     for name in filter(None, args.speculators.split(",")):
-        for quantization in _quantizations(args.draft_quantization) if name not in ("ngram", "eagle") else [None]:
-            speculators[name, quantization] = _speculator(name, model, tokenizer, quantization, model_name=args.model)
+        for quantization in quantizations_for(args.draft_quantization) if name not in ("ngram", "eagle") else [None]:
+            speculators[name, quantization] = speculator_from_spec(name, model, tokenizer, quantization, model_name=args.model)
     _calibrate(args, model, speculators.values(), explicit=True)
     print(describe(load_profile(model)))
     return 0
@@ -133,14 +69,14 @@ def cmd_run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=args.device)
-    speculators = _run_speculators(args, model, tokenizer)
+    speculators = run_speculators(args, model, tokenizer)
     _calibrate(args, model, speculators.values())
     tree = {}
     if args.tree:
         if not any(getattr(s, "supports_trees", False) for s in speculators.values()):
             raise SystemExit(f"--tree needs an EAGLE head ('eagle' or a head directory) in --speculator; "
                              f"{args.speculator!r} drafts chains only (drop --tree)")
-        shapes = _tree_shapes(args.tree, "--tree")
+        shapes = tree_shapes(args.tree, "--tree")
         if len(shapes) != 1:
             raise SystemExit(f"--tree {args.tree!r}: give one shape NODESxBRANCHING, e.g. 16x4")
         (nodes, branching), = shapes
@@ -205,7 +141,7 @@ def cmd_generate(args) -> int:
     inputs = chat_inputs(tokenizer, [args.prompt]).to(model.device)
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k) \
         if args.sample else dict(do_sample=False)
-    grammar = _grammar(args)
+    grammar = grammar_from_args(args)
     if args.speculator == "grammar" and grammar is None:
         raise SystemExit("--speculator grammar drafts the tokens a grammar forces: give --json-schema, --json, "
                          "--regex or --grammar")
@@ -217,7 +153,7 @@ def cmd_generate(args) -> int:
         except ValueError as error:
             raise SystemExit(f"hf-specdec generate: {error}") from None
         sampling.update(grammar=grammar, tokenizer=tokenizer)
-    speculator = _speculator(args.speculator, model, tokenizer, _quantizations(args.draft_quantization)[0],
+    speculator = speculator_from_spec(args.speculator, model, tokenizer, quantizations_for(args.draft_quantization)[0],
                              model_name=args.model)
     start = time.perf_counter()
     out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, speculator=speculator,
@@ -230,27 +166,6 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _grammar(args):
-    """The `hf_specdec.Grammar` that `generate`'s --json-schema FILE / --json / --regex PATTERN / --grammar FILE
-    ask for, or None."""
-
-    given = [name for name in ("json_schema", "json", "regex", "grammar") if getattr(args, name)]
-    if len(given) > 1:
-        raise SystemExit(f"give one of --json-schema, --json, --regex, --grammar (got {len(given)})")
-    try:
-        if args.json_schema:
-            return Grammar.json_schema(Path(args.json_schema).read_text())
-        if args.grammar:
-            return Grammar.ebnf(Path(args.grammar).read_text())
-    except OSError as error:
-        raise SystemExit(f"hf-specdec generate: cannot read {error.filename}: {error.strerror}") from None
-    except GrammarError as error:
-        raise SystemExit(f"hf-specdec generate: {args.json_schema}: {error}") from None
-    if args.regex:
-        return Grammar.regex(args.regex)
-    return Grammar.json() if args.json else None
-
-
 def cmd_bench(args) -> int:
     """Plain generate vs transformers' assisted generation vs hf_specdec, on built-in workloads."""
 
@@ -259,10 +174,10 @@ def cmd_bench(args) -> int:
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=args.device)
     speculators = {}
     for name in args.speculators.split(","):
-        for quantization in _quantizations(args.draft_quantization) if name not in ("ngram", "eagle") else [None]:
+        for quantization in quantizations_for(args.draft_quantization) if name not in ("ngram", "eagle") else [None]:
             label = name if quantization is None else f"{name} [{quantization}]"
-            speculators[label] = _speculator(name, model, tokenizer, quantization, model_name=args.model)
-    trees = _tree_shapes(args.trees)
+            speculators[label] = speculator_from_spec(name, model, tokenizer, quantization, model_name=args.model)
+    trees = tree_shapes(args.trees)
     if trees and not any(getattr(s, "supports_trees", False) for s in speculators.values()):
         raise SystemExit("--trees needs a speculator that drafts trees (an EAGLE head directory in --speculators)")
     _calibrate(args, model, speculators.values())
@@ -282,27 +197,15 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def _tree_shapes(text: str, option: str = "--trees") -> tuple[tuple[int, int], ...]:
-    shapes = []
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        nodes, _, branching = item.partition("x")
-        if not (nodes.isdigit() and branching.isdigit() and int(nodes) > 0 and int(branching) > 0):
-            raise SystemExit(f"{option} {text!r}: give NODESxBRANCHING shapes, comma-separated, e.g. 16x4,32x4")
-        shapes.append((int(nodes), int(branching)))
-    return tuple(shapes)
-
-
 def cmd_serve(args) -> int:
     """Serves the model behind an OpenAI-compatible API with speculative decoding and continuous batching."""
-    try:
-        import fastapi, uvicorn  # noqa: F401,E401
-    except ImportError:
-        raise SystemExit("hf-specdec serve needs the serve extra: pip install 'hf_specdec[serve]'") from None
+    if not all(importlib.util.find_spec(name) for name in ("fastapi", "uvicorn")):
+        raise SystemExit("hf-specdec serve needs the serve extra: pip install 'hf_specdec[serve]'")
 
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=args.device)
-    speculator = _speculator(args.speculator, model, tokenizer, model_name=args.model)
+    speculator = speculator_from_spec(args.speculator, model, tokenizer, model_name=args.model)
     _calibrate(args, model, [speculator])
     engine = ServingEngine(model, tokenizer, speculator, num_speculative_tokens=args.k,
                            max_batch_size=args.max_batch_size, max_queue=args.max_queue,

@@ -1,4 +1,4 @@
-"""Measured costs (calibration.py, measure.py): a cached profile prices drafting, its key, bad files, seeded runs,
+"""Measured costs (costs/: calibration, profile, step_cost, linear_forms, draft_cost, timing): a cached profile prices drafting, its key, bad files, seeded runs,
 the small-row linear form, the warning when adaptive k keeps drafting off, and measurements a busy host spoils
 (re-measured, or rejected for the static default). No timing is asserted: profiles with chosen numbers, and timers
 that return chosen numbers, stand in for measured ones."""
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from hf_specdec.costs import calibration, draft_cost, linear_forms
-from hf_specdec.costs.step_cost import StepCost
+from hf_specdec.costs import profile as profiles
+from hf_specdec.costs.step_cost import DEFAULT_STEP_COST, StepCost
 from hf_specdec.costs.profile import Profile, load_profile, profile_key, profile_path, save_profile
 from hf_specdec.costs.calibration import calibrate
 from hf_specdec.speculators.resolve import resolve_speculator
@@ -38,7 +39,7 @@ def steady(key) -> float:
 
 
 def fake_timer(cost=steady, slowdown=lambda key, call: 1.0, order=None):
-    """A `measure.Timer` that runs what it times (so the real code path runs) and returns `cost(key)` times
+    """A `timing.Timer` that runs what it times (so the real code path runs) and returns `cost(key)` times
     `slowdown(key, how many times this key was timed)`; `order` collects the keys timed."""
     calls = {}
 
@@ -71,7 +72,7 @@ def trained():
 
 
 def _profile(model, step_cost, draft=None, draft_cost=None, thin_rows=()) -> Profile:
-    costs = {calibration.speculator_key(resolve_speculator(draft)): draft_cost} if draft is not None else {}
+    costs = {profiles.speculator_key(resolve_speculator(draft)): draft_cost} if draft is not None else {}
     return Profile(profile_key(model), step_cost, tuple(thin_rows), costs)
 
 
@@ -118,7 +119,7 @@ def test_a_profile_where_drafting_cannot_pay_drafts_nothing_and_says_why(caplog)
     # ... only by this profile: without it (static defaults, the draft priced by its size) it does not.
     assert target.generate(input_ids, **kwargs, speculative_calibration=False).speculative_metrics.num_draft_tokens \
         == 0
-    calibration._loaded.clear()
+    profiles._loaded.clear()
     caplog.clear()
     save_profile(target, _profile(target, DEAR, draft, 0.5))
     with caplog.at_level(logging.INFO, logger="hf_specdec"):
@@ -173,9 +174,9 @@ def test_profile_key_separates_models_dtypes_and_threads():
         torch.set_num_threads(threads)
     assert load_profile(target) is not None
     one = make_model("llama", dtype=torch.float32)
-    assert calibration.speculator_key(resolve_speculator(one)) != calibration.speculator_key(
+    assert profiles.speculator_key(resolve_speculator(one)) != profiles.speculator_key(
         resolve_speculator(make_model("llama", dtype=torch.float64)))
-    assert calibration.speculator_key(resolve_speculator("ngram")) is None
+    assert profiles.speculator_key(resolve_speculator("ngram")) is None
 
 
 @pytest.mark.parametrize("content", [
@@ -213,9 +214,9 @@ def test_a_corrupt_or_foreign_file_is_ignored_with_a_warning_and_rebuilt(content
 
 
 def test_calibrate_measures_once_and_leaves_the_random_state_alone(monkeypatch):
-    real = measure.draft_sample
+    real = draft_cost.draft_sample
     # The draft's own calls run; their timings are replaced: 2 ms a drafted token, 40 ms a verify step.
-    monkeypatch.setattr(measure, "draft_sample", lambda *args: (real(*args), (2.0, 40.0))[1])
+    monkeypatch.setattr(draft_cost, "draft_sample", lambda *args: (real(*args), (2.0, 40.0))[1])
     target = make_model("llama", dtype=torch.float32)
     draft = make_model("llama", seed=1, dtype=torch.float32)
     torch.manual_seed(7)
@@ -223,7 +224,7 @@ def test_calibrate_measures_once_and_leaves_the_random_state_alone(monkeypatch):
     torch.manual_seed(7)
     profile = calibrate(target, [resolve_speculator(draft), resolve_speculator("ngram")], **TINY_GRID)
     assert torch.equal(torch.rand(3), expected)
-    key = calibration.speculator_key(resolve_speculator(draft))
+    key = profiles.speculator_key(resolve_speculator(draft))
     verify_steps = float(profile.step_cost.relative(1, torch.tensor(5.0), 64 + 12))  # k = 4: a 5-token verify
     assert set(profile.draft_costs) == {key} and profile.draft_costs[key] == round(2.0 / 40.0 * verify_steps, 4)
     assert all(t > 0 for _, t in profile.step_cost.points)
@@ -267,7 +268,7 @@ def test_thin_linear_is_exact_in_float64_and_only_inside_our_calls():
     assert len(seen) >= steps and all(seen[-steps:])  # the decode loop's forwards ran with the layer switched ...
     assert "forward" not in vars(layer) and not any("forward" in vars(m) for m in draft.modules())  # ... and back
     x = torch.randn(3, layer.in_features, dtype=torch.float64)
-    with calibration.thin_linear([target], rows=(3,)):
+    with linear_forms.thin_linear([target], rows=(3,)):
         assert torch.allclose(layer(x), torch.nn.functional.linear(x, layer.weight))
         assert "forward" in vars(layer)
     assert "forward" not in vars(layer)
@@ -277,15 +278,15 @@ def test_thin_linear_between_measured_row_counts(monkeypatch):
     """A row count between two measured ones takes the choice made at the lower; past the last measured count, and
     below the first, the stock form stays; without measured counts, exactly the counts given. A profile keeps the
     counts it measured, and `host_linear` reads them."""
-    table = calibration.thin_row_table((2, 16), (1, 2, 4, 16, 32))
+    table = linear_forms.thin_row_table((2, 16), (1, 2, 4, 16, 32))
     assert [n for n, thin in enumerate(table) if thin] == [2, 3, *range(16, 32)]
-    assert [n for n, thin in enumerate(calibration.thin_row_table((3, 5))) if thin] == [3, 5]
-    assert calibration.thin_row_table((), (1, 2)) == [False] * 3
+    assert [n for n, thin in enumerate(linear_forms.thin_row_table((3, 5))) if thin] == [3, 5]
+    assert linear_forms.thin_row_table((), (1, 2)) == [False] * 3
     layer = torch.nn.Linear(8, 4).double()
     stock = []
     linear = torch.nn.functional.linear
     monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: stock.append(a[0].shape[0]) or linear(*a, **k))
-    with calibration.thin_linear([layer], (2, 16), (1, 2, 4, 16, 32)):
+    with linear_forms.thin_linear([layer], (2, 16), (1, 2, 4, 16, 32)):
         for rows in (1, 2, 3, 4, 15, 16, 31, 32, 33):
             x = torch.randn(rows, 8, dtype=torch.float64)
             y = layer(x)
@@ -294,7 +295,7 @@ def test_thin_linear_between_measured_row_counts(monkeypatch):
     assert stock == [1, 4, 15, 32, 33]
     # A shape measured takes its own choice (here: never thin); one not measured (a draft's) the choice for all.
     other = torch.nn.Linear(8, 5).double()
-    with calibration.thin_linear([layer, other], (2,), (1, 2, 4), {"4x8": ()}):
+    with linear_forms.thin_linear([layer, other], (2,), (1, 2, 4), {"4x8": ()}):
         stock.clear()
         layer(torch.randn(3, 8, dtype=torch.float64))
         other(torch.randn(3, 8, dtype=torch.float64))
@@ -315,7 +316,7 @@ def test_cli_calibrate_writes_a_profile(tmp_path, monkeypatch, capsys):
 
     target = make_model("llama", dtype=torch.float32)
     monkeypatch.setattr(cli, "load_model", lambda *a, **k: (target, None))
-    monkeypatch.setattr(calibration, "calibrate", lambda model, speculators=(), force=False, progress=None, retry=True,
+    monkeypatch.setattr(cli, "calibrate", lambda model, speculators=(), force=False, progress=None, retry=True,
                         _real=calibration.calibrate: _real(model, speculators, force, progress=progress, retry=retry,
                                                            **TINY_GRID))
     assert cli.main(["calibrate", "--threads", str(torch.get_num_threads())]) == 0
@@ -365,7 +366,7 @@ def test_an_untrustworthy_step_cost_is_not_cached_and_calls_keep_the_static_defa
     assert "the step cost measured now is not trustworthy" in warning and reason in warning
     assert "measured 2 time(s)" in warning and "static default" in warning
     step_cost, _, source = calibration.adaptive_costs(target, resolve_speculator("ngram"))
-    assert step_cost == calibration.DEFAULT_STEP_COST["cpu"] and "static default" in source
+    assert step_cost == DEFAULT_STEP_COST["cpu"] and "static default" in source
     # The same host, quiet again: measured and cached.
     assert calibrate(target, **GRID, timer=fake_timer()) == load_profile(target) is not None
 
@@ -424,7 +425,7 @@ def test_the_linear_form_is_chosen_per_weight_shape(caplog):
     is on an AMD EPYC with MKL): the profile takes it there, for that shape only, though over all the layers the
     forms tie; under `host_linear` the LM head runs thin and the other layers are left as they are."""
     target = make_model("llama", dtype=torch.float32)
-    head = calibration.shape_key(target.lm_head.weight.shape)
+    head = linear_forms.shape_key(target.lm_head.weight.shape)
 
     def cost(key):
         return steady(key) / (2 if key[:2] == ("linear", "thin") and key[2] > 1 and key[3] == tuple(
@@ -434,7 +435,7 @@ def test_the_linear_form_is_chosen_per_weight_shape(caplog):
         profile = calibrate(target, **GRID, timer=fake_timer(cost=cost))
     assert profile.thin_linear_rows == () and {k: v for k, v in profile.thin_linear_shapes.items() if v} == {
         head: (2, 3)}
-    assert set(profile.thin_linear_shapes) == {calibration.shape_key(m.weight.shape) for m in target.modules()
+    assert set(profile.thin_linear_shapes) == {linear_forms.shape_key(m.weight.shape) for m in target.modules()
                                                if isinstance(m, torch.nn.Linear)}  # every shape measured
     assert profile.details["linear_thin_over_stock_by_shape"][head] == {"1": 1.0, "2": 0.5, "3": 0.5}
     assert load_profile(target) == profile
@@ -484,10 +485,10 @@ def test_a_draft_cost_is_kept_only_when_its_calls_agree(noisy, monkeypatch, capl
         slow = 5.0 if noisy and len(calls) % 3 == 0 else 1.0  # each pass's third call drafts 5x slower
         return 2.0 * slow, 40.0  # ms per drafted token, ms per verify step
 
-    monkeypatch.setattr(measure, "draft_sample", sample)
+    monkeypatch.setattr(draft_cost, "draft_sample", sample)
     with caplog.at_level(logging.WARNING, logger="hf_specdec"):
         profile = calibrate(target, [resolve_speculator(draft)], **GRID, timer=fake_timer())
-    key = calibration.speculator_key(resolve_speculator(draft))
+    key = profiles.speculator_key(resolve_speculator(draft))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     if noisy:
         assert key not in profile.draft_costs and key not in load_profile(target).draft_costs
@@ -522,19 +523,19 @@ def test_calls_that_calibrate_on_their_own_do_not_retry_an_unsteady_host_at_once
     target = make_model("llama", dtype=torch.float32)
     busy = fake_timer(slowdown=lambda key, call: 10.0 if call in (2, 5, 8) else 1.0)
     assert calibrate(target, **GRID, timer=busy, retry=False) is None
-    assert calibration.recently_unsteady(target, "step") is not None
+    assert profiles.recently_unsteady(target, "step") is not None
     order = []
     assert calibrate(target, **GRID, timer=fake_timer(order=order), retry=False) is None
     assert order == []  # skipped: nothing timed
-    later = time.time() + calibration.UNSTEADY_RETRY_S + 1
+    later = time.time() + profiles.UNSTEADY_RETRY_S + 1
     with monkeypatch.context() as patch:
-        patch.setattr(calibration.time, "time", lambda: later)
-        assert calibration.recently_unsteady(target, "step") is None
+        patch.setattr(profiles.time, "time", lambda: later)
+        assert profiles.recently_unsteady(target, "step") is None
     assert calibrate(target, **GRID, timer=fake_timer(), retry=True) == load_profile(target) is not None
-    assert calibration.recently_unsteady(target, "step") is None
+    assert profiles.recently_unsteady(target, "step") is None
 
 
-needs_onednn = pytest.mark.skipif(not measure.packed_linear_supported(torch.zeros(1)),
+needs_onednn = pytest.mark.skipif(not linear_forms.packed_linear_supported(torch.zeros(1)),
                                   reason="torch built without oneDNN")
 
 
@@ -554,12 +555,12 @@ def test_the_packed_form_is_chosen_where_it_beats_the_other_and_taken_before_thi
         return steady(key)
 
     profile = calibrate(target, **GRID, timer=fake_timer(cost=cost))
-    key = calibration.shape_key(head)
+    key = linear_forms.shape_key(head)
     assert {k: v for k, v in profile.packed_linear_shapes.items() if v} == {key: (2, 3)}
     assert profile.details["linear_packed_over_chosen_by_shape"][key] == {"1": 1.0, "2": 0.5, "3": 0.5}
     assert f"linear layers of weight {key} packed for oneDNN at 2-3 input rows" in calibration.describe(profile)
     calls = []
-    packed = calibration.packed_linear
+    packed = linear_forms.packed_linear
     monkeypatch.setattr(calibration, "packed_linear", lambda x, *a: calls.append(x.shape[0]) or packed(x, *a))
     hidden = target.config.hidden_size
     with calibration.host_linear(target), torch.no_grad():  # as in our calls (the packed product has no backward)
@@ -584,11 +585,11 @@ def test_packed_linear_follows_plain_generate_and_the_weights(monkeypatch):
     target = make_model("llama", dtype=torch.float32)
     input_ids, mask = ragged_batch()
     plain = target.generate(input_ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
-    every = {calibration.shape_key(m.weight.shape): tuple(range(1, 65)) for m in target.modules()
+    every = {linear_forms.shape_key(m.weight.shape): tuple(range(1, 65)) for m in target.modules()
              if isinstance(m, torch.nn.Linear)}
     save_profile(target, Profile(profile_key(target), FLAT, (), {}, {}, tuple(range(1, 65)), {}, every))
     packs = []
-    pack = calibration.pack_linear_weight
+    pack = linear_forms.pack_linear_weight
     monkeypatch.setattr(calibration, "pack_linear_weight", lambda w: packs.append(w.shape) or pack(w))
     for _ in range(2):
         out = target.generate(input_ids, attention_mask=mask, max_new_tokens=20, do_sample=False, speculator="ngram",
@@ -630,8 +631,8 @@ def test_packed_linear_stands_aside_where_its_copy_cannot_serve(monkeypatch):
     twin = torch.nn.Linear(64, 32)
     twin.weight = layer.weight  # tied, as an LM head to its embedding
     every = {"32x64": tuple(range(1, 65))}
-    with calibration.thin_linear([layer, twin], (), tuple(range(1, 65)), None, every):
-        assert len({id(calibration._PACKED[m][1]) for m in (layer, twin)}) == 1
+    with linear_forms.thin_linear([layer, twin], (), tuple(range(1, 65)), None, every):
+        assert len({id(linear_forms._PACKED[m][1]) for m in (layer, twin)}) == 1
         x = torch.randn(4, 64)
         with torch.no_grad():
             torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
@@ -644,13 +645,13 @@ def test_packed_linear_stands_aside_where_its_copy_cannot_serve(monkeypatch):
             half = x.bfloat16()
             assert layer.bfloat16()(half).dtype == torch.bfloat16  # cast: the copy no longer stands for it
     target = make_model("llama", dtype=torch.float32)
-    shapes = {calibration.shape_key(m.weight.shape): tuple(range(1, 65)) for m in target.modules()
+    shapes = {linear_forms.shape_key(m.weight.shape): tuple(range(1, 65)) for m in target.modules()
               if isinstance(m, torch.nn.Linear)}
     save_profile(target, Profile(profile_key(target), FLAT, (), {}, {}, tuple(range(1, 65)), {}, shapes))
     with calibration.host_linear(target):
         pass
-    assert target.lm_head in calibration._PACKED
+    assert target.lm_head in linear_forms._PACKED
     monkeypatch.setenv("HF_SPECDEC_PACKED_LINEAR", "off")
     with calibration.host_linear(target):
         pass
-    assert not any(m in calibration._PACKED for m in target.modules())
+    assert not any(m in linear_forms._PACKED for m in target.modules())

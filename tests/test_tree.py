@@ -333,12 +333,13 @@ def test_sliding_window_target(tmp_path):
 def test_cli_runs_trees_and_explains_bad_shapes(fitted_eagle_heads, tmp_path, capsys):
     from conftest import saved_target_and_head
 
-    from hf_specdec.cli import _tree_shapes, main
+    from hf_specdec.cli import main
+    from hf_specdec.tools.speculator_args import tree_shapes
 
-    assert _tree_shapes("16x4, 6x2") == ((16, 4), (6, 2)) and _tree_shapes("") == ()
+    assert tree_shapes("16x4, 6x2") == ((16, 4), (6, 2)) and tree_shapes("") == ()
     for bad in ("16", "16x", "0x4", "4x2x1"):
         with pytest.raises(SystemExit, match="NODESxBRANCHING"):
-            _tree_shapes(bad)
+            tree_shapes(bad)
     model_dir, head_dir = saved_target_and_head(fitted_eagle_heads[1], tmp_path)
     args = ["run", "--model", str(model_dir), "--max-new-tokens", "12", "--repeats", "1", "-k", "3",
             "--prompt", "one two three"]

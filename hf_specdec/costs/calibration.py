@@ -37,19 +37,34 @@ from dataclasses import replace
 import torch
 
 from ..runners.model_runner import input_device
-from .step_cost import DEFAULT_STEP_COST, StepCost
-from .linear_forms import (
-    LINEAR_MARGIN, LINEAR_ROWS, PACKED_MARGIN, clear_packed_weights, packed_linear_enabled, shape_key, thin_linear,
-    thin_linear_enabled, thin_row_table,
-)
-from .timing import ATTEMPTS, Timer
 from .draft_cost import measure_draft_cost
-from .linear_forms import measure_packed_linear, measure_thin_linear
-from .step_cost import measure_step_cost
-from .profile import (
-    Profile, module_fingerprint, note_unsteady, load_profile, offloaded, profile_key, profile_path, recently_unsteady,
-    save_profile, speculator_key,
+from .linear_forms import (
+    LINEAR_MARGIN,
+    LINEAR_ROWS,
+    PACKED_MARGIN,
+    clear_packed_weights,
+    measure_packed_linear,
+    measure_thin_linear,
+    packed_linear_enabled,
+    shape_key,
+    thin_linear,
+    thin_linear_enabled,
+    thin_row_table,
 )
+from .profile import (
+    Profile,
+    load_profile,
+    module_fingerprint,
+    note_unsteady,
+    offloaded,
+    profile_key,
+    profile_path,
+    recently_unsteady,
+    save_profile,
+    speculator_key,
+)
+from .step_cost import DEFAULT_STEP_COST, StepCost, measure_step_cost
+from .timing import ATTEMPTS, Timer
 
 logger = logging.getLogger("hf_specdec")
 

@@ -9,7 +9,7 @@ import torch
 
 from ..runners.dense import make_runner, runner_attention
 from ..runners.model_runner import input_device
-from .timing import ATTEMPTS, BOUND, FLOOR, Timer, out_of_bounds, measure_repeated, name, timed_round, wall_timer
+from .timing import ATTEMPTS, BOUND, FLOOR, Timer, measure_repeated, name, out_of_bounds, timed_round, wall_timer
 
 
 @dataclass(frozen=True)

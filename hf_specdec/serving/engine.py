@@ -47,96 +47,12 @@ DEFAULT_PREFILL_CHUNK_TOKENS = {"cpu": 256, "cuda": 2048}
 MAX_LOGPROBS = 20
 
 
-class QueueFullError(RuntimeError):
-    """The server's queue is full; the client should retry later (HTTP 503)."""
-
-
-class RequestError(ValueError):
-    """A request that cannot be served as given (HTTP 400); the message names the field and the fix."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass
-class Delta:
-    """What one step added to a request: token ids, the text they complete, and whether the request ended. With
-    `logprobs` asked for, `logprobs` holds one `(log probability, [(token id, log probability), ...])` per token of
-    `token_ids` (`Request.output_logprobs`)."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    logprobs: list | None = None
-
-
 @dataclass(frozen=True, eq=False)
 class CheckedGrammar:
     """A grammar `ServingEngine.compile_grammar` compiled and checked for `engine`; its `submit` takes it as it is."""
 
     compiled: object
     engine: ServingEngine
-
-
-@dataclass(eq=False)
-class RequestStream:
-    """A submitted request's output, as it arrives. Iterate it (`for delta in stream`), or in async code
-    `async for delta in stream` when it was submitted with a running event loop."""
-
-    request: Request
-    stop: tuple[str, ...] = ()
-    _engine: ServingEngine | None = None
-    _loop: asyncio.AbstractEventLoop | None = None
-    _queue: object = None
-    _decoded: str = ""
-    _sent: int = 0  # characters of `_decoded` already delivered
-    prompt_tokens: int = 0
-    _ended: bool = False
-    first_token_time: float | None = None
-    _stop_floor: int | None = None  # characters of the first min_tokens tokens (stop strings count past them)
-    _answer: AnswerText | None = None  # the answer's text, decoded a few tokens at a time
-    arrival_time: float = field(default_factory=time.perf_counter)
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def text(self) -> str:
-        return self._decoded[: self._sent]
-
-    def cancel(self) -> None:
-        if self._engine is not None:
-            self._engine.cancel(self)
-
-    def __iter__(self):
-        while not self._ended:
-            yield self._received(self._queue.get())
-
-    def __aiter__(self):
-        return self._aiter()
-
-    async def _aiter(self):
-        while not self._ended:
-            yield self._received(await self._queue.get())
-
-    def _received(self, delta):
-        # Once the last delta (or an error) has been read, iterating again ends at once.
-        if isinstance(delta, BaseException):
-            self._ended = True
-            raise delta
-        self._ended = delta.finish_reason is not None
-        return delta
-
-    def _put(self, item) -> None:
-        if self._loop is not None:
-            try:
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-            except RuntimeError:  # the client's event loop has closed: nobody is listening any more
-                pass
-        else:
-            self._queue.put(item)
 
 
 class ServingEngine:
@@ -529,7 +445,7 @@ class ServingEngine:
                 self.speculator.begin(self.model, self.batch)
                 stack.callback(self.speculator.end)
                 if self.warmup or self.short_warmup:
-                    self._warm_up(short=not self.warmup)
+                    warm_up(self, short=not self.warmup)
                 self._ready.set()
                 while True:
                     with self._lock:
@@ -561,78 +477,6 @@ class ServingEngine:
                 self._incoming.clear()
             for stream in streams:
                 stream._put(RuntimeError(f"the engine failed: {type(error).__name__}: {error}"))
-
-    def _warm_up(self, short: bool = False) -> None:
-        """Synthetic requests through the real step before any client's, so that every variant of the Triton kernels
-        a request can launch is compiled now (`kernels/variants.py` lists what makes a variant): four groups, one per
-        combination of top-k and top-p that a sampled batch can need (the sampling kernel's variants), alternately
-        seeded and not (seeded rows sample by position, `verify.sample_by_position`), each of greedy and sampled
-        rows whose prompts differ in length (a packed prefill) and that join a running batch (its first row, which
-        emits k + 4 tokens), where row j > 0 may emit j + 2 tokens (every draft count up to k verified in one
-        packed step, fewer as rows finish); then one row alone, and one sampled row without drafts. A prompt that
-        repeats itself gives n-gram lookup something to propose; k is constant (adaptive k would draft nothing on
-        its static priors) and nothing is stored for prefix reuse. Afterwards the metrics start again from zero and
-        adaptive k's statistics were never touched.
-        Groups larger than the batch queue as any requests would. `short`: the row alone only (the KV pools, the
-        speculator's own included, are allocated at their first write, and the first forward's one-off costs paid)."""
-        start = time.perf_counter()
-        policy, prefix_cache = self.step.policy, self.scheduler.prefix_cache
-        self.step.policy, self.scheduler.prefix_cache = None, None
-        self.speculator.bind_policy(None)
-        prompt = self._warmup_prompt()[:max(2, self.max_model_len - self.k - 4)]  # with its tokens, within the context
-        greedy = SamplingParams()
-        groups = []
-        for i, (top_k, top_p) in enumerate(() if short else ((0, 1.0), (20, 1.0), (0, 0.9), (20, 0.9))):
-            sampled = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, seed=0 if i % 2 == 0 else None)
-            groups.append([Request(prompt[:max(2, len(prompt) - j)], j + 2 if j else self.k + 4,
-                                   greedy if j % 2 == 0 else sampled) for j in range(max(2, self.k + 1))])
-        # One row alone; then a sampled row of one token, whose only step has no drafts (a speculator with draft
-        # probabilities verifies its drafts in another variant than a step without any).
-        groups += [[Request(list(prompt[:16]) if short else list(prompt), self.k + 2)]]  # short: fits small pools
-        if not short:
-            groups += [[Request(list(prompt), 1, SamplingParams(temperature=1.0))]]
-        steps = 0
-        try:
-            for group in groups:
-                self.scheduler.add(group[0])
-                if len(group) > 1:  # the others join a running batch (a step of their own for some speculators)
-                    self.scheduler.step()
-                    steps += 1
-                for request in group[1:]:
-                    self.scheduler.add(request)
-                # A bound: every request ends within its length, and each joins in a step of its own at worst,
-                # after its prompt's pieces (chunked prefill) and steps waiting for the others'.
-                pieces = sum(len(r.prompt_ids) for r in group) // (self.scheduler.prefill_chunk or 1 << 30) + 1
-                for _ in range(sum(r.max_new_tokens + 2 for r in group) + len(group) * pieces + 8):
-                    if not self.scheduler.has_work():
-                        break
-                    self.scheduler.step()
-                    steps += 1
-                if self.scheduler.has_work():
-                    raise RuntimeError(f"the warm-up's requests did not finish in {steps} steps")
-                failed = [r.error for r in group if r.finish_reason == "error"]
-                if failed:
-                    raise RuntimeError(f"a warm-up request was refused: {failed[0]}")
-        finally:
-            self.step.policy, self.scheduler.prefix_cache = policy, prefix_cache
-            self.speculator.bind_policy(policy)
-        self.warmup_report = {"kind": "short" if short else "full", "steps": steps,
-                              "draft_tokens": self.metrics.num_draft_tokens,
-                              "accepted_tokens": self.metrics.num_accepted_tokens,
-                              "seconds": round(time.perf_counter() - start, 3)}
-        self.metrics = self.scheduler.metrics = SpeculativeMetrics()
-        self.scheduler.num_prefill_chunks = 0
-        logger.info(f"hf_specdec serving engine warmed up: {self.warmup_report}")
-
-    def _warmup_prompt(self) -> list[int]:
-        """About 48 tokens that repeat a short phrase (at least k + 8: the warm-up's rows need prompts of different
-        lengths, and n-gram lookup a repeat to propose from)."""
-        if self.tokenizer is not None:
-            ids = self.tokenizer("one two three four five six seven eight. " * 6, add_special_tokens=False)[
-                "input_ids"]
-            if len(ids) >= self.k + 8 and max(ids) < self.vocab_size:
-                return list(ids)[:64]
-        return [1 + i % max(1, min(self.vocab_size - 1, 8)) for i in range(48)]
 
     def _fail_running(self, error: Exception) -> list:
         """A step raised: the requests it ran get the error (their state may be half-updated) and leave the batch,
@@ -730,36 +574,3 @@ class ServingEngine:
                        "decoding whole answers from now on (slower, exact)")
         self.incremental_text = False
         return stream._answer.text
-
-
-def _tokens_past(tokenizer, output_ids: list[int], new: int, hit: int, stop: str) -> int:
-    """How many of the last `new` tokens come after the one that completes the stop string `stop` (found at character
-    `hit`): usage counts a request's tokens up to and including that one, whatever the step emitted after it. The
-    prefix must spell the stop string itself (a character cut between tokens decodes to a replacement mark)."""
-    for n in range(len(output_ids) - new + 1, len(output_ids)):
-        if tokenizer.decode(output_ids[:n], skip_special_tokens=True)[hit:hit + len(stop)] == stop:
-            return len(output_ids) - n
-    return 0
-
-
-def _find_stop(text: str, stops: tuple[str, ...], sent: int, floor: int = 0) -> int | None:
-    """Where the first stop string begins in `text`, searching from just before the `sent` characters already
-    delivered; only a stop string ending past character `floor` counts."""
-    if not stops:
-        return None
-    start = max(0, sent - max(len(s) for s in stops))
-    hits = [i for i in (text.find(s, max(start, floor - len(s) + 1)) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def _safe_length(text: str, stops: tuple[str, ...]) -> int:
-    end = len(text)
-    while end > 0 and text[end - 1] == "\ufffd":  # bytes of a character not complete yet
-        end -= 1
-    for stop in stops:  # a suffix that could grow into a stop string waits for the next step
-        for n in range(min(len(stop) - 1, end), 0, -1):
-            if text[end - n: end] == stop[:n]:
-                end -= n
-                break
-    return end
-
