@@ -1,5 +1,5 @@
-"""Whole target forwards through hf_specdec's paged runner at fixed shapes, timed interleaved: shared by the benchmark
-scripts that compare step layouts (`query_groups.py`, `draft_pricing.py`)."""
+"""Whole target forwards through hf_specdec's paged runner at fixed shapes, timed interleaved: `draft_pricing.py`'s
+controlled forwards and profiles, for comparing step layouts."""
 
 import time
 

@@ -6,6 +6,7 @@ through hf_specdec's engine), timed in turn after a warm-up, then each once unde
 adaptive k as `hf-specdec bench` runs it, with its drafting counts.
 
     python benchmarks/decode_step_profile.py [--batch 16] [--max-new-tokens 128] [--repeats 2] [--threads 2]
+        [--model NAME] [--dtype bfloat16] [--device cuda]
 """
 
 import argparse
@@ -14,12 +15,11 @@ import io
 import pstats
 import time
 
+import _common  # benchmarks/, this script's folder
 import torch
 
 import hf_specdec  # noqa: F401  (registers generate(speculator=...))
 from hf_specdec import StepCost
-from hf_specdec.models import DEFAULT_MODEL, load_model
-from hf_specdec.workloads import OPEN_CHAT, chat_inputs
 
 
 def main() -> None:
@@ -27,12 +27,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
+    _common.add_model_args(parser)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(DEFAULT_MODEL)
-    prompts = list(OPEN_CHAT.values())
-    inputs = chat_inputs(tokenizer, [prompts[i % len(prompts)] for i in range(args.batch)])
+    model, tokenizer = _common.load(args)
+    inputs = _common.chat_batch(tokenizer, "open_chat", args.batch, device=model.device)
     never_drafts = StepCost(per_row=0.0, points=((1, 10.0), (2, 20.0), (64, 640.0)))  # a draft costs a whole step
     plain, ours = {}, dict(speculator="ngram", speculative_step_cost=never_drafts)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False)

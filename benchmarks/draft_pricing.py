@@ -15,25 +15,26 @@ draft tokens, at 4, 12 and 24 rows of 300 cached tokens) against the relative co
 
     python benchmarks/draft_pricing.py --configs ngram,eagle
     python benchmarks/draft_pricing.py --curve   # the controlled forwards only, against the step cost's prices
+
+`--model`, `--dtype`, `--threads`: the target (default SmolLM2-135M-Instruct, its own dtype, 2 threads).
 """
 
 import argparse
 import statistics
 
+import _common  # benchmarks/, this script's folder
 import torch
+from _forwards import filled_runner, timed_forwards
+from serve_replay import replay
 
 from hf_specdec.tools.speculator_args import speculator_from_spec as _speculator
-from hf_specdec.models import DEFAULT_MODEL, load_model
-from hf_specdec.tools.serve_bench import workload
 from hf_specdec.serving.engine import ServingEngine
-from _forwards import filled_runner, timed_forwards  # benchmarks/, this script's folder
-from serve_replay import replay
 
 
 def record(model, tokenizer, name: str, requests, rate: float, max_batch_size: int):
     """Every observed step of one run of speculator `name`, the run's tokens/s and its policy."""
     spec, *options = name.split("-")
-    engine = ServingEngine(model, tokenizer, _speculator(spec, model, tokenizer, model_name=DEFAULT_MODEL),
+    engine = ServingEngine(model, tokenizer, _speculator(spec, model, tokenizer, model_name=model.config._name_or_path),
                            max_batch_size=max_batch_size, max_queue=len(requests), schedule="adaptive")
     policy = engine.step.policy
     for option in options:
@@ -166,7 +167,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--rate", type=float, default=4.0)
     parser.add_argument("--max-batch-size", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=2)
+    _common.add_model_args(parser, options=("model", "dtype", "threads"))  # the controlled forwards are on the CPU
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="only a PyTorch profile of plain forwards against forwards where one row verifies 2 "
                              "drafts, at ROWS rows of 300 cached tokens: each op's time per forward")
@@ -174,8 +175,7 @@ def main() -> None:
                         help="only the controlled forwards (4-24 rows, 2-16 drafts) against the step cost adaptive k "
                              "starts from (this host's profile, else the static default)")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(DEFAULT_MODEL)
+    model, tokenizer = _common.load(args)
     if args.profile:
         profile(model, args.profile)
         return
@@ -187,7 +187,7 @@ def main() -> None:
         print(f"step cost: {source}")
         controlled(model, step_cost, rows_list=(4, 8, 12, 16, 24), drafts_list=(2, 4, 8, 16), repeats=7)
         return
-    requests = workload(tokenizer, args.requests)
+    requests = _common.serve_requests(tokenizer, args.requests)
     for name in args.configs.split(","):
         steps, speed, policy = record(model, tokenizer, name, requests, args.rate, args.max_batch_size)
         report(name, steps, speed)

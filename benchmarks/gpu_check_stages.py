@@ -157,14 +157,15 @@ def kernel_target(row: dict) -> tuple[str, bool]:
 # --- 3. step cost -----------------------------------------------------------------------------------------------------
 def run_step_cost(ctx: Context) -> dict:
     """`StepCost.measure` on the target, printed as the `DEFAULT_STEP_COST` entry it should replace."""
+    from _common import load  # benchmarks/: imports hf_specdec, so only once the install has run
+
     from hf_specdec.costs.step_cost import DEFAULT_STEP_COST, StepCost
-    from hf_specdec.models import load_causal_lm
 
     if ctx.dry_run:
-        model = load_causal_lm(ctx.target(), dtype=torch.float32)
+        model, _ = load(model=ctx.target(), dtype="float32")
         cost = StepCost.measure(model, rows=(1, 2), tokens=(1, 2, 4), contexts=(8,), repeats=1)
     else:
-        model = load_causal_lm(EMBEDDED, dtype=torch.bfloat16, device="cuda")
+        model, _ = load(model=EMBEDDED, dtype="bfloat16", device="cuda")
         cost = StepCost.measure(model, rows=(1, 4, 16, 64))
     key = "cpu" if ctx.dry_run else "cuda"
     literal = step_cost_literal(key, cost)

@@ -4,6 +4,7 @@ the first grounded prompt, with the verify ops on their default backend (Triton 
 per function; on a launch-bound GPU the host is the step).
 
     python benchmarks/gpu_step_breakdown.py [--device cuda] [--dtype float32] [--max-new-tokens 64] [--repeats 3]
+        [--model NAME] [--threads N]
 """
 
 import argparse
@@ -14,22 +15,20 @@ import pstats
 import statistics
 import time
 
+import _common  # benchmarks/, this script's folder
 import torch
 
 import hf_specdec  # noqa: F401  (registers generate(speculator=...))
-from hf_specdec.models import load_model
-from hf_specdec.workloads import GROUNDED, chat_inputs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default="float32")
+    _common.add_model_args(parser, dtype="float32", device="cuda", threads=None)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    model, tokenizer = load_model(dtype=getattr(torch, args.dtype), device=args.device)
-    inputs = chat_inputs(tokenizer, [next(iter(GROUNDED.values()))]).to(model.device)
+    model, tokenizer = _common.load(args)
+    inputs = _common.chat_batch(tokenizer, _common.prompt_texts("grounded")[:1], device=model.device)
 
     def call(backend: str | None, **kwargs):
         saved = os.environ.pop("HF_SPECDEC_KERNEL_BACKEND", None)

@@ -5,25 +5,26 @@ first draft's acceptance. Prompt groups: ones the head was trained on, unseen on
 the benchmark's workloads. No timing.
 
     python benchmarks/head_agreement.py HEAD_DIR [HEAD_DIR ...] [--trained N]   (N: the --self-distill count)
+        [--model TARGET] [--threads N]
 """
 import argparse
 
+import _common  # benchmarks/, this script's folder
 import torch
 
 from hf_specdec import EagleSpeculator
-from hf_specdec.models import load_model
-from hf_specdec.cache.paged import ATTENTION_NAME
+from hf_specdec.cache.attention import ATTENTION_NAME
 from hf_specdec.train_eagle import tokenize_prompts
 from hf_specdec.train_eagle.prompts import built_in_prompts, max_prompts
-from hf_specdec.workloads import GROUNDED, HELD_OUT, OPEN_CHAT
 
 parser = argparse.ArgumentParser()
 parser.add_argument("heads", nargs="+", help="head directories, compared on the same target sequences")
 parser.add_argument("--trained", type=int, default=3000, help="how many built-in prompts the heads were trained on")
 parser.add_argument("--new-tokens", type=int, default=64)
+_common.add_model_args(parser, threads=None, options=("model", "threads"))  # the heads' target
 args = parser.parse_args()
 
-model, tokenizer = load_model()
+model, tokenizer = _common.load(args)
 heads = [EagleSpeculator.from_pretrained(path).head for path in args.heads]
 for head in heads:
     head.bind(model)
@@ -53,9 +54,9 @@ def agreement(prompts: list[str]) -> list[float]:
 groups = {
     "trained built-in prompts": built_in_prompts(args.trained)[-6:],
     **({"unseen built-in prompts": built_in_prompts(max_prompts())[-6:]} if args.trained + 6 <= max_prompts() else {}),
-    "held-out hand-written": HELD_OUT,
-    "benchmark open chat": list(OPEN_CHAT.values()),
-    "benchmark grounded": list(GROUNDED.values()),
+    "held-out hand-written": _common.prompt_texts("held_out"),
+    "benchmark open chat": _common.prompt_texts("open_chat"),
+    "benchmark grounded": _common.prompt_texts("grounded"),
 }
 print(f"{'prompt group':28s} " + " ".join(f"{i:>8d}" for i in range(len(heads))) + "   (top-1 agreement per head)")
 for i, path in enumerate(args.heads):

@@ -7,6 +7,7 @@ read, their p50 wait over the whole run, the long request's time to first token 
 configuration's outputs are checked equal to the first's.
 
     python benchmarks/long_prompt.py [--chunks 0,128,256,512] [--prompt-tokens 2000] [--speculator ngram]
+        [--model NAME] [--dtype D] [--device D] [--threads 2]
 """
 
 import argparse
@@ -14,22 +15,18 @@ import statistics
 import threading
 import time
 
-import torch
+import _common  # benchmarks/, this script's folder
 
-from hf_specdec.workloads import chat_inputs
 from hf_specdec.tools.speculator_args import speculator_from_spec as _speculator
-from hf_specdec.models import DEFAULT_MODEL, load_model
-from hf_specdec.workloads import GROUNDED, OPEN_CHAT
-from hf_specdec.tools.serve_bench import workload
 from hf_specdec.serving.engine import ServingEngine
 
 
 def document(tokenizer, num_tokens: int) -> list[int]:
     """A chat asking for a summary of a document made of the bench's texts, `num_tokens` long."""
-    texts = list(GROUNDED.values()) + list(OPEN_CHAT.values())
+    texts = _common.prompt_texts("grounded") + _common.prompt_texts("open_chat")
     body, i = "", 0
     while True:
-        ids = chat_inputs(tokenizer, ["Summarise this document in one sentence.\n\n" + body])["input_ids"][0]
+        ids = _common.chat_batch(tokenizer, ["Summarise this document in one sentence.\n\n" + body])["input_ids"][0]
         if len(ids) >= num_tokens:
             return ids[:num_tokens].tolist()
         body += texts[i % len(texts)] + "\n\n"
@@ -77,17 +74,16 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=6)
     parser.add_argument("--stream-tokens", type=int, default=128)
     parser.add_argument("--speculator", default="ngram")
-    parser.add_argument("--threads", type=int, default=2)
+    _common.add_model_args(parser)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(DEFAULT_MODEL)
-    plan = [(p, args.stream_tokens) for p, _ in workload(tokenizer, args.streams)]
+    model, tokenizer = _common.load(args)
+    plan = [(p, args.stream_tokens) for p, _ in _common.serve_requests(tokenizer, args.streams)]
     long_prompt = document(tokenizer, args.prompt_tokens)
     reference = None
     print(f"{args.streams} streams of up to {args.stream_tokens} tokens, then a {len(long_prompt)}-token prompt; "
           f"speculator {args.speculator}", flush=True)
     for chunk in [int(c) for c in args.chunks.split(",")]:
-        engine = ServingEngine(model, tokenizer, _speculator(args.speculator, model, tokenizer, model_name=DEFAULT_MODEL),
+        engine = ServingEngine(model, tokenizer, _speculator(args.speculator, model, tokenizer, model_name=args.model),
                                max_batch_size=16, max_queue=8, prefill_chunk_tokens=chunk).start()
         try:
             result = run(engine, plan, long_prompt)

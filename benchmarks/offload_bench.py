@@ -6,7 +6,9 @@ accelerate itself: `dispatch_model(model, device_map, offload_dir=...)` stores e
 `offload_dir` (one memory-mapped file per tensor) and leaves it on the `meta` device; each forward then streams
 those weights back in, as for a model loaded with `device_map=..., offload_folder=...`.
 
-    python benchmarks/offload_bench.py --disk-layers 24 --max-new-tokens 64 --repeats 3
+    python benchmarks/offload_bench.py --disk-layers 24 --max-new-tokens 64 --repeats 3 [--model NAME] [--threads N]
+
+`--model` another model with an EAGLE head shipped for it (`hf_specdec.models.trained_head`), Llama-like layer names.
 
 Prints a table (tokens/s per prompt, speedup of the median) and writes bench_offload.json. Every speculative output
 is checked against plain `generate`'s (token for token). Per prompt it also gives the speedup's ceiling: tokens per
@@ -22,13 +24,13 @@ import statistics
 import tempfile
 import time
 
+import _common  # benchmarks/, this script's folder
 import torch
 from accelerate import dispatch_model
 
 import hf_specdec
 from hf_specdec.costs.calibration import calibrate, describe
-from hf_specdec.models import load_model, trained_head
-from hf_specdec.workloads import GROUNDED, OPEN_CHAT, chat_inputs
+from hf_specdec.models import trained_head
 
 
 def offload(model, disk_layers: int, folder: str):
@@ -56,19 +58,20 @@ def main():
     parser.add_argument("--calibrate", action="store_true", help="measure the offloaded model's step cost first "
                         "(cached per placement; `hf-specdec calibrate` does the same for an in-memory model)")
     parser.add_argument("--out", default="bench_offload.json")
+    _common.add_model_args(parser, threads=None, options=("model", "dtype", "threads"))  # on the CPU and the disk
     args = parser.parse_args()
 
-    model, tokenizer = load_model()
+    model, tokenizer = _common.load(args)
     folder = tempfile.mkdtemp(prefix="hf_specdec_offload_")
     model, device_map = offload(model, args.disk_layers, folder)
     on_disk = sum(p.numel() for p in model.parameters() if p.device.type == "meta")
     print(f"{args.disk_layers} of {model.config.num_hidden_layers} layers on disk ({on_disk / 1e6:.1f}M of "
           f"{model.num_parameters() / 1e6:.1f}M parameters) in {folder}")
-    eagle = hf_specdec.EagleSpeculator.from_pretrained(trained_head("smollm2-135m-instruct"))
+    eagle = hf_specdec.EagleSpeculator.from_pretrained(trained_head(args.model))
     if args.calibrate:
         profile = calibrate(model, speculators=[eagle], progress=print)
         print(describe(profile))
-    one = chat_inputs(tokenizer, ["Hi"])
+    one = _common.chat_batch(tokenizer, ["Hi"])
     probe = {}
     with torch.no_grad():  # what a forward of 1 and of 9 tokens costs at this placement
         for q in (1, 9):
@@ -81,10 +84,9 @@ def main():
     print(f"one forward (no cache): 1 token {probe[1]:.0f} ms, 9 tokens {probe[9]:.0f} ms")
 
     rows = []
-    for workload, prompts, name, speculator in (("grounded", GROUNDED, "ngram", "ngram"),
-                                                ("open_chat", OPEN_CHAT, "eagle", eagle)):
-        for key, prompt in prompts.items():
-            inputs = chat_inputs(tokenizer, [prompt])
+    for workload, name, speculator in (("grounded", "ngram", "ngram"), ("open_chat", "eagle", eagle)):
+        for key, prompt in _common.WORKLOADS[workload].items():
+            inputs = _common.chat_batch(tokenizer, [prompt])
             plain_times, spec_times, metrics = [], [], None
             timed(model, inputs, 4)  # warm-up: the prompt's first forward, the page cache of the offloaded files
             timed(model, inputs, 4, speculator=speculator, num_speculative_tokens=args.k)
@@ -119,8 +121,8 @@ def main():
     for workload in ("grounded", "open_chat"):
         speedups = [r["speedup"] for r in rows if r["workload"] == workload]
         print(f"{workload}: median speedup {statistics.median(speedups):.2f}x over {len(speedups)} prompts")
-    meta = {"disk_layers": args.disk_layers, "device_map": device_map, "max_new_tokens": args.max_new_tokens,
-            "repeats": args.repeats, "k": args.k, "calibrated": args.calibrate, "forward_ms": probe,
+    meta = {"model": args.model, "dtype": args.dtype, "disk_layers": args.disk_layers, "device_map": device_map,
+            "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "k": args.k, "calibrated": args.calibrate, "forward_ms": probe,
             "threads": torch.get_num_threads(), "torch": torch.__version__}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "results": rows}, f, indent=1)

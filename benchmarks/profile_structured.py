@@ -1,26 +1,31 @@
 """Where the time of one structured-output request goes: plain constrained `generate` vs n-gram + grammar, timed
 side by side, then a cProfile of the speculative call (top functions by own time).
 
-    python benchmarks/profile_structured.py [REQUEST_INDEX]   # one of hf_specdec/extraction.py's requests
+    python benchmarks/profile_structured.py [REQUEST_INDEX] [--model NAME] [--dtype D] [--device D] [--threads 2]
+
+REQUEST_INDEX: one of hf_specdec/extraction.py's requests (default 0).
 """
 
+import argparse
 import cProfile
 import pstats
-import sys
 import time
 
+import _common  # benchmarks/, this script's folder
 import torch
 
 from hf_specdec import Grammar
 from hf_specdec.extraction import PROMPTS, SCHEMAS
-from hf_specdec.models import DEFAULT_MODEL, load_model
-from hf_specdec.workloads import chat_inputs
 
 
-def main(index: int = 0) -> None:
-    torch.set_num_threads(2)
-    model, tokenizer = load_model(DEFAULT_MODEL)
-    inputs = chat_inputs(tokenizer, [PROMPTS[index]])
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("index", nargs="?", type=int, default=0, metavar="REQUEST_INDEX")
+    _common.add_model_args(parser)
+    args = parser.parse_args()
+    index = args.index
+    model, tokenizer = _common.load(args)
+    inputs = _common.chat_batch(tokenizer, [PROMPTS[index]], device=model.device)
     kwargs = dict(max_new_tokens=128, do_sample=False, grammar=Grammar.json_schema(SCHEMAS[index]),
                   tokenizer=tokenizer, return_dict_in_generate=True)
     model.generate(**inputs, speculator="ngram", **{**kwargs, "max_new_tokens": 8})  # warm-up
@@ -44,4 +49,4 @@ def main(index: int = 0) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+    main()

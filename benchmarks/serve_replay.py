@@ -9,13 +9,14 @@ without the measured step cost), `-noweight` (rows not weighed by the work they 
 pays: the speculator's cost when it drafts nothing), `-uncalibrated` (expected gains not scaled by the drafts
 accepted over expected), `-unchecked` (no return check: `returns.DraftReturns`), `-unread` (a model speculator's backlog, read before
 drafting, left unpriced: `Speculator.unread`), `-grouped` (no token rows: a step verifying drafts pads or groups its rows' queries,
-`paged_cache.token_rows_pay`), `-unpacked` (no packed linear weights: `HF_SPECDEC_PACKED_LINEAR=off`; also with
+`layout.token_rows_pay`), `-unpacked` (no packed linear weights: `HF_SPECDEC_PACKED_LINEAR=off`; also with
 `off`), `-marginX` (`min_gain` X, e.g. `ngram-margin1.25`), `-subsets` (an EAGLE head drafts for the rows `AdaptiveK.choose_drafters` picks: `draft_subsets`), `-flat` (a GPU's flat step-cost curve on every model of the policy: drafts look
 free, as they did to the H100's policy).
 
     python benchmarks/serve_replay.py --configs off,ngram,ngram-noweight,ngram-static --rounds 3
 
-`--device cuda --dtype bfloat16` runs it on a GPU (the warm-up's steps are left out of the step times).
+`--device cuda --dtype bfloat16` runs it on a GPU (the warm-up's steps are left out of the step times); `--model`
+another target (`eagle` then means the head shipped for it).
 
 `--profile`: one run per configuration with every step under cProfile (the engine thread's `Step.__call__`): the
 time spent in steps, the steps, and the functions taking the most time, with their cumulative time per step.
@@ -31,14 +32,12 @@ import pstats
 import statistics
 import time
 
-import torch
+import _common  # benchmarks/, this script's folder
 
 from hf_specdec.costs.step_cost import DEFAULT_STEP_COST, MeasuredStepCost
 from hf_specdec.tools.speculator_args import speculator_from_spec as _speculator
-from hf_specdec.models import DEFAULT_MODEL, load_model
 from hf_specdec.cache.paged import PagedKVCache
 from hf_specdec.costs.returns import DraftReturns
-from hf_specdec.tools.serve_bench import workload
 from hf_specdec.serving.engine import ServingEngine
 
 
@@ -48,7 +47,7 @@ def configured(model, tokenizer, name: str, num_requests: int, max_batch_size: i
     spec, *options = name.split("-")
     off = spec == "off"
     engine = ServingEngine(model, tokenizer, _speculator("ngram" if off else spec, model, tokenizer,
-                                                         model_name=DEFAULT_MODEL),
+                                                         model_name=model.config._name_or_path),  # as loaded
                            num_speculative_tokens=0 if off else None, max_batch_size=max_batch_size,
                            max_queue=num_requests, schedule="constant" if off else "adaptive")
     policy = engine.step.policy
@@ -168,15 +167,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--rate", type=float, default=4.0)
     parser.add_argument("--max-batch-size", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--device", default=None, help="e.g. cuda (default: the CPU)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    _common.add_model_args(parser)
     parser.add_argument("--profile", action="store_true", help="one run per configuration, its steps under cProfile")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(DEFAULT_MODEL, dtype=getattr(torch, args.dtype) if args.dtype else None,
-                                  device=args.device)
-    requests = workload(tokenizer, args.requests)
+    model, tokenizer = _common.load(args)
+    requests = _common.serve_requests(tokenizer, args.requests)
     configs = args.configs.split(",")
     if args.profile:
         for name in configs:

@@ -7,7 +7,8 @@ A step of B rows over C cached tokens feeding P prompt tokens and D drafts lasts
 `lookup` ms for n-gram's lookup on every step, the drafts' part scaled by `min(1, B / draft_knee)` (a CPU's
 matrix kernels at a few rows are bound by reading the weights, and a few more tokens cost little there; default 1:
 no scaling). The other defaults are this CPU's SmolLM2 figures (docs/benchmarks.md: whole forwards at 4-28 rows
-over 300 cached tokens, `token_rows.py`; drafts at 3-7 ms a token; prefill ~1.5 ms a token).
+over 300 cached tokens, by the retired `token_rows.py`, docs/log/2026-11-28-retired-benchmarks.md; drafts at 3-7 ms
+a token; prefill ~1.5 ms a token).
 The policy times its steps on the same clock (`MeasuredStepCost`, `DraftReturns`), so it learns these costs (the
 lookup's passes before the step's own timing starts: it is paid by every step alike).
 Requests arrive at `--rate` per second of virtual time; the throughput is tokens over the virtual time from the first
@@ -31,17 +32,15 @@ import statistics
 import types
 from contextlib import ExitStack
 
+import _common  # benchmarks/, this script's folder
 import torch
-
-from serve_replay import configured  # benchmarks/ is the script's folder
+from serve_replay import configured
 
 from hf_specdec.decode import step as step_module
 from hf_specdec.costs.adaptive import AdaptiveK
 from hf_specdec.costs.calibration import host_linear
 from hf_specdec.runners.dense import runner_attention
-from hf_specdec.models import DEFAULT_MODEL, load_model
-from hf_specdec.decode.scheduler import Request
-from hf_specdec.tools.serve_bench import workload
+from hf_specdec.decode.requests import Request
 
 
 class Clock:
@@ -131,7 +130,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--rate", type=float, default=4.0)
     parser.add_argument("--max-batch-size", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=2)
+    _common.add_model_args(parser, options=("model", "dtype", "threads"))  # timed by the cost model, not a device
     for name, default in (("fixed", 66.0), ("per-row", 1.9), ("per-context", 0.00925), ("per-prompt", 1.5),
                           ("per-draft", 4.0), ("draft-step", 7.0), ("lookup", 1.2), ("head-forward", 0.0),
                           ("head-token", 0.0), ("draft-knee", 1.0)):
@@ -145,9 +144,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.weight_power is not None:
         AdaptiveK.WEIGHT_POWER = args.weight_power
-    torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(DEFAULT_MODEL)
-    requests = workload(tokenizer, args.requests)
+    model, tokenizer = _common.load(args)
+    requests = _common.serve_requests(tokenizer, args.requests)
     reference, speeds = None, {}
     configs = args.configs.split(",")
     for seed in range(args.seeds):

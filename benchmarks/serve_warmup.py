@@ -5,6 +5,7 @@ both passes prefill alike). Reports the start time, each pass's time to first to
 greedy and sampled requests mixed.
 
     python benchmarks/serve_warmup.py --device cuda --dtype bfloat16 [--speculator ngram] [--requests 8] --out F.json
+        [--model NAME] [--threads 2]
 
 On a CPU (nothing to compile) it runs the same way; there the warm-up is off by default.
 """
@@ -18,22 +19,18 @@ import sys
 import tempfile
 import time
 
+import _common  # benchmarks/, this script's folder
+
 
 def child(args) -> dict:
-    import torch
-
     from hf_specdec.tools.speculator_args import speculator_from_spec as _speculator
-    from hf_specdec.models import DEFAULT_MODEL, load_model
-    from hf_specdec.decode.scheduler import SamplingParams
-    from hf_specdec.tools.serve_bench import workload
+    from hf_specdec.decode.requests import SamplingParams
     from hf_specdec.serving.engine import ServingEngine
 
-    torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    model, tokenizer = load_model(args.model or DEFAULT_MODEL, dtype=dtype, device=args.device)
-    requests = workload(tokenizer, args.requests)
+    model, tokenizer = _common.load(args)
+    requests = _common.serve_requests(tokenizer, args.requests)
     start = time.perf_counter()
-    spec = _speculator(args.speculator, model, tokenizer, model_name=args.model or DEFAULT_MODEL)
+    spec = _speculator(args.speculator, model, tokenizer, model_name=args.model)
     engine = ServingEngine(model, tokenizer, spec,
                            max_batch_size=args.requests, max_queue=2 * args.requests, warmup=args.child == "warm",
                            prefix_cache_tokens=0)  # the second pass must prefill as the first did
@@ -57,13 +54,10 @@ def child(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default=None, help="embedded model name or a model directory (default: SmolLM2)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
+    _common.add_model_args(parser, device="cpu")
     parser.add_argument("--speculator", default="ngram")
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", choices=["cold", "warm"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -76,11 +70,9 @@ def main() -> None:
             env = dict(os.environ, TRITON_CACHE_DIR=cache)
             command = [sys.executable, __file__, "--child", configuration, "--device", args.device,
                        "--speculator", args.speculator, "--requests", str(args.requests),
-                       "--max-tokens", str(args.max_tokens), "--threads", str(args.threads)]
+                       "--max-tokens", str(args.max_tokens), "--threads", str(args.threads), "--model", args.model]
             if args.dtype:
                 command += ["--dtype", args.dtype]
-            if args.model:
-                command += ["--model", args.model]
             out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
             line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:

@@ -1,12 +1,19 @@
-"""Times target forwards of SmolLM2-135M through the paged KV cache at batch 1/4/16, 1-16 tokens per row and 64 or 256 tokens of context and fits
-the step-cost model adaptive k uses (`hf_specdec.StepCost`). Run on a quiet machine; the CPU default in
-hf_specdec/adaptive.py came from this fit."""
+"""Times target forwards of SmolLM2-135M (or `--model`) through the paged KV cache at batch 1/4/16, 1-16 tokens per
+row and 64 or 256 tokens of context and fits the step-cost model adaptive k uses (`hf_specdec.StepCost`). Run on a
+quiet machine; the CPU default in hf_specdec/costs/step_cost.py came from this fit.
+
+    python benchmarks/step_cost.py [--model NAME] [--dtype bfloat16] [--device cuda] [--threads N]
+"""
+import argparse
+
+import _common  # benchmarks/, this script's folder
 import torch
 
 from hf_specdec import StepCost
-from hf_specdec.models import load_model
 
-model, _ = load_model()
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+args = _common.add_model_args(parser, threads=None).parse_args()
+model, _ = _common.load(args)
 cost = StepCost.measure(model)
 print(cost)
 for rows in (1, 4, 16):

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import statistics
 import sys
 import time
 
 import torch
 
-from .costs.calibration import calibrate, describe, enabled
+from .costs.calibration import calibrate, describe
 from .costs.profile import load_profile, profile_path
 from .demo import launch
 from .demo.app import add_arguments as add_demo_arguments
@@ -35,17 +36,12 @@ from .train_eagle import cmd_train_eagle
 from .workloads import GROUNDED, OPEN_CHAT, chat_inputs
 
 
-def _calibrate(args, model, speculators, explicit: bool = False) -> None:
-    """Measures this host's costs for `model` and `speculators` where the cache lacks them (`hf-specdec calibrate`);
-    `--no-calibrate` skips it (calls then use what is cached, else the static defaults)."""
-
-    if not explicit and (getattr(args, "no_calibrate", False) or not enabled()):
-        return
-    profile = calibrate(model, [resolve_speculator(s) for s in speculators if not isinstance(s, str)], force=getattr(args, "force", False),
-                        progress=lambda message: print(f"hf_specdec calibrate: {message}", file=sys.stderr),
-                        retry=explicit)
-    print(f"hf_specdec calibrate: profile {profile_path(model)}" if profile is not None else
-          "hf_specdec calibrate: no profile cached (see above); the static default costs apply", file=sys.stderr)
+def _first_call_measuring(args) -> None:
+    """`--no-calibrate`: the command's calls measure nothing and use the static default costs (as with
+    `HF_SPECDEC_CALIBRATION=off`); otherwise the first call on this host, model, dtype and thread count measures a
+    profile before its first step and caches it."""
+    if getattr(args, "no_calibrate", False):
+        os.environ["HF_SPECDEC_CALIBRATION"] = "off"
 
 
 def cmd_calibrate(args) -> int:
@@ -58,7 +54,11 @@ def cmd_calibrate(args) -> int:
     for name in filter(None, args.speculators.split(",")):
         for quantization in quantizations_for(args.draft_quantization) if name not in ("ngram", "eagle") else [None]:
             speculators[name, quantization] = speculator_from_spec(name, model, tokenizer, quantization, model_name=args.model)
-    _calibrate(args, model, speculators.values(), explicit=True)
+    profile = calibrate(model, [resolve_speculator(s) for s in speculators.values() if not isinstance(s, str)],
+                        force=args.force, progress=lambda message: print(f"hf_specdec calibrate: {message}",
+                                                                           file=sys.stderr))
+    print(f"hf_specdec calibrate: profile {profile_path(model)}" if profile is not None else
+          "hf_specdec calibrate: no profile cached (see above); the static default costs apply", file=sys.stderr)
     print(describe(load_profile(model)))
     return 0
 
@@ -70,7 +70,7 @@ def cmd_run(args) -> int:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=args.device)
     speculators = run_speculators(args, model, tokenizer)
-    _calibrate(args, model, speculators.values())
+    _first_call_measuring(args)
     tree = {}
     if args.tree:
         if not any(getattr(s, "supports_trees", False) for s in speculators.values()):
@@ -84,9 +84,10 @@ def cmd_run(args) -> int:
     prompts = {"your prompt": args.prompt} if args.prompt else {
         "grounded prompt (repeat a report, then summarise it)": GROUNDED["repeat_summarise"],
         "open-chat prompt (a short story)": OPEN_CHAT["story"]}
-    options = {name: dict(speculator=spec, num_speculative_tokens=args.k,
-                          **(tree if getattr(spec, "supports_trees", False) else {}))
-               for name, spec in speculators.items()}
+    options = {"off": dict(speculator="off")} | {
+        name: dict(speculator=spec, num_speculative_tokens=args.k, **(tree if getattr(spec, "supports_trees", False)
+                                                                       else {}))
+        for name, spec in speculators.items() if spec != "off"}
 
     def timed(inputs, **kwargs):
         start = time.perf_counter()
@@ -97,8 +98,13 @@ def cmd_run(args) -> int:
     for title, prompt in prompts.items():
         inputs = chat_inputs(tokenizer, [prompt]).to(model.device)
         model.generate(**inputs, max_new_tokens=8, do_sample=False)  # warm-up, every path
-        for kwargs in options.values():
-            model.generate(**inputs, max_new_tokens=8, do_sample=False, **kwargs)
+        for name, kwargs in options.items():
+            start = time.perf_counter()
+            metrics = model.generate(**inputs, max_new_tokens=8, do_sample=False, return_dict_in_generate=True,
+                                     **kwargs).speculative_metrics
+            if metrics.measure_time_s > 0.5:  # the first call on this host, model, dtype and thread count
+                print(f"hf_specdec: the first {name} call measured this host's costs in {metrics.measure_time_s:.1f} "
+                      f"s (cached; the call took {time.perf_counter() - start:.1f} s in all)", file=sys.stderr)
         times = {name: [] for name in ["plain", *options]}
         outputs = {}
         for _ in range(args.repeats):  # interleaved, so every path sees the same machine load
@@ -115,16 +121,26 @@ def cmd_run(args) -> int:
         print(f"model {args.model}, {new_tokens} new tokens, median of {args.repeats}")
         print(f"plain generate:       {plain_tps:6.1f} tokens/s")
         speedups = {}
+        off_tps = None
         for name, out in outputs.items():
             tokens = out.sequences.shape[1] - inputs["input_ids"].shape[1]
             spec_tps = tokens / statistics.median(times[name])
-            speedups[name] = spec_tps / plain_tps
             metrics = out.speculative_metrics
+            if name == "off":
+                off_tps = spec_tps
+                print(f"hf_specdec, speculation off: {spec_tps:6.1f} tokens/s   the engine's own gain "
+                      f"{spec_tps / plain_tps:.2f}x plain")
+                print(f"  output identical to plain greedy generate: {torch.equal(out.sequences, plain)}")
+                continue
+            speedups[name] = spec_tps / plain_tps
             shape = f", tree {args.tree}" if "speculative_tree_nodes" in options[name] else ""
-            print(f"speculator {name}, k={args.k}{shape}: {spec_tps:6.1f} tokens/s   speedup {speedups[name]:.2f}x")
+            print(f"speculator {name}, k={args.k}{shape}: {spec_tps:6.1f} tokens/s   speedup {speedups[name]:.2f}x "
+                  f"plain = engine {off_tps / plain_tps:.2f}x x speculation {spec_tps / off_tps:.2f}x")
             print(f"  output identical to plain greedy generate: {torch.equal(out.sequences, plain)}")
             print(f"  acceptance rate {metrics.acceptance_rate:.3f}, mean acceptance length "
                   f"{metrics.mean_acceptance_length:.2f}, target forwards {metrics.num_steps} for {tokens} tokens")
+        if not speedups:
+            continue
         fastest = max(speedups, key=speedups.get)
         best[title] = f"{fastest} ({speedups[fastest]:.2f}x)"
         print()
@@ -180,7 +196,7 @@ def cmd_bench(args) -> int:
     trees = tree_shapes(args.trees)
     if trees and not any(getattr(s, "supports_trees", False) for s in speculators.values()):
         raise SystemExit("--trees needs a speculator that drafts trees (an EAGLE head directory in --speculators)")
-    _calibrate(args, model, speculators.values())
+    _first_call_measuring(args)
     meta = {"model": args.model, "speculators": list(speculators), "k": args.k, "trees": args.trees,
             "tree_depth": args.tree_depth, "max_new_tokens": args.max_new_tokens,
             "repeats": args.repeats, "schedule": args.schedule, "command": "hf-specdec bench " + " ".join(sys.argv[2:]),
@@ -206,7 +222,7 @@ def cmd_serve(args) -> int:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=args.device)
     speculator = speculator_from_spec(args.speculator, model, tokenizer, model_name=args.model)
-    _calibrate(args, model, [speculator])
+    _first_call_measuring(args)
     engine = ServingEngine(model, tokenizer, speculator, num_speculative_tokens=args.k,
                            max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                            max_model_len=args.max_model_len, schedule=args.schedule,
@@ -286,7 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     run.add_argument("--tree", default=None, metavar="NODESxBRANCHING",
                      help="draft trees of this shape (EAGLE heads), -k deep, e.g. 16x4")
-    run.add_argument("--no-calibrate", action="store_true", help="skip measuring this host's costs at start")
+    run.add_argument("--no-calibrate", action="store_true", help="measure nothing and use the static default costs "
+                     "(HF_SPECDEC_CALIBRATION=off)")
     run.set_defaults(func=cmd_run)
 
     bench = sub.add_parser("bench", help="benchmark plain, transformers-assisted and hf_specdec generation")
@@ -311,7 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--trees", default="", help="draft-tree shapes NODESxBRANCHING, comma-separated (e.g. "
                        "16x4,32x4): each also runs with every speculator that drafts trees (EAGLE heads)")
     bench.add_argument("--tree-depth", type=int, default=5, help="num_speculative_tokens (the depth) of --trees runs")
-    bench.add_argument("--no-calibrate", action="store_true", help="skip measuring this host's costs at start")
+    bench.add_argument("--no-calibrate", action="store_true", help="measure nothing and use the static default costs "
+                     "(HF_SPECDEC_CALIBRATION=off)")
     bench.add_argument("--compare-calibration", action="store_true", help="also run each hf_specdec configuration "
                        "with speculative_calibration=False (static default costs, stock linear layers)")
     bench.add_argument("--compare-layout", action="store_true", help="also run each hf_specdec configuration with "
@@ -398,7 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "first clients' requests (default: on for CUDA; elsewhere one short request, which allocates the "
                      "KV pools before serving; --no-warm-up: none)")
     srv.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    srv.add_argument("--no-calibrate", action="store_true", help="skip measuring this host's costs at start")
+    srv.add_argument("--no-calibrate", action="store_true", help="measure nothing and use the static default costs "
+                     "(HF_SPECDEC_CALIBRATION=off)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     srv.set_defaults(func=cmd_serve)
 

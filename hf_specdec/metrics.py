@@ -25,7 +25,9 @@ class SpeculativeMetrics:
             itself, where it allows only one token or its next text is fixed (a schema's next key), and how many of
             them the target accepted. Not counted in the draft and acceptance figures, which are the speculator's.
         draft_time_s / verify_time_s / total_time_s: wall time in proposing, verifying (target forward, logits
-            processing, acceptance) and the whole loop.
+            processing, acceptance) and the whole call.
+        measure_time_s: wall time the call spent measuring this host's costs before its first step (the first call
+            on a new host, model, dtype and thread count; 0 after that), included in `total_time_s`.
         k_per_step: the k chosen at each step (adaptive k's choice, 0 where it kept drafting off; with
             `speculative_schedule="constant"`, `num_speculative_tokens`). Rows may draft fewer when they have fewer.
     """
@@ -41,6 +43,7 @@ class SpeculativeMetrics:
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     total_time_s: float = 0.0
+    measure_time_s: float = 0.0
     k_per_step: list[int] = field(default_factory=list)
 
     @property
@@ -92,5 +95,6 @@ class SpeculativeMetrics:
             "num_grammar_tokens": self.num_grammar_tokens,
             "draft_time_s": self.draft_time_s,
             "verify_time_s": self.verify_time_s, "total_time_s": self.total_time_s,
+            "measure_time_s": self.measure_time_s,
             "k_per_step": list(self.k_per_step),
         }

@@ -16,12 +16,12 @@ from .generation import _check_num_speculative_tokens
 from .speculators.resolve import resolve_speculator
 from .speculators.convert_head import head_speculator_from_dir
 from .quantization import load_draft
-from .decode.scheduler import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
+from .decode.requests import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 from .decode.speculator import Speculator
 from .speculators.draft_model import DraftModelSpeculator
 from .structured.grammar import Grammar
 from .tokenizers import check_tokenizers_match
-from .decode.scheduler import SamplingParams
+from .decode.requests import SamplingParams
 from .serving.engine import ServingEngine
 from .serving.offline import generate_stream
 

@@ -118,7 +118,7 @@ class SequenceBatch:
         do_sample: whether this call samples.
         processing: applies the call's logits processors with per-position history (`logits.LogitsProcessing`).
         target_vocab_size: size of the target's logits.
-        sampling: per-row sampling settings when rows differ (`scheduler.RowSampling`), or `None`: one setting,
+        sampling: per-row sampling settings when rows differ (`row_sampling.RowSampling`), or `None`: one setting,
             `do_sample` and `processing`, for the whole batch.
     """
 

@@ -60,9 +60,11 @@ GRID = dict(rows=(1, 2), tokens=(1, 2, 4), contexts=(8,), repeats=5, linear_rows
 def cache(tmp_path, monkeypatch):
     """Every test gets its own empty cache directory and forgets earlier warnings."""
     monkeypatch.setenv("HF_SPECDEC_CACHE", str(tmp_path))
-    monkeypatch.setenv("HF_SPECDEC_CALIBRATION", "on")  # conftest turns it off for every other test
+    # Profiles written by hand, none measured on a first call (tests/test_first_call.py); conftest turns profiles off
+    # for every other test
+    monkeypatch.setenv("HF_SPECDEC_CALIBRATION", "cached")
     monkeypatch.setattr(calibration, "_reported", set())
-    monkeypatch.setattr(calibration, "_loaded", {})
+    monkeypatch.setattr(profiles, "_loaded", {})
     return tmp_path
 
 
@@ -112,7 +114,7 @@ def test_a_profile_where_drafting_cannot_pay_drafts_nothing_and_says_why(caplog)
     target = make_model("llama", dtype=torch.float32)
     draft = copy.deepcopy(target)  # identical: every draft would be accepted
     input_ids, mask = ragged_batch()
-    kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, speculator=draft,
+    kwargs = dict(attention_mask=mask, max_new_tokens=40, do_sample=False, speculator=draft,
                   num_speculative_tokens=4, return_dict_in_generate=True)
     save_profile(target, _profile(target, FLAT, draft, 0.0))
     assert target.generate(input_ids, **kwargs).speculative_metrics.num_draft_tokens > 0  # the same draft pays here
@@ -127,7 +129,7 @@ def test_a_profile_where_drafting_cannot_pay_drafts_nothing_and_says_why(caplog)
         again = target.generate(input_ids, **kwargs)
     m = out.speculative_metrics
     assert m.num_draft_tokens == 0 and m.k_per_step == [0] * m.num_steps
-    assert torch.equal(out.sequences, target.generate(input_ids, attention_mask=mask, max_new_tokens=16,
+    assert torch.equal(out.sequences, target.generate(input_ids, attention_mask=mask, max_new_tokens=40,
                                                       do_sample=False))
     warned = [r for r in caplog.records if "kept drafting off" in r.getMessage()]
     assert [r.levelno for r in warned] == [logging.WARNING, logging.INFO]  # once at WARNING, then INFO
@@ -149,14 +151,15 @@ def test_steps_with_nothing_to_draft_are_not_reported_as_declined():
     policy = AdaptiveK(1, 4, DEAR)
     for _ in range(8):
         policy.choose([0], available=[0])
-    assert policy.idle_explanation() is None and policy.chosen == [0] * 8
+    assert policy.idle_explanation(min_steps=4) is None and policy.chosen == [0] * 8
     for _ in range(9):
         policy.choose([0], available=[4])
-    assert policy.chosen == [0] * 17 and "kept drafting off in 9 of 17 steps" in policy.idle_explanation()
+    assert policy.chosen == [0] * 17 and "kept drafting off in 9 of 17 steps" in policy.idle_explanation(min_steps=4)
+    assert policy.idle_explanation() is None  # too short a call to say anything about
     paying = AdaptiveK(1, 4, FLAT)
     for _ in range(8):
         paying.choose([0])
-    assert paying.idle_explanation() is None and min(paying.chosen) > 0
+    assert paying.idle_explanation(min_steps=4) is None and min(paying.chosen) > 0
 
 
 def test_profile_key_separates_models_dtypes_and_threads():

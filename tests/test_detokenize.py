@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hf_specdec.decode.scheduler import SamplingParams
+from hf_specdec.decode.requests import SamplingParams
 from hf_specdec.serving.detokenize import AnswerText, decodes_locally
 from test_serving import EOS, byte_tokenizer, served_model
 

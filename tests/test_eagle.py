@@ -21,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_specdec
 from hf_specdec import EagleCheckpointError, EagleSpeculator, convert_eagle
-from hf_specdec.cache.paged import ATTENTION_NAME
+from hf_specdec.cache.attention import ATTENTION_NAME
 
 
 def make_target(num_layers: int = 2, seed: int = 0, dtype=torch.float64):

@@ -21,8 +21,9 @@ from hf_specdec.kernels.paged_attention.triton_kernel import paged_attention_tri
 from hf_specdec.kernels.rejection_sample.triton_kernel import rejection_sample_triton
 from hf_specdec.kernels.sampling.triton_kernel import apply_sampling_params_triton
 from hf_specdec.kernels.variants import record_variants
-from hf_specdec.decode.scheduler import SamplingParams
+from hf_specdec.decode.requests import SamplingParams
 from hf_specdec.serving.engine import ServingEngine
+from hf_specdec.serving.warmup import warmup_prompt
 from test_serving import no_blocks_held, repeating, served_model, word_tokenizer  # noqa: E402
 
 
@@ -58,7 +59,7 @@ def test_the_warm_up_prompt_is_long_enough_whatever_the_tokenizer():
     from test_structured import constrained_model, piece_tokenizer
 
     engine = ServingEngine(constrained_model(), piece_tokenizer(), "ngram", num_speculative_tokens=4)
-    assert len(engine._warmup_prompt()) >= engine.k + 8
+    assert len(warmup_prompt(engine)) >= engine.k + 8
 
 
 def _attention(rows: int, queries: int, blocks: int, block_size: int = 4, heads: int = 2, head_dim: int = 16):

@@ -179,7 +179,8 @@ def test_longrope_without_transformers_rotary_is_capped_at_its_original_context(
     """A LongRoPE model whose rotary module hf_specdec cannot switch per token is served up to
     `original_max_position_embeddings` and refused past it, naming why."""
     from hf_specdec.runners.support import exact_context
-    from hf_specdec.serving.engine import RequestError, ServingEngine
+    from hf_specdec.serving.engine import ServingEngine
+    from hf_specdec.serving.stream import RequestError
 
     model = longrope_model(16)
     rotary = model.model.rotary_emb

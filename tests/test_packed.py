@@ -1,5 +1,5 @@
 """The packed (varlen) step layout: rows of different widths go through the model as one stream of real tokens
-(`paged_cache.PackedLayout`), so a row feeding 1 token does not pay for another's 8 in every linear layer.
+(`layout.PackedLayout`), so a row feeding 1 token does not pay for another's 8 in every linear layer.
 
 Packed and padded steps must give the same logits and hidden states; generation stays the target's own; models
 that cannot take the packed stream keep the padded layout; adaptive k prices a packed verify by the tokens fed."""
@@ -22,7 +22,7 @@ from hf_specdec.runners.model_runner import ModelRunner, paged_attention
 def _steps(seed: int, rows: int, vocab: int, joins: bool = False):
     """Ragged steps as the engine feeds them: a prompt each, then 1 to 5 tokens per row per step. `joins`: then a
     longer stretch fed by one row beside the others' one or two (a newcomer's prompt beside a verify), which the
-    PyTorch attention takes as two groups of rows (`paged_cache.query_groups`)."""
+    PyTorch attention takes as two groups of rows (`layout.query_groups`)."""
     g = torch.Generator().manual_seed(seed)
     steps = [[int(n) for n in torch.randint(1, 12, (rows,), generator=g)]]
     steps += [[int(n) for n in torch.randint(1, 6, (rows,), generator=g)] for _ in range(3)]
@@ -45,7 +45,7 @@ def test_packed_steps_give_the_padded_logits_and_hidden_states(arch, monkeypatch
     assert model._hf_specdec_packable
     from hf_specdec.cache import paged as paged_cache
 
-    grouped, query_groups = [], paged_cache.query_groups
+    grouped, query_groups = [], paged_cache.query_groups  # (patched where `plan_step` looks it up)
     monkeypatch.setattr(paged_cache, "query_groups", lambda *a: grouped.append(query_groups(*a)) or grouped[-1])
     outputs = {}
     with torch.no_grad(), paged_attention(model):
@@ -127,7 +127,7 @@ def test_a_row_per_token_gives_the_padded_logits_and_hidden_states(arch, monkeyp
 
 
 def test_token_rows_are_taken_where_few_rows_verify_a_few_drafts():
-    from hf_specdec.cache.paged import token_rows_pay
+    from hf_specdec.cache.layout import token_rows_pay
 
     smollm2 = dict(num_context=300, kv_width=3 * 64)
     # One row of 12 verifying 2 drafts: otherwise a second attention group, which copies that row's context anyway.
@@ -144,14 +144,14 @@ def test_token_rows_are_taken_where_few_rows_verify_a_few_drafts():
 @pytest.mark.parametrize("speculator", ["ngram", "draft"])
 def test_generation_on_token_rows_is_the_targets_own(speculator, monkeypatch):
     from hf_specdec.cache import paged as paged_cache
-
+    from hf_specdec.cache.layout import PackedLayout
     from hf_specdec.decode.engine import SpeculativeEngine
 
     monkeypatch.setattr(paged_cache.PagedKVCache, "token_rows", True)  # every packed step, whatever it feeds
     monkeypatch.setattr(SpeculativeEngine, "REGION_MAX_NEW_TOKENS", 0)  # contexts gathered, not read in place
     built = []
-    build = paged_cache.PackedLayout.build
-    monkeypatch.setattr(paged_cache.PackedLayout, "build",
+    build = PackedLayout.build
+    monkeypatch.setattr(PackedLayout, "build",
                         lambda *a, **k: built.append(build(*a, **k)) or built[-1])
     target = make_model("mistral")
     input_ids, mask = ragged_batch(rows=4, width=14)
@@ -339,7 +339,7 @@ def test_rows_in_regions_read_their_context_in_place_and_give_the_gathered_outpu
     attend to a view of the pool instead of a gathered copy: padded and packed steps, a tree step, and steps over
     part of the rows (gathered again) give the same logits and hidden states as rows taking blocks as they grow."""
     from hf_specdec.cache import paged as paged_cache
-    from hf_specdec.cache.paged import TreeAttention
+    from hf_specdec.cache.layout import TreeAttention
 
     model = make_model(arch)
     check_model_supported(model, "target model")
@@ -477,13 +477,14 @@ def test_logits_only_where_rows_need_them(arch, monkeypatch):
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_rows_of_very_different_contexts_attend_in_two_groups_and_give_the_one_group_outputs(arch, monkeypatch):
     """A long prompt's row beside short ones: the PyTorch path gathers the short rows' contexts padded to their own
-    longest only (`paged_cache.context_groups`), reading rows that sit in consecutive regions in place; padded and
+    longest only (`layout.context_groups`), reading rows that sit in consecutive regions in place; padded and
     packed steps give the logits and hidden states of one group padded to the longest context."""
+    from hf_specdec.cache import layout
     from hf_specdec.cache import paged as paged_cache
 
     model = make_model(arch)
     check_model_supported(model, "target model")
-    monkeypatch.setattr(paged_cache, "CONTEXT_SPLIT_MIN", 0)
+    monkeypatch.setattr(layout, "CONTEXT_SPLIT_MIN", 0)
     plans = []
     plan_step = paged_cache.PagedKVCache.plan_step
     monkeypatch.setattr(paged_cache.PagedKVCache, "plan_step",
@@ -527,7 +528,7 @@ def test_rows_of_very_different_contexts_attend_in_two_groups_and_give_the_one_g
 
 
 def test_context_groups_are_taken_where_padding_would_cost_more_than_a_second_group():
-    from hf_specdec.cache.paged import CONTEXT_SPLIT_MIN, context_groups
+    from hf_specdec.cache.layout import CONTEXT_SPLIT_MIN, context_groups
 
     assert context_groups([2000] + [300] * 6) == ([1, 2, 3, 4, 5, 6], 300)
     assert context_groups([300, 2000, 250]) == ([0, 2], 300)
@@ -543,10 +544,11 @@ def test_models_that_reshape_keys_or_values_after_the_cache_keep_one_context_gro
     """Grouped attention hands attention the KV pools; a model that reshapes keys or values between the cache's
     update and attention (multi-head latent attention expands its cached latents there) fails the grouped trial and
     keeps one group: steps whose contexts differ widely still run, with one group's logits."""
+    from hf_specdec.cache import layout
     from hf_specdec.cache import paged as paged_cache
     from model_sweep import build
 
-    monkeypatch.setattr(paged_cache, "CONTEXT_SPLIT_MIN", 0)
+    monkeypatch.setattr(layout, "CONTEXT_SPLIT_MIN", 0)
     model = build(model_type, dtype=torch.float64)
     check_model_supported(model, "target model")
     assert model._hf_specdec_context_groups is groups

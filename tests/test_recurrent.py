@@ -132,7 +132,7 @@ def _batched(target, prompts, lengths, speculator):
 
 
 def test_draft_trees_are_refused():
-    from hf_specdec.cache.paged import TreeAttention
+    from hf_specdec.cache.layout import TreeAttention
 
     cache = RecurrentPagedCache()
     cache.add_sequence(0)

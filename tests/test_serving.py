@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hf_specdec.costs.step_cost import StepCost
-from hf_specdec.decode.scheduler import SamplingParams
+from hf_specdec.decode.requests import SamplingParams
 from hf_specdec.serving import QueueFullError, RequestError, ServingEngine
 
 from conftest import VOCAB, make_model
@@ -776,7 +776,7 @@ def test_row_penalties_count_only_the_rows_own_tokens():
     """A row's repetition penalty counts its tokens from its first column (not the left padding before it), its
     frequency penalty only those of its output, each position up to its own history length; a row without
     penalties beside it is untouched, and so are columns past the step's width."""
-    from hf_specdec.decode.scheduler import RowSampling
+    from hf_specdec.decode.row_sampling import RowSampling
 
     sampling = RowSampling(2, "cpu", vocab_size=10)
     sampling.set(0, SamplingParams(repetition_penalty=2.0, frequency_penalty=1.0, logit_bias={3: 0.5}),
@@ -876,7 +876,7 @@ def test_sampled_penalties_keep_the_penalized_distribution(tokenizer):
 
 
 def test_logprobs_are_refused_with_draft_trees(tokenizer, tmp_path):
-    from hf_specdec.decode.scheduler import Request
+    from hf_specdec.decode.requests import Request
 
     engine = ServingEngine(served_model(), tokenizer, "ngram", num_speculative_tokens=2, max_batch_size=2)
     engine.step.tree_nodes = 4  # as a tree-drafting engine would have it
@@ -1241,7 +1241,7 @@ def test_logprob_tokens_join_into_the_answer_where_characters_span_tokens(fallba
     answer (characters of several bytes in a row, a decoder that strips the text's leading space); each token's
     `bytes` are its own, joining into the answer's UTF-8; special tokens add nothing. Fed in pieces, as streamed
     deltas are."""
-    from hf_specdec.serving.server import TokenLogprobs
+    from hf_specdec.serving.logprobs import TokenLogprobs
 
     tokenizer = byte_tokenizer(fallback)
     answer = "caf\u00e9 \U0001f642\U0001f642 d\u00e9j\u00e0 \u4e2d\u6587\u5b57 x"
@@ -1401,7 +1401,7 @@ def test_chat_roles_developer_and_null_fields(server, tokenizer):
     assert (client.chat.completions.create(model="tiny", messages=silent, max_tokens=6, temperature=0)
             .choices[0].message.content == client.chat.completions.create(
                 model="tiny", messages=empty, max_tokens=6, temperature=0).choices[0].message.content)
-    from hf_specdec.serving.server import chat_prompt
+    from hf_specdec.serving.prompts import chat_prompt
 
     parts = [{"role": "user", "content": [{"type": "text", "text": "w5 w6"}, {"type": "text", "text": "w7"}]}]
     assert chat_prompt(parts, tokenizer) == chat_prompt([{"role": "user", "content": "w5 w6\nw7"}], tokenizer)
@@ -1806,7 +1806,7 @@ def test_usage_at_a_stop_string_ending_in_a_character_cut_between_tokens():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from hf_specdec.serving.engine import _tokens_past
+    from hf_specdec.serving.stops import tokens_past
 
     vocab = {"<pad>": 0, "a": 1, "b": 2, "x": 3, "\u00c3": 4, "\u00a9": 5}  # "é" is bytes c3 a9
     backend = Tokenizer(models.BPE(vocab, []))
@@ -1814,7 +1814,7 @@ def test_usage_at_a_stop_string_ending_in_a_character_cut_between_tokens():
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>")
     output = [1, 2, 4, 5, 3]
     assert tokenizer.decode(output) == "ab\u00e9x" and "\ufffd" in tokenizer.decode(output[:3])
-    assert _tokens_past(tokenizer, output, 3, 2, "\u00e9") == 1  # "x" only: both bytes of the é are kept
+    assert tokens_past(tokenizer, output, 3, 2, "\u00e9") == 1  # "x" only: both bytes of the é are kept
 
 
 def test_seeded_grammar_request_does_not_depend_on_the_drafts():

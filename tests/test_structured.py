@@ -489,7 +489,8 @@ def test_a_grammar_without_an_eos_is_refused(tokenizer):
             pipe(["name age", "a b c", "true"], grammar=grammar, max_new_tokens=8, do_sample=False, **batch)
     # The serving engine: its answer would run on to max_tokens past the grammar's end (the tokenizer's EOS, which
     # xgrammar allows there, means nothing to the model): refused with 400 on response_format
-    from hf_specdec.serving.engine import RequestError, ServingEngine
+    from hf_specdec.serving.engine import ServingEngine
+    from hf_specdec.serving.stream import RequestError
 
     engine = ServingEngine(model, tokenizer, "ngram", warmup=False)
     with pytest.raises(RequestError, match="no end-of-sequence token.*generation_config.eos_token_id") as refused:

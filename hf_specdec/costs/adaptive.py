@@ -47,7 +47,7 @@ class AdaptiveK:
         decay (`float`): factor applied to every count each step; older evidence fades.
         min_gain (`float`): drafting must promise at least this many times plain decoding's tokens per unit of cost,
             a margin for what the cost model leaves out (verification, context length); below it k = 0.
-        packed (`bool`): the target's verify feeds each row only its own drafts (`paged_cache.PackedLayout`), so a
+        packed (`bool`): the target's verify feeds each row only its own drafts (`layout.PackedLayout`), so a
             step costs the rows' tokens summed rather than every row padded to the widest.
         measure_steps (`bool`): correct `step_cost` by the steps' own wall times (`measured`, a `MeasuredStepCost`);
             the serving engine's choice, where k already varies with arrivals. Off, k depends on acceptance alone.
@@ -354,10 +354,12 @@ class AdaptiveK:
         best = int(torch.argmax(value))
         return best if value[best] >= self.min_gain * value[0] else 0
 
-    def idle_explanation(self, min_steps: int = 4) -> str | None:
-        """When k was 0 in most steps (at least `min_steps` of them) although drafts were on offer, a sentence
-        saying why: what verifying and drafting cost and the acceptance estimated at the end; otherwise None. Steps
-        where no row had anything to draft (an n-gram lookup with no match) do not count as declined."""
+    def idle_explanation(self, min_steps: int = 32) -> str | None:
+        """When k was 0 in most steps (of a call of at least `min_steps` steps) although drafts were on offer, a
+        sentence saying why: what verifying and drafting cost and the acceptance estimated at the end; otherwise
+        None. Steps where no row had anything to draft (an n-gram lookup with no match) do not count as declined. A
+        short answer says too little about acceptance to report on (a few steps of evidence barely move the
+        estimate off its prior)."""
         idle = self.num_declined
         if self.max_k == 0 or len(self.chosen) < min_steps or 2 * idle <= len(self.chosen):
             return None

@@ -1,35 +1,33 @@
-"""Measured costs: what a target forward and a draft token cost on this host, measured once and cached.
+"""This host's costs for a model: measured once, cached, and read by every call.
 
-A profile is measured once per (device, model configuration, dtype, CPU threads, torch version) by `calibrate` (the
-`hf-specdec calibrate` command; `run`, `bench` and the demo call it at start) and stored as JSON under
-`$HF_SPECDEC_CACHE/calibration` (default `~/.cache/hf_specdec/calibration`). It holds:
-- the target's step cost (`StepCost.measure`), which adaptive k prices verification with;
-- each speculator's cost per drafted token, timed from its own proposals in a short speculative call and divided by
-  the target's plain step, so a quantized or small draft, or a head, is priced by what it costs here;
-- the row counts at which this host's BLAS runs a linear layer faster as `(W @ x.T).T` than as `F.linear` (MKL over
-  2-3 rows; benchmarks/small_row_linear.py). `host_linear` computes our forwards' linear layers that way.
+A profile is measured per (device, model configuration, dtype, CPU threads, torch version) and stored as JSON under
+`$HF_SPECDEC_CACHE/calibration` (default `~/.cache/hf_specdec/calibration`; profile.py). It holds:
+- the target's step cost (step_cost.py), which adaptive k prices verification with;
+- each model speculator's cost per drafted token, timed from its own proposals (draft_cost.py) and divided by the
+  target's plain step, so a quantized or small draft, or a head, is priced by what it costs here;
+- per linear weight shape, the row counts at which this host runs the product faster as `(W @ x.T).T` or with the
+  weight packed for oneDNN than as `F.linear` (linear_forms.py); `host_linear` swaps those forms in for a call.
 
-`generate(..., speculator=...)` uses the cached profile of its target when there is one (`speculative_calibration=
-False`, or `HF_SPECDEC_CALIBRATION=off`, uses the static defaults instead) and falls back to `DEFAULT_STEP_COST` and
-the speculator's parameter-count estimate. A `generate` call never times anything: it only reads the file, so
-seeded calls are reproducible. Adaptive k's choices (which change how many random numbers a sampled call draws)
-depend on the prompts, the acceptance seen so far and the profile, and the profile is fixed until `calibrate` is run
-again. To pin a seeded run across re-calibrations, pass `speculative_step_cost=` or `speculative_calibration=False`.
-A corrupt or foreign file, or one whose step cost breaks the physical bounds of measure.py, is ignored with a
-warning (and rewritten by the next `calibrate`).
+No command has to run first: the first call that finds no profile (`ensure_profile`) measures a short grid before
+its first step (`FIRST_CALL_GRID`, a few seconds for a 135M model on 2 cores) and caches it; `hf-specdec calibrate`
+(`calibrate`) measures a finer grid. A call never changes its profile while it runs and reads it before its first
+step, so seeded calls reproduce, the first included (measuring leaves the global random state as it was).
+`generate(speculative_calibration=False)` or `HF_SPECDEC_CALIBRATION=off` use the static defaults
+(`DEFAULT_STEP_COST`, drafts priced by parameter count) and measure nothing; `HF_SPECDEC_CALIBRATION=cached` uses a
+cached profile but never measures one. A corrupt or foreign file, or one whose step cost breaks the physical bounds
+of timing.py, is ignored with a warning and measured again.
 
-A busy host measures itself busy, so each measurement is interleaved, repeated and bounded (measure.py). A step cost
-still untrustworthy after `attempts` passes is not cached (calls keep the static defaults: better the old guess
-than one that switches drafting off on this host until someone recalibrates), nor is such a draft cost (the draft
-is priced by its size); an untrustworthy small-row linear timing keeps the stock form. Each is logged at WARNING with
-the reason. Profiles are not refreshed from a call's own step timings: that would make one seeded call's choices
-depend on how fast an earlier call ran.
+A busy host measures itself busy, so each measurement is interleaved, repeated and bounded (timing.py). A step cost
+still untrustworthy is not cached (calls keep the static defaults, and calls that measure on their own do not try
+again for `UNSTEADY_RETRY_S`), nor is such a draft cost (the draft is priced by its size); an untrustworthy linear
+timing keeps the stock form. Each is logged at WARNING with the reason.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import replace
@@ -72,11 +70,54 @@ PROBE_REPEATS = 9  # one-token forwards timed first: if they disagree, the host 
 
 
 def enabled() -> bool:
-    """Whether `generate` uses cached profiles (`HF_SPECDEC_CALIBRATION=off` turns it off)."""
+    """Whether `generate` uses this host's profiles (`HF_SPECDEC_CALIBRATION=off` turns it off: static defaults)."""
     return os.environ.get("HF_SPECDEC_CALIBRATION", "on").lower() not in ("0", "off", "false", "no")
 
 
+def measures_first_call() -> bool:
+    """Whether a call with no profile measures one (`HF_SPECDEC_CALIBRATION=cached` uses cached profiles only)."""
+    return enabled() and os.environ.get("HF_SPECDEC_CALIBRATION", "on").lower() != "cached"
+
+
 # What a call uses -------------------------------------------------------------------------------------------------
+# What the first call on a new host, model, dtype and thread count measures before its first step: every linear weight
+# shape over a few row counts in each form, and a few target forwards. About 2-5 s for a 135M model on 2 cores.
+FIRST_CALL_GRID = dict(rows=(1, 4), tokens=(1, 2, 4, 8), contexts=(64,), repeats=3,
+                       linear_rows=(1, 2, 3, 4, 6, 8, 12, 16, 32), attempts=1)
+
+
+def ensure_profile(model, speculator=None, use_profile: bool = True) -> Profile | None:
+    """The profile a call uses, measured now when this host has none for `model` yet (its first call on this host,
+    model, dtype and thread count), so that no command has to run first. The measurement is short
+    (`FIRST_CALL_GRID`), runs before the call's first step, leaves the global random state as it was and is cached,
+    so every call, the first included, runs with one profile fixed before it starts. A model speculator's draft cost
+    is measured too where the cache lacks it. Nothing is measured with `use_profile=False`
+    (`generate(speculative_calibration=False)`) or `HF_SPECDEC_CALIBRATION=off`, for a model offloaded to disk or
+    the CPU (its forwards stream weights: the flat static default fits), or within `UNSTEADY_RETRY_S` of finding
+    this host's timing unsteady; with `HF_SPECDEC_CALIBRATION=cached` only a cached profile is used. One INFO line
+    says what was measured and where it is cached."""
+    if not (use_profile and enabled()):
+        return None
+    profile = load_profile(model)
+    if getattr(_measuring, "active", False):  # the calls `calibrate` times its drafts with
+        return profile
+    missing_draft = (speculator is not None and speculator_key(speculator) is not None
+                     and (profile is None or speculator_key(speculator) not in profile.draft_costs))
+    if (profile is not None and not missing_draft) or offloaded(model) or not measures_first_call():
+        return profile
+    start = time.perf_counter()
+    measured = calibrate(model, [speculator] if missing_draft else [], retry=False, **FIRST_CALL_GRID)
+    seconds = time.perf_counter() - start
+    if measured is not None and (profile is None or measured.draft_costs != profile.draft_costs):
+        what = "this host's linear-layer forms and step cost" if profile is None else ""
+        if missing_draft and speculator_key(speculator) in measured.draft_costs:
+            what += (" and " if what else "") + f"{type(speculator).__name__}'s draft cost"
+        logger.info(f"hf_specdec measured {what} for {type(model).__name__} in {seconds:.1f} s; cached in "
+                    f"{profile_path(model)} (HF_SPECDEC_CALIBRATION=off or speculative_calibration=False skips "
+                    "this; `hf-specdec calibrate` measures a finer grid)")
+    return measured if measured is not None else profile
+
+
 def adaptive_costs(model, speculator, step_cost: StepCost | None = None, use_profile: bool = True
                    ) -> tuple[StepCost, float, str]:
     """Adaptive k's `(step cost, draft cost per token, where they came from)` for a call: an explicit `step_cost`
@@ -158,6 +199,19 @@ def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] 
     random state is left as it was. `progress`: a function taking a message, called before each measurement;
     `timer`: what times a forward or a product (`measure.Timer`; tests pass made-up timings). With `retry=False`,
     what was found unsteady in the last `UNSTEADY_RETRY_S` is not measured again (`force` measures anyway)."""
+    _measuring.active, outer = True, getattr(_measuring, "active", False)
+    try:
+        return _calibrate(model, speculators, force, rows, tokens, contexts, repeats, linear_rows, progress, timer,
+                          attempts, retry)
+    finally:
+        _measuring.active = outer
+
+
+_measuring = threading.local()  # set while `calibrate` runs: the generate calls timing drafts measure nothing
+
+
+def _calibrate(model, speculators, force, rows, tokens, contexts, repeats, linear_rows, progress, timer, attempts,
+               retry) -> Profile | None:
     say = progress or (lambda message: None)
     profile = None if force else load_profile(model)
 

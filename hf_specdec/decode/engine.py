@@ -14,12 +14,13 @@ import torch
 
 from ..costs.adaptive import AdaptiveK
 from ..costs.step_cost import StepCost
-from ..costs.calibration import adaptive_costs, host_linear, report_idle
+from ..costs.calibration import adaptive_costs, ensure_profile, host_linear, report_idle
 from ..cache.block_manager import OutOfBlocksError
 from .logits import LogitsProcessing
 from ..metrics import SpeculativeMetrics, logger
 from ..runners.dense import make_runner, runner_attention
-from .scheduler import Request, Scheduler
+from .requests import Request
+from .scheduler import Scheduler
 from .speculator import Speculator
 from .step import Step
 from .stopping import StopRules
@@ -92,7 +93,11 @@ class SpeculativeEngine:
         self._check_pool_fits(batch.lengths, max_new_tokens)
         target = make_runner(self.model, block_size=self.block_size, max_num_blocks=self.max_num_blocks)
         self._policy = None
-        if self.schedule == "adaptive":  # costs are read from the cache, never timed here: seeded calls reproduce
+        # This host's profile, measured before the first step of the first call that lacks one; fixed for the call
+        measuring = time.perf_counter()
+        ensure_profile(self.model, self.speculator, self.calibration)
+        metrics.measure_time_s = time.perf_counter() - measuring
+        if self.schedule == "adaptive" and self.speculator.proposes_drafts:
             cost, draft_cost, cost_source = adaptive_costs(self.model, self.speculator, self.step_cost,
                                                            self.calibration)
             self._policy = AdaptiveK(len(batch.lengths), self.k, cost, draft_cost,

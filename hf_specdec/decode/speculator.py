@@ -25,6 +25,9 @@ class Speculator:
     #: Drafting costs next to nothing (a lookup, no model): the engine asks for `num_speculative_tokens` drafts each
     #: step and then chooses how many to verify from what each row offers and its proposal's confidence class.
     drafts_are_free: bool = False
+    #: Proposes drafts at all: False only for `speculator="off"` (`NoDraftSpeculator`), which the engine runs without
+    #: adaptive k.
+    proposes_drafts: bool = True
     #: `propose(batch, k, rows=...)` drafts for the given rows only (the others get none and keep what they have
     #: not read yet): adaptive k can then choose which rows a model speculator drafts for (`AdaptiveK.choose_drafters`)
     #: and pay its forwards and its backlog for those rows alone.

@@ -21,7 +21,7 @@ import torch
 
 from ..structured.constraints import RowConstraints
 from ..runners.model_runner import TargetHiddenStates, committed_hidden_states
-from ..cache.paged import TreeAttention
+from ..cache.layout import TreeAttention
 from .speculator import Speculator
 from ..types import PAD_ID, DraftProposal, DraftTree, gather_right_aligned
 from .verify import verify, verify_tree

@@ -12,7 +12,9 @@ import torch
 
 from .distributed import RankZeroDecides, tp_group
 from ..kernels._backend import resolve_backend
-from ..cache.paged import ATTENTION_NAME, PLAN_KWARG, PagedKVCache, _ragged
+from ..cache.attention import ATTENTION_NAME, PLAN_KWARG
+from ..cache.layout import _ragged
+from ..cache.paged import PagedKVCache
 from ..cache.recurrent import make_cache, recurrent_layers_split
 from ..cache.rope import RopeRows, rope_factors
 from ..errors import UnsupportedModelError
@@ -111,7 +113,7 @@ class ModelRunner(CacheRows):
         # packed trial (compat.py); `packed=False` keeps every step padded (benchmarks compare the two). Recurrent
         # layers step each row through its own positions, so their models stay padded.
         self.packed = (packs(model) if packed is None else packed) and type(self.cache) is PagedKVCache
-        # Context groups (`paged_cache.context_groups`) only where the model passed their trial (compat.py).
+        # Context groups (`layout.context_groups`) only where the model passed their trial (compat.py).
         if not getattr(model, "_hf_specdec_context_groups", False) and hasattr(self.cache, "context_split"):
             self.cache.context_split = False
         self.num_packed_forwards = 0
@@ -174,7 +176,7 @@ class ModelRunner(CacheRows):
             packed_states: a packed step leaves the entries asked for as its `[1, T, hidden]` stream (row i's
                 `num_tokens[i]` tokens one after another, rows in order) and sets `out.states_packed`, for
                 `committed_hidden_states` to pick from, instead of padding them to `[rows, q, hidden]`.
-            tree (`TreeAttention`, *optional*): the step feeds draft-tree nodes (see `paged_cache.TreeAttention`).
+            tree (`TreeAttention`, *optional*): the step feeds draft-tree nodes (see `layout.TreeAttention`).
             logit_counts: row i needs only its last `logit_counts[i]` positions (at most `num_logits`): they come
                 left-aligned, columns past them repeating its last. A packed step then runs the LM head over those
                 positions alone, not over `num_logits` per row (a row verifying 10 drafts beside rows feeding one

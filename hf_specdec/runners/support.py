@@ -116,7 +116,7 @@ def _trial_forward(model, role: str, name: str) -> None:
 
 
 def _packs_exactly(model, device, tokens: list[int], tolerance: float) -> bool:
-    """Whether ragged steps may go through `model` packed (`paged_cache.PackedLayout`): two steps of two rows
+    """Whether ragged steps may go through `model` packed (`layout.PackedLayout`): two steps of two rows
     with different widths, padded and packed, must give the same logits. A model that mixes tokens across the batch
     outside attention, or cannot take a tensor `logits_to_keep`, keeps the padded layout (nothing is refused)."""
     import torch
@@ -145,7 +145,7 @@ def _packs_exactly(model, device, tokens: list[int], tolerance: float) -> bool:
 
 
 def _groups_exactly(model, device, tokens: list[int], tolerance: float) -> bool:
-    """Whether the PyTorch attention path may gather rows' contexts in groups (`paged_cache.context_groups`): then
+    """Whether the PyTorch attention path may gather rows' contexts in groups (`layout.context_groups`): then
     the cache's `update` hands attention the KV pools rather than each row's gathered context, which a model that
     reshapes keys or values in between (multi-head latent attention expands its cached latents there) cannot take.
     Two rows of different lengths, in one group and in two, must give the same logits; a model that fails keeps one

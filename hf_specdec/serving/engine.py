@@ -3,6 +3,10 @@
 `ServingEngine.submit` validates a request, queues it and returns a `RequestStream`; the engine thread admits it into
 the running batch when a slot frees, and pushes `Delta`s (new token ids and text) into the stream as steps finish it.
 `RequestStream.cancel()` (a client that went away) frees the request's KV blocks at the next step.
+
+This module owns the engine's life (start, warm-up, shutdown), its queue and the thread's loop; what it is built from
+is in `build.py`, the checks a request passes in `admission.py`, the warm-up's requests in `warmup.py`, and stop
+strings in `stops.py`.
 """
 
 from __future__ import annotations
@@ -13,46 +17,35 @@ import threading
 import time
 from collections import deque
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 
 import torch
 
-from ..costs.adaptive import AdaptiveK
-from ..costs.calibration import adaptive_costs, host_linear
-from ..runners.support import check_model_supported, exact_context
-from ..structured.constraints import RowConstraints, first_position_spellable
-from ..generation import DEFAULT_GRAMMAR_TOKENS
-from ..speculators.resolve import resolve_speculator
-from ..metrics import SpeculativeMetrics, logger
-from ..runners.dense import make_runner, runner_attention
-from ..runners.distributed import tp_group
-from ..runners.model_runner import ModelRunner
-from ..cache.paged import PagedKVCache
-from ..cache.prefix import PrefixCache
-from ..decode.scheduler import Request, RowSampling, SamplingParams, Scheduler
-from ..speculators.draft_model import DraftModelSpeculator
-from ..speculators.grammar import GrammarSpeculator
+from ..costs.calibration import host_linear
+from ..decode.requests import Request, SamplingParams
+from ..decode.scheduler import Scheduler
 from ..decode.step import Step
 from ..decode.stopping import StopRules
-from ..types import SequenceBatch
+from ..generation import DEFAULT_GRAMMAR_TOKENS
+from ..metrics import SpeculativeMetrics, logger
+from ..runners.dense import make_runner, runner_attention
+from ..runners.support import check_model_supported, exact_context
+from ..speculators.grammar import GrammarSpeculator
+from ..speculators.resolve import resolve_speculator
+from .admission import CheckedGrammar, check_request, checked_grammar
+from .build import (
+    adaptive_policy,
+    bound_catch_up,
+    capped_model_len,
+    check_options,
+    make_batch,
+    make_prefix_cache,
+    prefill_chunk,
+    row_constraints,
+)
 from .detokenize import AnswerText, decodes_locally
-from ..structured.grammar import xgrammar
-
-
-DEFAULT_PREFIX_CACHE_TOKENS = 8192
-# Prompt tokens a step feeds at most for prompts longer than that (chunked prefill), by device type: a piece costs
-# the running rows about as much as a few of their steps on a CPU, and little beyond a step's fixed cost on a GPU.
-DEFAULT_PREFILL_CHUNK_TOKENS = {"cpu": 256, "cuda": 2048}
-# The most alternatives a request may ask for with each token's log probability (vLLM's default limit).
-MAX_LOGPROBS = 20
-
-
-@dataclass(frozen=True, eq=False)
-class CheckedGrammar:
-    """A grammar `ServingEngine.compile_grammar` compiled and checked for `engine`; its `submit` takes it as it is."""
-
-    compiled: object
-    engine: ServingEngine
+from .stops import drop_tokens_past, find_stop, safe_length, stop_floor
+from .stream import Delta, QueueFullError, RequestError, RequestStream
+from .warmup import warm_up
 
 
 class ServingEngine:
@@ -147,42 +140,12 @@ class ServingEngine:
         self._draining: threading.Thread | None = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        if kv_region_tokens is None:
-            kv_region_tokens = 0 if max_num_blocks is not None else 1024
-        if kv_region_tokens < 0:
-            raise ValueError(f"kv_region_tokens must be >= 0 (0 for no regions), got {kv_region_tokens}")
-        if kv_region_tokens and max_num_blocks is not None:
-            raise ValueError("kv_region_tokens and max_num_blocks cannot be combined (regions are held outside the "
-                             "cap's accounting); pass kv_region_tokens=0 to cap the pool")
-        if prefix_cache_tokens is not None and prefix_cache_tokens < 0:
-            raise ValueError(f"prefix_cache_tokens must be >= 0 (0 for none), got {prefix_cache_tokens}")
-        if prefill_chunk_tokens is not None and prefill_chunk_tokens < 0:
-            raise ValueError(f"prefill_chunk_tokens must be >= 0 (0: whole prompts), got {prefill_chunk_tokens}")
+        kv_region_tokens = check_options(kv_region_tokens, max_num_blocks, prefix_cache_tokens, prefill_chunk_tokens)
         self._build(block_size, max_num_blocks, schedule, calibration, kv_region_tokens, prefix_cache_tokens)
-        fits = self.scheduler.max_request_tokens()
-        if fits is not None:
-            # A request waits until its worst case fits the capped pool: one that never can would hold up the queue
-            # for good (a request without max_tokens asks for the whole context).
-            if fits < 2:
-                raise ValueError(f"max_num_blocks={max_num_blocks} leaves no room for a request (one block of "
-                                 f"{block_size} tokens is the pool's scratch block, and a step's drafts need room); "
-                                 "raise it")
-            if fits < self.max_model_len:
-                logger.warning(f"hf_specdec: serving prompt + max_tokens up to {fits} tokens, what "
-                               f"max_num_blocks={max_num_blocks} holds for one request")
-                self.max_model_len = fits
-        if prefill_chunk_tokens is None:
-            # Off by default where a piece costs more than its share: recurrent layers read a row's later pieces a
-            # token at a time (their chunked scan starts from an empty state only), and the masked dense cache
-            # compacts its rows whenever a piece and a step alternate.
-            paged = type(self.target) is ModelRunner and type(self.target.cache) is PagedKVCache
-            prefill_chunk_tokens = DEFAULT_PREFILL_CHUNK_TOKENS.get(self.batch.device.type, 2048) if paged else 0
-        self.scheduler.prefill_chunk = prefill_chunk_tokens or None
-        if isinstance(self.speculator, DraftModelSpeculator) and self.speculator.catch_up_tokens is None:
-            # A draft model reads a newcomer's prompt at its first draft for the row: no more of it a step than the
-            # target does.
-            self.speculator.catch_up_tokens = self.scheduler.prefill_chunk and -(
-                -self.scheduler.prefill_chunk // block_size) * block_size  # the scheduler's budget, whole blocks
+        self.max_model_len = capped_model_len(self.scheduler.max_request_tokens(), self.max_model_len,
+                                              max_num_blocks, block_size)
+        self.scheduler.prefill_chunk = prefill_chunk(prefill_chunk_tokens, self.target, self.batch.device)
+        bound_catch_up(self.speculator, self.scheduler.prefill_chunk, block_size)
         self.warmup = self.batch.device.type == "cuda" if warmup is None else bool(warmup)
         self.short_warmup = warmup is None and not self.warmup  # one request: pools and first-call costs
         self.warmup_report: dict | None = None  # what the warm-up ran: steps, draft tokens, seconds
@@ -193,56 +156,22 @@ class ServingEngine:
     def _build(self, block_size, max_num_blocks, schedule, calibration, kv_region_tokens, prefix_cache_tokens) -> None:
         slots, device = self.max_batch_size, self.model.get_input_embeddings().weight.device
         width = self.max_model_len + self.k + 2
-        token_ids = torch.full((slots, width), self.pad_token_id, dtype=torch.long, device=device)
-        sampling = RowSampling(slots, device, self.vocab_size, self.eos_token_ids)
-        self.batch = SequenceBatch(token_ids, torch.zeros(slots, dtype=torch.long, device=device), [0] * slots, [],
-                                   0, False, sampling, self.vocab_size, sampling)
+        self.batch = make_batch(slots, width, device, self.pad_token_id, self.vocab_size, self.eos_token_ids)
         self.target = make_runner(self.model, block_size=block_size, max_num_blocks=max_num_blocks)
         if kv_region_tokens and hasattr(self.target, "give_regions"):
             self.target.give_regions(list(range(slots)), min(kv_region_tokens, width))
         policy = None
         if schedule == "adaptive":
-            cost, draft_cost, _ = adaptive_costs(self.model, self.speculator, None, calibration)
-            # Arrivals change the batch every step, so k is not reproducible here anyway: the policy corrects the
-            # step cost by the steps' own timings (a profile from an idle host misprices a loaded server's drafts).
-            # And it checks them per batch size: what whole steps with drafts took beyond plain ones, against what
-            # it priced (`returns.DraftReturns`). A model speculator's backlog (states or tokens of steps without
-            # drafts, newcomers' prompts), read before it drafts again, is priced with the drafts (`price_reading`).
-            policy = AdaptiveK(slots, self.k, cost, draft_cost, priors=self.speculator.confidence_priors,
-                               packed=self.target.packed, measure_steps=True, calibrate=True, check_returns=True,
-                               price_reading=True)
-        constraints = None
-        try:
-            xgrammar()
-            if self.tokenizer is not None:
-                constraints = RowConstraints(slots, self.vocab_size, tokenizer=self.tokenizer)
-        except ImportError:
-            pass
+            policy = adaptive_policy(self.model, self.speculator, self.target, slots, self.k, calibration)
+        constraints = row_constraints(self.tokenizer, slots, self.vocab_size)
         self.step = Step(self.speculator, self.k, constraints=constraints, policy=policy)
         eos = torch.tensor(self.eos_token_ids, device=device) if self.eos_token_ids else None
-        self.prefix_cache = self._prefix_cache(prefix_cache_tokens, block_size)
+        self.prefix_cache = make_prefix_cache(prefix_cache_tokens, block_size, self.model, self.target,
+                                              self.speculator)
         self.scheduler = Scheduler(self.batch, self.target, self.step, StopRules(None, eos), self.pad_token_id,
                                    self.metrics, max_num_blocks=max_num_blocks, prefix_cache=self.prefix_cache,
                                    weigh_rows=True)
         self.calibration = calibration
-
-    def _prefix_cache(self, tokens: int | None, block_size: int) -> PrefixCache | None:
-        # Keys and values alone stand for a prefix only in a pure paged-attention cache (recurrent layers carry
-        # state past them; the dense runner's rows are the model's own cache), on one process (tensor parallel
-        # ranks would each decide alone).
-        supported = (type(self.target) is ModelRunner and type(self.target.cache) is PagedKVCache
-                     and tp_group(self.model) is None)
-        if tokens is None:
-            tokens = DEFAULT_PREFIX_CACHE_TOKENS if supported else 0
-        if not tokens:
-            return None
-        if not supported:
-            raise ValueError(f"prefix caching needs a target on hf_specdec's paged KV cache; "
-                             f"{type(self.model).__name__} runs outside it (recurrent layers, its own attention or "
-                             "tensor parallelism): pass prefix_cache_tokens=0")
-        rope = self.target.rope
-        return PrefixCache(tokens, block_size, features=self.speculator.needs_hidden_states,
-                           length_key=None if rope is None else rope.prefix_key)
 
     # --- lifecycle -----------------------------------------------------------------------------------------------
 
@@ -319,7 +248,7 @@ class ServingEngine:
         """Queues a request. `grammar` is an `hf_specdec.Grammar` (compiled here, so a bad one fails now), or what
         `compile_grammar` made of one. With
         `loop`, the stream is consumed with `async for` on that loop; without, with a plain `for`. `logprobs`: report
-        each token's log probability and that many likeliest alternatives (0 to `MAX_LOGPROBS`; see
+        each token's log probability and that many likeliest alternatives (0 to `admission.MAX_LOGPROBS`; see
         `Request.logprobs`), in every `Delta` and in `stream.request.output_logprobs`. `prompt_logprobs`: the same for
         each prompt token after the first (`Request.prompt_logprobs`), in `stream.request.prompt_token_logprobs`
         once the first delta arrives; with `max_tokens=0` the prompt alone is scored.
@@ -328,51 +257,8 @@ class ServingEngine:
         is full, `RuntimeError` when the engine is shutting down or has failed."""
         if self._error is not None:
             raise RuntimeError(f"the engine stopped after an error: {self._error}")
-        if not prompt_ids:
-            raise RequestError("the prompt is empty; give at least one token", "prompt")
-        if max(prompt_ids) >= self.vocab_size or min(prompt_ids) < 0:
-            raise RequestError(f"the prompt holds token ids outside the model's vocabulary of {self.vocab_size}",
-                               "prompt")
-        room = self.max_model_len - len(prompt_ids)
-        if max_tokens is None:
-            max_tokens = room
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
-            raise RequestError(f"max_tokens must be a non-negative integer (0: nothing generated, the prompt scored "
-                               f"with prompt_logprobs), got {max_tokens!r}", "max_tokens")
-        if max_tokens > room:
-            raise RequestError(
-                f"this model's context is {self.max_model_len} tokens, but the prompt has {len(prompt_ids)} and "
-                f"max_tokens asks for {max_tokens} more; shorten the prompt or lower max_tokens to at most "
-                f"{max(room, 0)}", "max_tokens")
-        sampling = sampling or SamplingParams()
-        if sampling.ignore_eos and grammar is not None:  # a finished grammar allows only EOS: EOS to max_tokens
-            raise RequestError("ignore_eos cannot be combined with response_format (once the grammar is complete, "
-                               "only the end of the answer is allowed); drop one", "ignore_eos")
-        if sampling.min_tokens and grammar is not None:  # where the grammar allows only EOS, nothing would be left
-            raise RequestError("min_tokens cannot be combined with response_format (a grammar may allow nothing but "
-                               "the end of the answer); drop one", "min_tokens")
-        if sampling.min_tokens > max_tokens:
-            raise RequestError(f"min_tokens ({sampling.min_tokens}) is more than max_tokens ({max_tokens})",
-                               "min_tokens")
-        if sampling.ignore_eos and not self.eos_token_ids:
-            raise RequestError("this model has no end-of-sequence token, so ignore_eos has nothing to act on; drop it",
-                               "ignore_eos")
-        if sampling.min_tokens and not self.eos_token_ids and not stop:
-            raise RequestError("this model has no end-of-sequence token and the request no stop strings, so "
-                               "min_tokens has nothing to hold back; drop it", "min_tokens")
-        if sampling.logit_bias and max(sampling.logit_bias) >= self.vocab_size:
-            raise RequestError(f"logit_bias names token {max(sampling.logit_bias)}, outside the model's vocabulary "
-                               f"of {self.vocab_size}", "logit_bias")
-        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or not 0 <= value <= MAX_LOGPROBS):
-                raise RequestError(f"{name} must be an integer from 0 to {MAX_LOGPROBS} (the alternatives to list "
-                                   f"with each token), got {value!r}", name)
-        if logprobs is not None and self.step.tree_nodes is not None:
-            raise RequestError("log probabilities are not reported with draft trees; drop logprobs", "logprobs")
-        if (stop or grammar is not None) and self.tokenizer is None:
-            raise RequestError("stop strings and grammars need the engine's tokenizer; pass tokenizer= to "
-                               "ServingEngine", "stop" if stop else "response_format")
+        max_tokens, sampling = check_request(self, prompt_ids, max_tokens, sampling, stop, grammar, logprobs,
+                                             prompt_logprobs)
         if grammar is not None and not (isinstance(grammar, CheckedGrammar) and grammar.engine is self):
             grammar = self.compile_grammar(grammar)
         compiled = None if grammar is None else grammar.compiled
@@ -401,25 +287,7 @@ class ServingEngine:
         """`grammar` (an `hf_specdec.Grammar`) compiled against the model's tokenizer and checked, for `submit` to
         take as it is: compiling a large schema takes up to a second, which a server does off its event loop.
         Raises `RequestError` (on `response_format`) for a grammar this engine cannot serve."""
-        if self.tokenizer is None:
-            raise RequestError("stop strings and grammars need the engine's tokenizer; pass tokenizer= to "
-                               "ServingEngine", "response_format")
-        if self.step.constraints is None:
-            raise RequestError("structured output needs xgrammar: pip install 'hf_specdec[structured]'",
-                               "response_format")
-        if not self.eos_token_ids:  # as generate(grammar=, speculator=) refuses it
-            raise RequestError("this model has no end-of-sequence token (its generation_config.eos_token_id is "
-                               "unset), so a grammar's answer could not end: it would run on to max_tokens; "
-                               "the server's operator should set model.generation_config.eos_token_id",
-                               "response_format")
-        try:
-            compiled = grammar.compile(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        except ValueError as error:  # GrammarError: the library's own message
-            raise RequestError(str(error), "response_format") from None
-        if not first_position_spellable(compiled):
-            raise RequestError("the model's tokenizer cannot spell the start of this grammar (it allows no token "
-                               "of the vocabulary)", "response_format")
-        return CheckedGrammar(compiled, self)
+        return checked_grammar(self, grammar)
 
     def cancel(self, stream: RequestStream) -> None:
         """Ends a request; its KV blocks return to the pool at the next step."""
@@ -510,38 +378,23 @@ class ServingEngine:
         if finished:
             text = self._checked_text(stream, request, text)
         reason = request.finish_reason if finished else None
-        # vLLM's min_tokens holds stop strings back too: only one ending past the first min_tokens tokens counts.
-        floor = 0
-        if request.sampling.min_tokens:
-            if request.num_generated < request.sampling.min_tokens:
-                floor = None
-            else:
-                if stream._stop_floor is None:
-                    stream._stop_floor = len(self.tokenizer.decode(request.output_ids[:request.sampling.min_tokens],
-                                                                   skip_special_tokens=True).rstrip("\ufffd"))
-                floor = stream._stop_floor
-        hit = None if floor is None else _find_stop(text, stream.stop, stream._sent, floor)
+        floor = stop_floor(stream, request, self.tokenizer)
+        hit = None if floor is None else find_stop(text, stream.stop, stream._sent, floor)
         if hit is not None and not finished:  # the text it ends on is checked too
             checked = self._checked_text(stream, request, text)
             if checked != text:
-                text, hit = checked, _find_stop(checked, stream.stop, stream._sent, floor)
+                text, hit = checked, find_stop(checked, stream.stop, stream._sent, floor)
         if hit is not None:  # a stop string: the text ends before it, and so does the request
-            end = hit + min(len(s) for s in stream.stop if text.startswith(s, hit))
-            excess = _tokens_past(self.tokenizer, request.output_ids, len(tokens), hit, text[hit:end])
-            if excess:  # tokens a step emitted after the one completing the stop string are not the answer's
-                del request.output_ids[len(request.output_ids) - excess:]
-                if request.logprobs is not None:
-                    del request.output_logprobs[len(request.output_logprobs) - excess:]
-                request.num_generated -= excess
-                tokens = tokens[:len(tokens) - excess]
-                self.counters["generation_tokens"] -= excess
+            excess = drop_tokens_past(self.tokenizer, request, len(tokens), text, hit, stream.stop)
+            tokens = tokens[:len(tokens) - excess]
+            self.counters["generation_tokens"] -= excess
             text, reason = text[:hit], "stop"
             if not finished:
                 self.scheduler.cancel(request)
                 finished = True
         stream._decoded = text
         # Hold back what may still change: an incomplete character, or the start of a stop string.
-        ready = len(text) if finished else _safe_length(text, stream.stop)
+        ready = len(text) if finished else safe_length(text, stream.stop)
         delta = text[stream._sent: max(ready, stream._sent)]
         stream._sent = max(ready, stream._sent)
         if reason == "cancelled":

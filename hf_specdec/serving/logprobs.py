@@ -1,6 +1,11 @@
-"""OpenAI's `logprobs` objects: each token's text, bytes, log probability and alternatives, as the completions and chat APIs lay them out, and the seam between an echoed prompt and its answer."""
+"""OpenAI's `logprobs` objects: each token's text, bytes, log probability and alternatives, laid out as the
+completions and the chat API lay them out, and the seam between an echoed prompt and its answer."""
 
 from __future__ import annotations
+
+import codecs
+
+from ..tokenizers import token_bytes
 
 
 class TokenLogprobs:
@@ -21,9 +26,6 @@ class TokenLogprobs:
     def __init__(self, tokenizer, chat: bool, offset: int = 0, after: list[int] | None = None):
         """`offset`: characters of the choice's text before the first token's; `after`: the token ids of an echoed
         prompt the tokens follow, whose text theirs continues (a leading space is theirs, not dropped)."""
-        import codecs
-
-
         self.tokenizer, self.chat = tokenizer, chat
         self.spelling = token_bytes(tokenizer) if tokenizer is not None else None
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")

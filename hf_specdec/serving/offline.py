@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
-from ..decode.scheduler import SamplingParams
-from .engine import RequestStream, ServingEngine
+from ..decode.requests import SamplingParams
+from .engine import ServingEngine
+from .stream import RequestStream
 
 
 def generate_stream(engine: ServingEngine, prompts: Iterable[list[int]], max_new_tokens: int,

@@ -1,6 +1,9 @@
-"""Prometheus' text format for `GET /metrics`: the engine's state and counters, the speculative ones as vLLM names them."""
+"""Prometheus' text format for `GET /metrics`: the engine's state and counters, the speculative ones as vLLM names
+them."""
 
 from __future__ import annotations
+
+from .engine import ServingEngine
 
 
 def prometheus_text(engine: ServingEngine) -> str:

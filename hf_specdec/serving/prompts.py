@@ -1,29 +1,14 @@
-"""A request's prompts as token ids: the chat API's messages through the tokenizer's chat template (with the template's own switches), the completions API's prompt in each form it takes."""
+"""A request's prompts as token ids: the chat API's messages through the tokenizer's chat template, the completions
+API's prompt in each form it takes."""
 
 from __future__ import annotations
 
+import inspect
+
+from .stream import RequestError
 
 # Chat roles a template understands; `developer` (OpenAI's newer name for system instructions) is sent as `system`.
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-
-
-def _template_options(body: dict) -> dict:
-    """`add_generation_prompt` (default true), `continue_final_message` (default false: the answer continues the
-    last message, an assistant's, instead of starting a new turn) and `chat_template_kwargs` (the template's own
-    variables), checked."""
-    add = body.get("add_generation_prompt", True)
-    cont = body.get("continue_final_message", False)
-    extra = body.get("chat_template_kwargs")
-    for name, value in (("add_generation_prompt", add), ("continue_final_message", cont)):
-        if not isinstance(value, bool):
-            raise RequestError(f"{name} must be true or false, got {value!r}", name)
-    if cont and add and "add_generation_prompt" in body:
-        raise RequestError("continue_final_message and add_generation_prompt cannot both be true",
-                           "continue_final_message")
-    if extra is not None and (not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra)):
-        raise RequestError("chat_template_kwargs must be an object of the template's variables",
-                           "chat_template_kwargs")
-    return {"add_generation_prompt": add and not cont, "continue_final_message": cont, "template_kwargs": extra}
 
 
 def chat_prompt(messages, tokenizer, add_generation_prompt: bool = True, continue_final_message: bool = False,

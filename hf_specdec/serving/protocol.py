@@ -1,7 +1,14 @@
-"""The OpenAI request bodies this server takes: which fields, at which values, checked into what `ServingEngine.submit` needs (`parse_request`); a bad field raises `RequestError` naming it."""
+"""The OpenAI request bodies this server takes: which fields, at which values, checked into what
+`ServingEngine.submit` needs (`parse_request`); a bad field raises `RequestError` naming it."""
 
 from __future__ import annotations
 
+from ..decode.requests import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SamplingParams
+from ..structured.grammar import Grammar
+from .admission import MAX_LOGPROBS
+from .engine import ServingEngine
+from .prompts import chat_prompt, completion_prompts
+from .stream import RequestError
 
 # Fields of OpenAI's API this server takes; anything else with a non-default value is refused (400), never ignored.
 _IGNORED = {"model", "user", "stream_options", "metadata", "store", "service_tier", "parallel_tool_calls",
@@ -251,3 +258,22 @@ def _number(body: dict, name: str, default: float, low: float, high: float) -> f
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
         raise RequestError(f"{name} must be a number from {low} to {high}, got {value!r}", name)
     return float(value)
+
+
+def _template_options(body: dict) -> dict:
+    """`add_generation_prompt` (default true), `continue_final_message` (default false: the answer continues the
+    last message, an assistant's, instead of starting a new turn) and `chat_template_kwargs` (the template's own
+    variables), checked."""
+    add = body.get("add_generation_prompt", True)
+    cont = body.get("continue_final_message", False)
+    extra = body.get("chat_template_kwargs")
+    for name, value in (("add_generation_prompt", add), ("continue_final_message", cont)):
+        if not isinstance(value, bool):
+            raise RequestError(f"{name} must be true or false, got {value!r}", name)
+    if cont and add and "add_generation_prompt" in body:
+        raise RequestError("continue_final_message and add_generation_prompt cannot both be true",
+                           "continue_final_message")
+    if extra is not None and (not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra)):
+        raise RequestError("chat_template_kwargs must be an object of the template's variables",
+                           "chat_template_kwargs")
+    return {"add_generation_prompt": add and not cont, "continue_final_message": cont, "template_kwargs": extra}

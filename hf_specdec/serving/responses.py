@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
+
+from .logprobs import TokenLogprobs, echo_gap, join_logprobs
+
 
 def choice(index: int, text: str, reason: str, chat: bool, request=None, tokenizer=None,
            echo: str | None = None) -> dict:

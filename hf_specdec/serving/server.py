@@ -3,23 +3,27 @@
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream: true` as server-sent events),
 `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text). Errors are OpenAI's JSON error objects: 400 naming
 the field, 401 for a missing or wrong API key, 404 for an unknown model, 503 when the queue is full.
-"""
 
+This module owns the app, its routes and the server's run; a body's fields are checked in `protocol.py`, answers are
+shaped in `responses.py` (log probabilities in `logprobs.py`) and `/metrics` is written in `prometheus.py`.
+"""
 
 import asyncio
 import dataclasses
-import inspect
 import json
 import logging
 import os
 import secrets
 import time
 import uuid
+from contextlib import asynccontextmanager
 
-from ..decode.scheduler import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SamplingParams
-from .engine import MAX_LOGPROBS, QueueFullError, RequestError, ServingEngine
 from ..tokenizers import token_bytes
-from ..structured.grammar import Grammar
+from .engine import ServingEngine
+from .prometheus import prometheus_text
+from .protocol import parse_request
+from .responses import choice, stream_events, usage_of
+from .stream import QueueFullError, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +34,8 @@ _OPEN_PATHS = ("/health", "/metrics")
 def create_app(engine: ServingEngine, model_name: str, api_key: str | None = None, shutdown_grace_s: float = 10.0):
     """The FastAPI app serving `engine` as `model_name`. `api_key`: required as `Authorization: Bearer KEY` on
     every route but `/health` and `/metrics` when set."""
-    from contextlib import asynccontextmanager
-
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-
 
     if engine.tokenizer is not None:  # read the tokenizer's byte spelling now, not on the first logprobs request
         token_bytes(engine.tokenizer)

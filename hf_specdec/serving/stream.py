@@ -1,6 +1,14 @@
-"""What a client holds of a submitted request: the `RequestStream` it reads `Delta`s from, and the errors `ServingEngine.submit` raises."""
+"""What a client holds of a submitted request: the `RequestStream` it reads `Delta`s from, and the errors
+`ServingEngine.submit` raises."""
 
 from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from ..decode.requests import Request
+from .detokenize import AnswerText
 
 
 class QueueFullError(RuntimeError):
@@ -34,7 +42,7 @@ class RequestStream:
 
     request: Request
     stop: tuple[str, ...] = ()
-    _engine: ServingEngine | None = None
+    _engine: object = None  # the `ServingEngine` serving it (`cancel`)
     _loop: asyncio.AbstractEventLoop | None = None
     _queue: object = None
     _decoded: str = ""

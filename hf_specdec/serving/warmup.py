@@ -3,6 +3,11 @@ compile and memory pools grow then rather than inside the first clients' request
 
 from __future__ import annotations
 
+import time
+
+from ..decode.requests import Request, SamplingParams
+from ..metrics import SpeculativeMetrics, logger
+
 
 def warm_up(engine, short: bool = False) -> None:
     """Runs synthetic requests through the real step of `engine` (a `ServingEngine` not serving yet), so that every

@@ -9,7 +9,9 @@ from .hybrid import HybridSpeculator
 from .medusa import MedusaSpeculator
 from .mlp import MlpSpeculator
 from .ngram import NgramSpeculator
+from .off import NoDraftSpeculator
+from .resolve import resolve_speculator
 
 __all__ = ["Speculator", "DraftModelSpeculator", "EagleCheckpointError", "EagleSpeculator", "GrammarSpeculator",
            "HybridSpeculator",
-           "MedusaSpeculator", "MlpSpeculator", "NgramSpeculator"]
+           "MedusaSpeculator", "MlpSpeculator", "NgramSpeculator", "NoDraftSpeculator", "resolve_speculator"]

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..runners.model_runner import ModelRunner, TargetHiddenStates
-from ..cache.paged import TreeAttention
+from ..cache.layout import TreeAttention
 from ..types import PAD_ID, DraftProposal, DraftTree, SequenceBatch, gather_right_aligned
 from ..decode.speculator import Speculator, sample_or_argmax
 from .heads import EagleHead, check_head_target, load_eagle_dir

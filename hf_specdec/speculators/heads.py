@@ -20,7 +20,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from ..cache.paged import ATTENTION_NAME
+from ..cache.attention import ATTENTION_NAME
 
 CONFIG_NAME = "eagle_config.json"
 WEIGHTS_NAME = "model.safetensors"

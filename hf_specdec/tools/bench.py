@@ -7,6 +7,10 @@ alike (each repeat starting one configuration later), and medians are reported. 
 - speedup: the median over repeats of plain generate's latency over the configuration's in the same repeat (paired
   ratios: the host's slow spells, which move a call's time by 10-20% on a shared 2-core machine, hit both sides of
   most pairs); `speedup_of_medians` in the JSON is the ratio of the two medians.
+- vs off: the same paired ratio against "hf_specdec off" (`speculator="off"`: hf_specdec's engine with no drafts),
+  which every run includes: speedup = the engine's gain (off over plain generate) x speculation's own gain (vs off).
+- first call: each configuration's first call on the first prompt group, timed apart before the repeats (with an
+  empty cache it includes measuring this host, `measure s`), against the second call on the same group.
 - tokens/s: new tokens of the batch / end-to-end latency.
 - TTFT: latency of the same call with `max_new_tokens=1` (prefill + first token), the fastest of three such calls.
 - TPOT: (latency - TTFT) / (new tokens per row - 1).
@@ -41,6 +45,7 @@ WORKLOADS = {"grounded": list(GROUNDED.values()), "open_chat": list(OPEN_CHAT.va
 # own transformers processor; "hf_specdec grammar" (forced tokens only) runs beside the chosen speculators.
 CONSTRAINED = {"json": EXTRACTION_SCHEMAS}
 TTFT_CALLS = 3  # one-token calls per group and repeat; their fastest is the TTFT sample
+OFF = "hf_specdec off"  # the engine without drafts: what every speculator's own gain is measured against
 
 
 @dataclass
@@ -72,12 +77,16 @@ class Result:
     draft_ms_per_token: float | None = None
     draft_to_target: float | None = None
     speedup_of_medians: float | None = None  # median plain latency / median latency (the speedup before pairing)
+    speedup_over_off: float | None = None  # paired, against "hf_specdec off" (speculation's own gain)
+    first_call_s: float | None = None  # the configuration's first call on the first group, before any repeat
+    second_call_s: float | None = None  # the call right after it, on the same group
+    first_measure_s: float | None = None  # of the first call: measuring this host's costs (an empty cache)
 
 
 def build_configs(model, speculators: dict, k: int, draft_costs: dict, schedule: str = "adaptive",
                   assisted: bool = True, trees: tuple = (), tree_depth: int = 5,
                   uncalibrated: bool = False, padded: bool = False) -> list[Config]:
-    configs = [Config("plain generate")]
+    configs = [Config("plain generate"), Config(OFF, dict(speculator="off"))]
     if assisted:
         configs.append(Config("transformers prompt lookup", dict(prompt_lookup_num_tokens=k), batch_one_only=True))
         for name, spec in speculators.items():
@@ -85,6 +94,8 @@ def build_configs(model, speculators: dict, k: int, draft_costs: dict, schedule:
                 configs.append(Config(f"transformers assisted ({name})", dict(assistant_model=spec),
                                       batch_one_only=True))
     for name, spec in speculators.items():
+        if spec == "off":  # always run, as OFF
+            continue
         configs.append(Config(f"hf_specdec {name}", dict(speculator=spec, num_speculative_tokens=k,
                                                          speculative_schedule=schedule),
                               draft_cost=draft_costs.get(name, 0.0)))
@@ -184,10 +195,16 @@ def _measure(model, groups, configs, workload, batch_size, max_new_tokens, repea
     latencies = {c.name: [] for c in configs}
     ttfts = {c.name: [] for c in configs}
     outputs = {}
-    # Warm-up. On CUDA a full-length call: Triton compiles a kernel variant per query-length bucket as steps meet
-    # them, and a 4-token warm-up left those compiles (9 s in one float32 call on an H200) inside the timed calls.
+    first = {}
+    # The first call of each configuration, timed apart: as a user meets it (with an empty cache it measures this
+    # host first), then a second call on the same group. Then warm-up: on CUDA a full-length call per group
+    # (Triton compiles a kernel variant per query-length bucket as steps meet them, 9 s in one float32 call on an
+    # H200), elsewhere a short one.
     warm_tokens = max_new_tokens if model.device.type == "cuda" else 4
     for config in configs:
+        (first_s, out), (second_s, _) = call(config, groups[0], max_new_tokens), call(config, groups[0], max_new_tokens)
+        metrics = getattr(out, "speculative_metrics", None)
+        first[config.name] = (first_s, second_s, metrics.measure_time_s if metrics is not None else None)
         for group in groups:
             call(config, group, 1)
             call(config, group, warm_tokens)
@@ -206,6 +223,7 @@ def _measure(model, groups, configs, workload, batch_size, max_new_tokens, repea
     references = [out.sequences for out in outputs[configs[0].name]]
     base_latency = statistics.median(latencies[configs[0].name])
     base = latencies[configs[0].name]
+    off = latencies.get(OFF)
     results = []
     for config in configs:
         outs = outputs[config.name]
@@ -227,6 +245,9 @@ def _measure(model, groups, configs, workload, batch_size, max_new_tokens, repea
                         paired,
                         all(torch.equal(out.sequences, ref) for out, ref in zip(outs, references)),
                         speedup_of_medians=base_latency / latency)
+        if off is not None:
+            result.speedup_over_off = statistics.median(o / t for o, t in zip(off, latencies[config.name]))
+        result.first_call_s, result.second_call_s, result.first_measure_s = first[config.name]
         metrics = [getattr(out, "speculative_metrics", None) for out in outs]
         if metrics[0] is not None:
             steps = sum(m.num_steps for m in metrics)
@@ -299,12 +320,16 @@ def table(results: list[Result]) -> str:
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
 
-    lines = ["| workload | batch | configuration | tokens/s | speedup | TTFT s | TPOT ms | acceptance | mean acc. len "
-             "| draft ms/token | draft/target | ideal | of ideal | identical |", "|" + " --- |" * 14]
+    lines = ["| workload | batch | configuration | tokens/s | speedup | vs off | TTFT s | TPOT ms | acceptance "
+             "| mean acc. len | draft ms/token | draft/target | ideal | of ideal | first call s | second call s "
+             "| measure s | identical |", "|" + " --- |" * 18]
     for r in results:
         lines.append(f"| {r.workload} | {r.batch_size} | {r.config} | {r.tokens_per_s:.1f} | {r.speedup:.2f}x | "
+                     f"{fmt(r.speedup_over_off, '.2f')}{'x' if r.speedup_over_off is not None else ''} | "
                      f"{r.ttft_s:.3f} | {fmt(r.tpot_s and 1000 * r.tpot_s, '.1f')} | {fmt(r.acceptance_rate, '.2f')} | "
                      f"{fmt(r.mean_acceptance_length, '.2f')} | {fmt(r.draft_ms_per_token, '.1f')} | "
                      f"{fmt(r.draft_to_target, '.2f')} | {fmt(r.ideal_speedup, '.2f')} | "
-                     f"{fmt(r.fraction_of_ideal, '.0%')} | {'yes' if r.identical else 'no'} |")
+                     f"{fmt(r.fraction_of_ideal, '.0%')} | {fmt(r.first_call_s, '.2f')} | "
+                     f"{fmt(r.second_call_s, '.2f')} | {fmt(r.first_measure_s, '.2f')} | "
+                     f"{'yes' if r.identical else 'no'} |")
     return "\n".join(lines)
