@@ -134,6 +134,8 @@ def adaptive_costs(model, speculator, step_cost: StepCost | None = None, use_pro
         kind = "cuda" if offloaded(model) else input_device(model).type
         step_cost = DEFAULT_STEP_COST.get(kind, DEFAULT_STEP_COST["cuda"])
         what = "offloaded weights (flat)" if offloaded(model) else kind
+        if kind == "cpu":  # CPUs differ widely in what a multi-token forward costs: assume a dear one
+            step_cost, what = step_cost.pessimistic(), "cpu, verification priced at twice its extra cost"
         sources.append(f"the static default step cost for {what} (`hf-specdec calibrate` measures this host's)")
     key = speculator_key(speculator)
     if key is None:

@@ -42,6 +42,14 @@ class StepCost:
         object.__setattr__(self, "_xs", torch.tensor(tokens, dtype=torch.float64))
         object.__setattr__(self, "_ys", torch.tensor(times, dtype=torch.float64))
 
+    def pessimistic(self, factor: float = 2.0) -> StepCost:
+        """The same cost with every token past a forward's first costing `factor` times as much: what a host that
+        was never measured prices verification with, where drafting that loses to plain decoding is worse than
+        drafting less (a head on a CPU whose multi-token forwards cost more than the static curve says)."""
+        first = self.points[0][1]
+        return StepCost(self.per_row, tuple((n, first + factor * (t - first)) for n, t in self.points),
+                        self.per_context_token)
+
     def __call__(self, rows: int, tokens: torch.Tensor, context: float = 0.0) -> torch.Tensor:
         n = rows * tokens.double()
         xs, ys = self._xs, self._ys
