@@ -20,7 +20,7 @@ from contextlib import ExitStack
 
 import torch
 
-from ..costs.calibration import host_linear
+from ..costs.calibration import ensure_profile, host_linear
 from ..decode.requests import Request, SamplingParams
 from ..decode.scheduler import Scheduler
 from ..decode.step import Step
@@ -64,7 +64,7 @@ class ServingEngine:
         schedule (`str`): `"adaptive"` or `"constant"` k.
         max_num_blocks (`int`, *optional*): cap on the target's KV pool (default: enough for every running request's
             worst case); requests wait until their worst case fits.
-        calibration (`bool`): use this host's cached cost profile (`hf-specdec calibrate`).
+        calibration (`bool`): use this host's cost profile, measured when the engine is built if none is cached.
         kv_region_tokens (`int`, *optional*): KV room each slot holds from the start, in one region of the pool, the
             slots' regions one after another: where attention gathers each row's context (the PyTorch path), rows
             in consecutive slots are read in place instead (requests take the lowest free slot, so at full load the
@@ -157,6 +157,8 @@ class ServingEngine:
         slots, device = self.max_batch_size, self.model.get_input_embeddings().weight.device
         width = self.max_model_len + self.k + 2
         self.batch = make_batch(slots, width, device, self.pad_token_id, self.vocab_size, self.eos_token_ids)
+        # This host's profile, measured now if it has none (a server's first request should not wait for it)
+        ensure_profile(self.model, self.speculator, calibration)
         self.target = make_runner(self.model, block_size=block_size, max_num_blocks=max_num_blocks)
         if kv_region_tokens and hasattr(self.target, "give_regions"):
             self.target.give_regions(list(range(slots)), min(kv_region_tokens, width))
