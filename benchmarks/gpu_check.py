@@ -10,7 +10,7 @@ Stages, in order (each fails loudly: the run exits non-zero and names every fail
   bench      `hf-specdec bench --device cuda --dtype bfloat16` at batch 1, 4, 16, 64: n-gram, the shipped head, an FP8
              and an int8 draft: speedup, acceptance, identical output
 
-Usage (docs/benchmarks.md, section GPU, says how to run it through the device tool):
+Usage (docs/benchmarks.md, "Running the GPU check" under "GPU runs", says how to run it through the device tool):
   python benchmarks/gpu_check.py --pack                       # where PyPI is reachable: the offline GPU machine's bundle
   python3 benchmarks/gpu_check.py --receive PART --no-check   # on the GPU machine, once per part
   python3 benchmarks/gpu_check.py --receive PART --out $OUT    # the last part, then the check
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check_bundle import BUNDLE_DIR, SERVE_PACKED, SERVE_PART_BYTES, install, pack, receive  # noqa: E402
 
 STAGE_NAMES = ("install", "tests", "kernels", "step_cost", "train", "bench")
-# Seconds per stage, caps rather than plans: the first run (H200, 2026-11-26, docs/gpu_h200) took install 39, tests
+# Seconds per stage, caps rather than plans: the first run (H200, 2026-11-26, results/gpu_h200) took install 39, tests
 # 65, kernels 14, step_cost 29, train 25 and bench 189 for n-gram and the head alone, 372 s in all; the second ran
 # past 50 s in install (a cold import probe) and 80 s in tests on a fresh machine, 75 s warm. A stage past its budget
 # fails (named) and the next one starts; the report is written after each stage, so a command the device tool stops
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         parts = (pack(BUNDLE_DIR.parent / ".gpu_serve", SERVE_PART_BYTES, SERVE_PACKED) if args.pack_serve
                  else pack())
         print("\n".join(str(p) for p in parts))
-        print(f"{len(parts)} parts: send each with the device tool (see docs/benchmarks.md, section GPU)")
+        print(f"{len(parts)} parts: send each with the device tool (see docs/benchmarks.md, 'GPU runs')")
         return 0
     for part in args.receive:
         print(receive(Path(part)))

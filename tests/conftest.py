@@ -145,3 +145,18 @@ def assert_seeded_sampling_is_reproducible(run) -> None:
     assert runs[0].speculative_metrics.num_draft_tokens > 0
     torch.manual_seed(8)
     assert not torch.equal(run(do_sample=True).sequences, runs[0].sequences)
+
+
+# Slow sweeps (every architecture, soak and load runs, the browser test) run in CI (`.ci/run` passes --runslow) and
+# when asked; the README's test command leaves them out so it stays a loop to run after each change.
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", help="also run the tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow") or os.environ.get("HF_SPECDEC_RUN_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: run with --runslow (CI does)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -66,7 +66,8 @@ def test_bench_compares_the_packed_and_padded_layouts(monkeypatch):
     model, tokenizer = make_model("llama", dtype=torch.float32), make_tokenizer()
     results = run_bench(model, tokenizer, {"ngram": "ngram"}, batch_sizes=(3,), workloads=("grounded",),
                         max_new_tokens=6, repeats=1, progress=False, padded=True)
-    assert {r.config for r in results} == {"plain generate", "hf_specdec ngram", "hf_specdec ngram padded"}
+    assert {r.config for r in results} == {"plain generate", "hf_specdec off", "hf_specdec ngram",
+                                           "hf_specdec ngram padded"}
     assert all(r.identical for r in results)
     assert True in seen and False in seen  # both layouts ran
     assert "HF_SPECDEC_PACKED" not in os.environ
@@ -121,4 +122,4 @@ def test_a_decode_outweighed_by_noise_is_not_reported(monkeypatch, capsys):
     assert results[0].tpot_s is None and results[0].ttft_s > results[0].latency_s
     assert "TPOT not reported" in capsys.readouterr().out
     assert "| grounded | 1 | plain generate |" in bench.table(results)
-    assert bench.table(results).splitlines()[-1].split(" | ")[6] == "-"
+    assert bench.table(results).splitlines()[-1].split(" | ")[7] == "-"  # TPOT

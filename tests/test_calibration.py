@@ -91,8 +91,8 @@ QUANTIZED = [pytest.param("fp8", marks=needs_torchao), pytest.param("int8", mark
 def test_a_profile_where_drafting_pays_makes_a_quantized_copy_draft(trained, quantization, caplog):
     draft = _quantized(trained, quantization)
     input_ids, mask = _prompts()
-    plain = trained.generate(input_ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
-    kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, speculator=draft,
+    plain = trained.generate(input_ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    kwargs = dict(attention_mask=mask, max_new_tokens=40, do_sample=False, speculator=draft,
                   num_speculative_tokens=4, return_dict_in_generate=True)
     # Without a profile the copy is priced by its parameter count, about one plain step per draft: no drafting.
     with caplog.at_level(logging.WARNING, logger="hf_specdec"):
@@ -564,7 +564,7 @@ def test_the_packed_form_is_chosen_where_it_beats_the_other_and_taken_before_thi
     assert f"linear layers of weight {key} packed for oneDNN at 2-3 input rows" in calibration.describe(profile)
     calls = []
     packed = linear_forms.packed_linear
-    monkeypatch.setattr(calibration, "packed_linear", lambda x, *a: calls.append(x.shape[0]) or packed(x, *a))
+    monkeypatch.setattr(linear_forms, "packed_linear", lambda x, *a: calls.append(x.shape[0]) or packed(x, *a))
     hidden = target.config.hidden_size
     with calibration.host_linear(target), torch.no_grad():  # as in our calls (the packed product has no backward)
         for rows in (1, 2, 3):
@@ -593,7 +593,7 @@ def test_packed_linear_follows_plain_generate_and_the_weights(monkeypatch):
     save_profile(target, Profile(profile_key(target), FLAT, (), {}, {}, tuple(range(1, 65)), {}, every))
     packs = []
     pack = linear_forms.pack_linear_weight
-    monkeypatch.setattr(calibration, "pack_linear_weight", lambda w: packs.append(w.shape) or pack(w))
+    monkeypatch.setattr(linear_forms, "pack_linear_weight", lambda w: packs.append(w.shape) or pack(w))
     for _ in range(2):
         out = target.generate(input_ids, attention_mask=mask, max_new_tokens=20, do_sample=False, speculator="ngram",
                               num_speculative_tokens=3, speculative_schedule="constant")

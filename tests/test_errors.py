@@ -78,7 +78,7 @@ def _small_vocabulary_draft(vocab_size: int):
 
 def test_draft_with_a_smaller_vocabulary_is_refused_before_any_forward(monkeypatch):
     """A draft with fewer ids than the target, given a prompt it cannot read: a clear error, not an IndexError in its
-    embedding, before the first step (only the up-front trial forwards of compat.py have run)."""
+    embedding, before the first step (only the up-front trial forwards of runners/support.py have run)."""
     from hf_specdec.decode.step import Step
 
     steps = []
@@ -159,7 +159,7 @@ def test_top_level_kernels_is_not_this_repository(tmp_path):
     top, ours = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                                check=True).stdout.splitlines()
     assert not top or not pathlib.Path(top).resolve().is_relative_to(repo)
-    assert pathlib.Path(ours).resolve() == repo / "kernels" / "__init__.py"
+    assert pathlib.Path(ours).resolve() == repo / "hf_specdec" / "kernels" / "__init__.py"
 
 
 def test_bad_speculative_schedule_is_refused():
@@ -191,16 +191,16 @@ def test_draft_in_another_dtype_than_the_target_works():
     assert first.speculative_metrics.num_draft_tokens > 0
 
 
-def test_every_package_is_in_the_wheel():
-    """pyproject lists packages by name: a new subpackage missing there would install only in editable mode."""
-    import tomllib
+def test_every_module_is_in_the_wheel(tmp_path):
+    """A regular (non-editable) install holds every module of the package, the kernels and the shipped head."""
+    import subprocess
+    import sys
+    import zipfile
 
     repo = pathlib.Path(hf_specdec.__file__).resolve().parents[1]
-    settings = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]
-    folders = {"hf_specdec": repo / "hf_specdec", **{name: repo / folder for name, folder in
-                                                     settings["package-dir"].items()}}
-    found = set()
-    for name, folder in folders.items():
-        for init in folder.rglob("__init__.py"):
-            found.add(".".join([name, *init.parent.relative_to(folder).parts]))
-    assert found == set(settings["packages"])
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(repo), "-w",
+                    str(tmp_path)], check=True, capture_output=True, timeout=600)
+    names = set(zipfile.ZipFile(next(tmp_path.glob("hf_specdec-*.whl"))).namelist())
+    sources = {str(p.relative_to(repo)) for p in (repo / "hf_specdec").rglob("*.py") if "__pycache__" not in p.parts}
+    assert sources - names == set()
+    assert any(n.startswith("hf_specdec/trained_heads/") and n.endswith(".safetensors") for n in names)

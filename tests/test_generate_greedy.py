@@ -331,7 +331,7 @@ def test_every_kv_block_returns_to_the_pool(monkeypatch):
     target = make_model("llama")
     input_ids, mask = ragged_batch(rows=4, width=14)
     run(target, make_model("llama", seed=1), input_ids, mask)
-    # target and draft, and the six runners of each model's trial (compat.py: ragged batch, then padded vs packed,
+    # target and draft, and the six runners of each model's trial (runners/support.py: ragged batch, then padded vs packed,
     # then one context group vs two)
     assert len(runners) == 2 + 2 * 6
     for runner in runners:

@@ -1,5 +1,5 @@
 """Models outside transformers' attention interface (Falcon, Bloom, GPT-Neo) on the masked dense cache
-(`masked_cache.py`, `dense_runner.py`): greedy output equals plain `generate` token for token on ragged left-padded
+(`cache/masked.py`, `runners/dense.py`): greedy output equals plain `generate` token for token on ragged left-padded
 batches, with n-gram drafts, identical drafts and disagreeing drafts (so rows roll back), with compaction forced, under
 continuous batching; rollback then regenerate equals never drafting; what the cache cannot do is refused up front."""
 

@@ -121,7 +121,8 @@ def test_cli_run_compares_speculators_per_prompt_and_names_the_best(tmp_path, ca
     out = capsys.readouterr().out
     assert out.count("=== ") == 2 and "grounded prompt" in out and "open-chat prompt" in out
     assert out.count("speculator ngram, k=3") == 2 and "speculator eagle" not in out
-    assert out.count("output identical to plain greedy generate: True") == 2
+    assert out.count("output identical to plain greedy generate: True") == 4  # speculation off and n-gram
+    assert out.count("hf_specdec, speculation off:") == 2 and "= engine" in out
     assert main([*args, "--prompt", PROMPTS[0]]) == 0
     assert capsys.readouterr().out.count("=== your prompt") == 1
     with pytest.raises(SystemExit, match="no trained EAGLE head ships for .*train-eagle"):

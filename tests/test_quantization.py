@@ -417,7 +417,7 @@ def test_bench_draft_quantization_dimension(checkpoint, tmp_path, capsys):
                  "--workloads", "grounded", "--max-new-tokens", "16", "--repeats", "1", "-k", "3",
                  "--out", str(out), "--plot", ""]) == 0
     results = {r["config"]: r for r in json.loads(out.read_text())["results"]}
-    assert set(results) == {"plain generate", "hf_specdec ngram", f"hf_specdec {directory}",
+    assert set(results) == {"plain generate", "hf_specdec off", "hf_specdec ngram", f"hf_specdec {directory}",
                             f"hf_specdec {directory} [fp8]", f"hf_specdec {directory} [nf4]"}
     for name in (f"hf_specdec {directory}", f"hf_specdec {directory} [fp8]", f"hf_specdec {directory} [nf4]"):
         assert results[name]["identical"] and results[name]["draft_ms_per_token"] > 0

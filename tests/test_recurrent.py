@@ -1,5 +1,5 @@
 """Hybrid and recurrent models (Mamba2, Qwen3-Next, Falcon-H1): each row's conv and recurrent state rolls back to its
-last accepted token (`recurrent_state.py`), so speculative output equals plain greedy `generate` token for token on a
+last accepted token (`cache/recurrent.py`), so speculative output equals plain greedy `generate` token for token on a
 ragged left-padded batch, with n-gram drafts, an identical draft and a disagreeing (hybrid) draft; rows joining and
 leaving a running batch equal their solo runs; the cache's rollback is checked against never drafting."""
 

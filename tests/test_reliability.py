@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_specdec import DraftProposal, NgramSpeculator
-from hf_specdec.decode import verify
+from hf_specdec.decode.verify import verify
 from hf_specdec.types import PAD_ID, SequenceBatch
 from conftest import make_model, ragged_batch, repetitive_prompt
 

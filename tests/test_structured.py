@@ -531,7 +531,7 @@ def test_no_matcher_or_block_is_left_after_a_call(tokenizer, monkeypatch):
     model.generate(input_ids, attention_mask=mask, max_new_tokens=30, pad_token_id=0, speculator=constrained_model(
         seed=3), grammar=[GRAMMARS["json_schema"], Grammar.regex("[a-c]{2}"), GRAMMARS["regex"], None],
         tokenizer=tokenizer)
-    # The target's and the draft's runners, plus the up-front trial forward's (compat.py), which frees its own.
+    # The target's and the draft's runners, plus the up-front trial forward's (runners/support.py), which frees its own.
     assert len(runners) >= 2 and len(tables) == 1
     for runner in runners:
         manager = runner.cache.manager
@@ -760,7 +760,7 @@ def test_bench_json_workload_is_constrained_and_identical():
                         max_new_tokens=10, repeats=1, progress=False, on_group=lambda so_far: seen.append(len(so_far)))
     assert seen == [len(results) // 2, len(results)]
     configs = {r.config for r in results}
-    assert configs == {"plain generate", "hf_specdec ngram", "hf_specdec grammar"}
+    assert configs == {"plain generate", "hf_specdec off", "hf_specdec ngram", "hf_specdec grammar"}
     assert all(r.identical for r in results)
     assert len(PROMPTS) >= 8
 

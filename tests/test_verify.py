@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hf_specdec import DraftProposal
-from hf_specdec.decode import verify
+from hf_specdec.decode.verify import verify
 from hf_specdec.types import PAD_ID
 
 VOCAB = 6

@@ -3,7 +3,7 @@
     python demos/space/build.py build/space
     hf upload <user>/<space> build/space . --repo-type space
 
-The package is copied as it installs (the top-level `kernels/` folder becomes `hf_specdec/kernels/`), without
+The package is copied as it installs (its kernels included), without
 caches or tests, so the Space needs nothing from this repository at run time but what `requirements.txt` lists.
 """
 
@@ -31,10 +31,6 @@ def build(out: Path) -> Path:
     for name in SPACE_FILES:
         shutil.copy2(SPACE / name, out / name)
     shutil.copytree(REPO / "hf_specdec", out / "hf_specdec", ignore=IGNORE)
-    kernels = out / "hf_specdec" / "kernels"
-    if kernels.exists():
-        shutil.rmtree(kernels)
-    shutil.copytree(REPO / "kernels", kernels, ignore=IGNORE)
     return out
 
 

@@ -162,10 +162,10 @@ def query_groups(counts: list[int]) -> tuple[int, list[int], int] | None:
     feeding one token): `(short, long_rows, long)`, every row's last `short` tokens in one group, the rows longer
     than that in another of width `long`. `None` where one padded group is as good. A second group costs its own
     gathers and attention call per layer; one row of 20 feeding 2 tokens padded every row to 2 queries, and that
-    attention took 27-35 ms against 15 over SmolLM2's 30 layers at 256 cached tokens (2-core CPU,
-    `benchmarks/ragged_attention.py`). On whole forwards
-    (`benchmarks/query_groups.py`, docs/benchmarks.md) two groups were 6-18% faster at 20-30 rows, between 4% faster
-    and 7% slower at 8 and up to 18% slower at 4, where this rule keeps one."""
+    attention took 27-35 ms against 15 over SmolLM2's 30 layers at 256 cached tokens (2-core CPU). On whole forwards
+    two groups were 6-18% faster at 20-30 rows, between 4% faster and 7% slower at 8 and up to 18% slower at 4, where
+    this rule keeps one (docs/log/2026-11-28-benchmarks-history.md, "The server prices its own steps; rows weighed by
+    work left; two attention groups for a lone verify (issue 25)")."""
     # every row at the cut (the rows past it again, at the longest): their last `cut` tokens in one group
     whole, best, short = _two_groups(counts, every_row_in_first=True)
     if short is None or whole - best < max(whole / 4, 12):
@@ -207,8 +207,9 @@ def token_rows_pay(counts: list[int], num_context: int = 0, kv_width: int = 0, s
     when the caller has it). One row of 12 verifying 2 drafts took
     a second attention group, whose own gathers, selections and attention call in every layer cost 9-10 ms of a
     120 ms forward of SmolLM2 on a 2-core CPU (`benchmarks/draft_pricing.py --profile 12`); as token rows it costs
-    10 ms less (`benchmarks/token_rows.py`). With 2-4 rows of long contexts one padded group is cheaper: token rows
-    there would gather up to twice the keys and values."""
+    10 ms less (docs/log/2026-11-28-benchmarks-history.md, "A row per token for a step verifying a few drafts
+    (issue 25)"). With 2-4 rows of long contexts one padded group is cheaper: token rows there would gather up to
+    twice the keys and values."""
     rows, total = len(counts), sum(counts)
     if not rows < total <= rows + max(2, rows // 4):
         return False
@@ -248,9 +249,9 @@ class ContextGroup:
 
 
 # A second context group costs, in every layer, its own gather, selections and attention call; padding costs about
-# 7 us per context token (summed over rows) of a SmolLM2 forward on a 2-core CPU. By `benchmarks/context_groups.py`
-# two groups were 1.16-8.4x faster where they saved 3400-58000 padded tokens, and within noise of one group (0.95-1.08x)
-# where they saved 1200-1750.
+# 7 us per context token (summed over rows) of a SmolLM2 forward on a 2-core CPU. Two groups were 1.16-8.4x faster
+# where they saved 3400-58000 padded tokens, and within noise of one group (0.95-1.08x) where they saved 1200-1750
+# (docs/log/2026-11-28-benchmarks-history.md, "Chunked prefill and context groups (issue 25)").
 CONTEXT_SPLIT_MIN = 2048
 
 
@@ -260,7 +261,7 @@ def context_groups(context_lens: list[int], min_saved: int | None = None,
     padded context and at least `CONTEXT_SPLIT_MIN` tokens (a long prompt's row beside rows of short chats; rows all
     about as long stay one group): `(short_rows, short_context)`, the rows whose contexts fit in `short_context`
     (the others form the second group). `None` where one padded group is as good. `min_saved=0, min_fraction=0`:
-    two groups wherever the lengths differ (the model's trial, `compat._groups_exactly`)."""
+    two groups wherever the lengths differ (the model's trial, `support._groups_exactly`)."""
     min_saved = CONTEXT_SPLIT_MIN if min_saved is None else min_saved
     whole, best, cut = _two_groups(context_lens, every_row_in_first=False)
     if cut is None or whole - best < max(whole * min_fraction, min_saved):

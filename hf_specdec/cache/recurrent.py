@@ -25,9 +25,9 @@ about `k + 1` single-token calls instead of one `k + 1`-token call (attention, M
 whole step at once), and each row keeps up to `H` states per layer.
 
 Mixers are found from their source: the modules whose `forward` calls one of those cache methods. Within
-`paged_attention` (model_runner.py) their `forward` is wrapped to split a step as above; with any other cache the
-wrapper passes straight through. A recurrent layer that reaches the cache some other way is caught by the runner's
-trial forward (compat.py), which then refuses the model up front.
+`paged_attention` (runners/model_runner.py) their `forward` is wrapped to split a step as above; with any other cache
+the wrapper passes straight through. A recurrent layer that reaches the cache some other way is caught by the runner's
+trial forward (runners/support.py), which then refuses the model up front.
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ class AdaptiveK:
         draft_subsets (`bool`): a model speculator that can draft for some rows only
             (`Speculator.drafts_row_subsets`) drafts for the rows `choose_drafters` picks, priced for those rows
             alone, where the verify is packed. Off by default, the serving engine's too: faster on the virtual
-            clock, not yet shown over HTTP (docs/benchmarks.md, "Drafts for the rows the run waits for").
+            clock, not yet shown over HTTP (docs/log/2026-11-28-benchmarks-history.md, "Drafts for the rows the
+            run waits for").
     """
 
     def __init__(self, num_rows: int, max_k: int, step_cost: StepCost, draft_cost_per_token: float = 0.0,
@@ -253,9 +254,10 @@ class AdaptiveK:
         share = torch.tensor(remaining, dtype=torch.float64).clamp(min=0) / longest
         self.weights[rows] = share ** self.WEIGHT_POWER
 
-    # Weights are (work left / the most any row has left) ** WEIGHT_POWER. On the virtual clock
-    # (benchmarks/serve_sim.py) 8 with `draft_subsets` took EAGLE from 1.001x to 1.017-1.038x speculation off, but over
-    # HTTP on this CPU that pair measured 0.80-1.11x (docs/benchmarks.md): both stay off by default until a run shows it.
+    # Weights are (work left / the most any row has left) ** WEIGHT_POWER: a higher power sends an accepted draft's
+    # value to the rows the run waits for. It stays 1 (and `draft_subsets` off) because sharper weights, with drafts for
+    # the rows chosen, gained only on the virtual clock (`benchmarks/serve_sim.py --weight-power`), not over HTTP
+    # (docs/log/2026-11-28-benchmarks-history.md, "Drafts for the rows the run waits for (issue 25, 2026-11-27)").
     WEIGHT_POWER = 1.0
 
     # A speculator's backlog (`Speculator.unread`) is read once for the drafting steps that follow: priced as spread

@@ -195,11 +195,11 @@ def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] 
               timer: Timer | None = None, attempts: int = ATTEMPTS, retry: bool = True) -> Profile | None:
     """Returns `model`'s profile on this host, measuring what the cache lacks (everything with `force`): the small-row
     linear form, the step cost (with that form in use), and each of `speculators`' draft cost. Each is measured as
-    `measure.py` says (interleaved, repeated, bounded): a step cost that stays untrustworthy is not cached (None is
+    `timing.py` says (interleaved, repeated, bounded): a step cost that stays untrustworthy is not cached (None is
     returned and calls keep the static defaults), nor is such a draft cost (the draft is priced by its size); an
     untrustworthy linear timing keeps the stock form. Each fallback is logged at WARNING with its reason. The global
     random state is left as it was. `progress`: a function taking a message, called before each measurement;
-    `timer`: what times a forward or a product (`measure.Timer`; tests pass made-up timings). With `retry=False`,
+    `timer`: what times a forward or a product (`timing.Timer`; tests pass made-up timings). With `retry=False`,
     what was found unsteady in the last `UNSTEADY_RETRY_S` is not measured again (`force` measures anyway)."""
     _measuring.active, outer = True, getattr(_measuring, "active", False)
     try:

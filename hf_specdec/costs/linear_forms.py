@@ -338,7 +338,7 @@ def thin_linear(modules, rows, measured=None, shapes: dict | None = None, packed
     streams in are the ones multiplied. With `shapes` (`"out x in"` -> row counts), a layer whose weight's shape is
     named takes that shape's counts instead (`rows` stay for the others). With `packed` (the same mapping), a float32
     layer of a named shape, not under a hook, computes those row counts with its weight packed for oneDNN
-    (`measure.packed_linear`, the copy kept between blocks), before any thin choice."""
+    (`packed_linear`, the copy kept between blocks), before any thin choice."""
     tables = {}
 
     thins = {}

@@ -44,7 +44,7 @@ class Profile:
             thin never won), which is what applies to layers of those shapes: an LM head's weight and the layers'
             may want different forms. A layer of a shape not measured (a draft model's) takes `thin_linear_rows`.
         packed_linear_shapes: per weight shape, the row counts (between measured ones as for thin) at which the
-            weight packed once for oneDNN (`measure.packed_linear`) beat the form chosen above; it takes precedence
+            weight packed once for oneDNN (`linear_forms.packed_linear`) beat the form chosen above; it takes precedence
             there. Float32 CPU layers only; a shape not named never takes it.
         draft_costs: per speculator (`speculator_key`), the cost of one drafted token relative to a plain step.
         details: what was measured, for people (timings, seconds taken).

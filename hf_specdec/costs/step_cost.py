@@ -82,7 +82,7 @@ class StepCost:
     def measure(cls, model, rows: tuple[int, ...] = (1, 4, 16), tokens: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16),
                 contexts: tuple[int, ...] = (64, 256), repeats: int = 5) -> StepCost:
         """Times target forwards through the paged KV cache (random token ids, each of `contexts` tokens cached per
-        row; interleaved and repeated, see `measure.py`) and fits a `StepCost` (`fit`). Takes under a minute on a
+        row; interleaved and repeated, see `timing.py`) and fits a `StepCost` (`fit`). Takes under a minute on a
         CPU; pass the result to `generate(..., speculative_step_cost=...)`. Logs a warning when the timings
         disagree or break the physical bounds (a busy host); `hf-specdec calibrate` then keeps the static default."""
         import logging
@@ -278,7 +278,7 @@ def check_step_cost(step_cost, rows: tuple[int, ...] = (1, 4, 16), tokens: tuple
 # The target's step cost ---------------------------------------------------------------------------------------------
 def measure_step_cost(model, rows: tuple[int, ...], tokens: tuple[int, ...], contexts: tuple[int, ...],
                       repeats: int, timer: Timer | None = None, attempts: int = ATTEMPTS):
-    """Times target forwards through the model's KV cache (paged, or masked: `dense_runner.make_runner`) with random
+    """Times target forwards through the model's KV cache (paged, or masked: `dense.make_runner`) with random
     token ids, `contexts` tokens cached per row, every (rows, tokens, context) cell once per round, and fits a
     `StepCost`. Returns `(step cost, Measurement)`; the
     measurement's `problem` says why the cost is not to be trusted."""

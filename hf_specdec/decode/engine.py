@@ -38,9 +38,9 @@ class SpeculativeEngine:
         block_size (`int`): KV block size in tokens.
         max_num_blocks (`int`, *optional*): cap on the target's KV pool; a batch that cannot fit is refused.
         schedule (`str`): `"adaptive"` picks k in `[0, num_speculative_tokens]` each step from the acceptance seen so
-            far (see `adaptive.py`); `"constant"` always drafts `num_speculative_tokens`.
+            far (see `costs/adaptive.py`); `"constant"` always drafts `num_speculative_tokens`.
         step_cost (`StepCost`, *optional*): adaptive k's model of a target forward's cost; defaults to the cached
-            profile of this host (`calibration.py`), else one measured for the model's device type.
+            profile of this host (`costs/calibration.py`), else one measured for the model's device type.
         tree_nodes (`int`, *optional*): draft trees instead of chains: the speculator proposes up to this many nodes
             per row, at most `num_speculative_tokens` deep, and one forward verifies them all (see `_tree_step`).
             Trees use a fixed shape: `schedule` must be `"constant"`.
@@ -78,7 +78,7 @@ class SpeculativeEngine:
         Args:
             input_ids: `[batch, prompt_width]` prompts, padded on either side as `attention_mask` says.
             attention_mask: `[batch, prompt_width]` or `None` (no padding).
-            constraints: grammars or a `prefix_allowed_tokens_fn` constraining rows (`constraints.py`).
+            constraints: grammars or a `prefix_allowed_tokens_fn` constraining rows (`structured/constraints.py`).
         Returns:
             `(sequences, metrics)`: `[batch, prompt_width + generated]` sequences as transformers returns them (the
             input, then generated tokens padded with `pad_token_id`), and the call's `SpeculativeMetrics`.

@@ -86,7 +86,7 @@ class LogitsProcessing:
         if self.sampling_params is not None:
             # The Triton kernel where it runs; on a CPU the PyTorch reference, which keeps the tokens transformers'
             # warpers keep without sorting the vocabulary (11 positions of 49152 tokens at temperature 0.7, top-k
-            # 50, top-p 0.9: 2.8 ms against 8.5; top-p alone 1.8 against 26.2; benchmarks/sampled_generate.py). A
+            # 50, top-p 0.9: 2.8 ms against 8.5; top-p alone 1.8 against 26.2; docs/kernels.md). A
             # GPU without the kernel keeps transformers' own.
             backend = resolve_backend("auto", scores.device)
             if backend == "triton" or scores.device.type == "cpu":

@@ -50,7 +50,7 @@ class Step:
         speculator.bind_policy(policy)  # None too: a speculator reused across calls forgets the last call's
         self.drafting = True  # False: a step that only feeds prompts (rows joining a running batch)
         self.timed = True  # False: the policy learns nothing from this step's timings (a prompt piece ran before it)
-        # Rows whose prompt began with a stored prefix (`prefix_cache.PrefixCache`): the target's states there, given
+        # Rows whose prompt began with a stored prefix (`prefix.PrefixCache`): the target's states there, given
         # to the speculator ahead of the states of the row's first step. `last_states`: the states the last step
         # gave it.
         self.prefix_states: dict[int, TargetHiddenStates] = {}
@@ -80,7 +80,7 @@ class Step:
             constrained = self.constraints.constrain(batch, rows, draft,
                                                      [max(0, min(limit, b - 1)) for b in drafting])
             draft = constrained.draft
-        draft = target.agree(draft)  # tensor parallelism: rank 0's drafts on every rank (distributed.py)
+        draft = target.agree(draft)  # tensor parallelism: rank 0's drafts on every rank (runners/distributed.py)
         if draft is not proposed:  # the grammar's or rank 0's drafts: their counts
             counts = draft.num_tokens.tolist()
         t1 = time.perf_counter()

@@ -1,5 +1,5 @@
 """Triton kernels for the verify step, each beside a plain PyTorch reference.
 
-Installed and imported only as `hf_specdec.kernels` (see pyproject's package-dir mapping): PyPI's `kernels`
-package exists and transformers probes for it, so this folder must never be importable as a top-level `kernels`.
+A subpackage of hf_specdec, imported only as `hf_specdec.kernels`: PyPI's `kernels` package exists and transformers
+probes for it, so this folder must never be importable as a top-level `kernels` (tests/test_layers.py checks both).
 """

@@ -28,7 +28,7 @@ from ..errors import UnsupportedModelError
 # Config fields of attention windows counted in cache columns: holes would widen them, so rows stay contiguous.
 _WINDOW_FIELDS = ("sliding_window", "window_size", "attention_window", "local_attention_window")
 # Compact once a quarter of the width is holes: attending over holes and copying rows to remove them both move cache
-# cells, and this moved the fewest in benchmarks/masked_cache_holes.py (see docs/reliability.md).
+# cells, and this moved the fewest (the retired benchmarks/masked_cache_holes.py; docs/reliability.md).
 DEFAULT_MAX_HOLE_FRACTION = 0.25
 
 

@@ -22,7 +22,7 @@ from ..errors import UnsupportedModelError
 
 @contextmanager
 def paged_attention(*models):
-    """Switches the models to hf_specdec's paged attention (and per-row recurrent state, `recurrent_state.py`) for
+    """Switches the models to hf_specdec's paged attention (and per-row recurrent state, `cache/recurrent.py`) for
     the duration, then restores what they had."""
     saved = [m.config._attn_implementation for m in models]
     try:
@@ -110,10 +110,10 @@ class ModelRunner(CacheRows):
         self.model = model
         self.cache = make_cache(model, block_size=block_size, num_blocks=num_blocks, max_num_blocks=max_num_blocks)
         # Ragged steps go through the model as one stream of real tokens (`PackedLayout`) where the model passed the
-        # packed trial (compat.py); `packed=False` keeps every step padded (benchmarks compare the two). Recurrent
+        # packed trial (support.py); `packed=False` keeps every step padded (benchmarks compare the two). Recurrent
         # layers step each row through its own positions, so their models stay padded.
         self.packed = (packs(model) if packed is None else packed) and type(self.cache) is PagedKVCache
-        # Context groups (`layout.context_groups`) only where the model passed their trial (compat.py).
+        # Context groups (`layout.context_groups`) only where the model passed their trial (support.py).
         if not getattr(model, "_hf_specdec_context_groups", False) and hasattr(self.cache, "context_split"):
             self.cache.context_split = False
         self.num_packed_forwards = 0
@@ -123,7 +123,8 @@ class ModelRunner(CacheRows):
         self.num_forwards = 0
         # transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name is deprecated there).
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        # LongRoPE's factors chosen per token as plain decoding chooses them, from each row's prompt length (`rope.py`).
+        # LongRoPE's factors chosen per token as plain decoding chooses them, from each row's prompt length
+        # (`cache/rope.py`).
         self.rope = RopeRows.of(model)
 
     def add_sequence(self, seq_id: int, prompt_length: int = 0) -> None:
@@ -217,7 +218,7 @@ class ModelRunner(CacheRows):
                 keep, expand = keep.to(self.device), expand.to(self.device)
             else:  # each row's trailing `num_logits` positions, by their place in the stream
                 keep = layout.unpack_index.view(rows, width)[:, width - num_logits:].reshape(-1)
-        factors = None  # LongRoPE's factors for this forward's tokens (`rope.py`)
+        factors = None  # LongRoPE's factors for this forward's tokens (`cache/rope.py`)
         if self.rope is not None:
             factors = self.rope.factors(seq_ids, starts, num_tokens, plan.query_positions, self.device)
             if factors[1] is not None and layout is not None:
@@ -260,7 +261,7 @@ class ModelRunner(CacheRows):
 
 
 def packs(model) -> bool:
-    """Whether `model` takes ragged steps packed: it passed the packed trial (`compat._trial_forward`), and the
+    """Whether `model` takes ragged steps packed: it passed the packed trial (`support._trial_forward`), and the
     `HF_SPECDEC_PACKED=0` switch (for comparisons) is not set."""
     return bool(getattr(model, "_hf_specdec_packable", False)) and os.environ.get("HF_SPECDEC_PACKED", "1") != "0"
 

@@ -14,7 +14,7 @@ logger = logging.getLogger("hf_specdec")
 
 # Layer kinds our paged cache handles exactly; anything else (chunked attention, say) is refused.
 _SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
-# Layer kinds of models whose recurrent layers keep their state through the cache (`recurrent_state.py`), and the
+# Layer kinds of models whose recurrent layers keep their state through the cache (`cache/recurrent.py`), and the
 # stateless blocks hybrids interleave with them.
 _RECURRENT_LAYER_TYPES = {"linear_attention", "mamba", "conv", "hybrid", "hybrid_sliding", "mlp", "moe"}
 # Vocabulary sizes of models sharing a tokenizer differ only by embedding padding (e.g. 151936 vs 152064).
@@ -28,7 +28,7 @@ _OWN_ATTENTION_MASKS = {
 
 def check_model_supported(model, role: str = "model") -> None:
     """Raises `UnsupportedModelError` unless `model` is a decoder-only LM whose KV cache (and recurrent state) we can
-    roll back per row: paged, for models on transformers' attention interface, else masked (`dense_runner.py`)."""
+    roll back per row: paged, for models on transformers' attention interface, else masked (`dense.py`)."""
 
     config = model.config
     name = type(model).__name__
@@ -182,9 +182,9 @@ def exact_context(model) -> tuple[int | None, str | None]:
     LongRoPE (Phi-3's 128k models, Phi-3.5-mini, Phi-4-mini) rotates with its long factors once a sequence passes
     `original_max_position_embeddings`, and transformers picks the factors for a whole forward. hf_specdec picks them
     per token as plain decoding does, and recomputes a sequence crossing that length where the model's `generate` does
-    (`rope.py`), for models whose rotary modules are transformers' kind on the paged cache (without recurrent layers,
-    where a recompute is needed). Elsewhere it serves them up to that length, below which every forward takes the
-    short factors."""
+    (`cache/rope.py`), for models whose rotary modules are transformers' kind on the paged cache (without recurrent
+    layers, where a recompute is needed). Elsewhere it serves them up to that length, below which every forward takes
+    the short factors."""
 
     config = model.config.get_text_config()
     limit = getattr(config, "max_position_embeddings", None)

@@ -59,7 +59,7 @@ class ServingEngine:
         max_batch_size (`int`): requests running at once; the rest wait in the queue.
         max_queue (`int`): requests waiting at most; beyond that `submit` raises `QueueFullError`.
         max_model_len (`int`, *optional*): prompt + max_tokens limit (default: the model's context, or less where
-            speculative decoding is exact only up to less, `compat.exact_context`; at most what one request can hold
+            speculative decoding is exact only up to less, `support.exact_context`; at most what one request can hold
             under `max_num_blocks`).
         schedule (`str`): `"adaptive"` or `"constant"` k.
         max_num_blocks (`int`, *optional*): cap on the target's KV pool (default: enough for every running request's
@@ -75,7 +75,7 @@ class ServingEngine:
             hidden states there, for a speculator that reads them) kept after their requests end, in a store of their
             own: a request whose prompt starts with a stored prefix (whole KV blocks: a shared system prompt, a
             document asked about again) copies it into its blocks and feeds only the rest
-            (`prefix_cache.PrefixCache`). The least recently used blocks go when it is full. Default: 8192 where the
+            (`prefix.PrefixCache`). The least recently used blocks go when it is full. Default: 8192 where the
             target runs on the paged cache, else none; 0: none. Refused for targets outside the paged cache (models
             with recurrent layers or outside the attention interface).
         warmup (`bool`, *optional*): before serving, run a few synthetic requests through the engine (greedy and

@@ -11,8 +11,8 @@ from ..metrics import SpeculativeMetrics, logger
 
 def warm_up(engine, short: bool = False) -> None:
     """Runs synthetic requests through the real step of `engine` (a `ServingEngine` not serving yet), so that every
-    variant of the Triton kernels a request can launch is compiled now (`kernels/variants.py` lists what makes a
-    variant): four groups, one per combination of top-k and top-p that a sampled batch can need (the sampling
+    variant of the Triton kernels a request can launch is compiled now (`hf_specdec/kernels/variants.py` lists what
+    makes a variant): four groups, one per combination of top-k and top-p that a sampled batch can need (the sampling
     kernel's variants), alternately seeded and not (seeded rows sample by position, `verify.sample_by_position`),
     each of greedy and sampled rows whose prompts differ in length (a packed prefill) and that join a running batch
     (its first row, which emits k + 4 tokens), where row j > 0 may emit j + 2 tokens (every draft count up to k

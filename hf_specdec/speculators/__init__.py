@@ -1,4 +1,4 @@
-"""Speculators: what proposes draft tokens. Each implements `base.Speculator`."""
+"""Speculators: what proposes draft tokens. Each implements `Speculator` (`hf_specdec/decode/speculator.py`)."""
 
 from ..decode.speculator import Speculator
 from .draft_model import DraftModelSpeculator

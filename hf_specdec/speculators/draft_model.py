@@ -1,5 +1,5 @@
 """A smaller causal LM proposes drafts autoregressively, with its own KV cache (paged, or masked for models outside
-transformers' attention interface: `dense_runner.make_runner`)."""
+transformers' attention interface: `runners.dense.make_runner`)."""
 
 from __future__ import annotations
 

@@ -357,7 +357,8 @@ class _PendingStates:
     """The target's states the head has not read yet, per row, kept as the steps delivered them (views of each step's
     `TargetHiddenStates`) and put together, right-aligned, only when the head reads them (`take`). Re-padding the
     whole pile at every step instead, to the widest row's (a newcomer's prompt), took about 13 ms of a 180 ms step at
-    20 rows while drafting was off (docs/benchmarks.md)."""
+    20 rows while drafting was off (docs/log/2026-11-28-benchmarks-history.md, "EAGLE's head while drafting is off
+    (issue 25)")."""
 
     def __init__(self):
         self._start: dict[int, int] = {}  # row -> position of its first state held

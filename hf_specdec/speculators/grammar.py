@@ -9,7 +9,8 @@ from ..decode.speculator import Speculator
 class GrammarSpeculator(Speculator):
     """Drafts nothing itself. With `grammar=` (or `prefix_allowed_tokens_fn=`), every run of positions where the
     constraint allows exactly one token (`{"name": "`, closing brackets, ...) is drafted and verified in one forward
-    (see `constraints.py`), so constrained output needs fewer target forwards than plain constrained decoding."""
+    (see `structured/constraints.py`), so constrained output needs fewer target forwards than plain constrained
+    decoding."""
 
     drafts_are_free = True
     needs_constraint = True

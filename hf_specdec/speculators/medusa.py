@@ -7,7 +7,7 @@ ahead" from it predicts the token at L + i, i.e. draft i + 1. The heads keep no 
 
 Medusa (FasterDecoding/Medusa): head i is `num_layers` residual blocks `x + SiLU(linear(x))` and its own LM head;
 heads are independent of the drafted tokens, so a step of k drafts runs heads 0 .. k - 1 on the same state. Our
-format (tensors, config) is written by `hf_specdec.convert_head` and read in `hf_specdec/head_convert.py`.
+format (tensors, config) is written by `hf_specdec.convert_head` and read in `hf_specdec/speculators/head_format.py`.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ with `state_weight = 0.5 ** (0.5 / n_predict)`, `emb_weight = sqrt(1 - state_wei
 normalisation (no mean subtraction, eps 1e-6) followed by an elementwise scale and shift. With `scale_input` the
 target's state is first normalised (no affine) and divided by sqrt(2). With `tie_weights` every stage shares one
 embedding, one LM head and one norm, and stages 1 .. n - 1 share one projection (stage 0's reads the target's
-width, so it stays separate). The format is read and written in `hf_specdec/head_convert.py`.
+width, so it stays separate). The format is written by `convert_head.py` and read in `head_format.py`.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ class NgramSpeculator(Speculator):
 
     The match length is the proposal's confidence class: a row copying a passage matches many tokens and its drafts
     are usually accepted, a two-token coincidence rarely is. Adaptive k keeps acceptance per class and verifies
-    only as many drafts as pay off (`adaptive.py`), so drafting is free and proposals are made before k is chosen.
+    only as many drafts as pay off (`costs/adaptive.py`), so drafting is free and proposals are made before k is chosen.
 
     Args:
         min_ngram (`int`): shortest matched context that proposes.

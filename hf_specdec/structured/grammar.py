@@ -61,9 +61,9 @@ class Grammar:
         whitespace. `any_whitespace=True` allows any JSON whitespace between tokens instead.
 
         Raises `GrammarError` for a schema with a constraint xgrammar would not enforce (`uniqueItems`, `not`,
-        `if`/`then`, `contains`, a `pattern` beside a `format`, ...: `schema_support.unenforced`), naming it. An
+        `if`/`then`, `contains`, a `pattern` beside a `format`, ...: `schema.unenforced`), naming it. An
         `enum` or `const` with constraints beside it (which xgrammar drops) is narrowed to the values meeting them
-        (`schema_support.narrow_enums`), and refused where none does."""
+        (`schema.narrow_enums`), and refused where none does."""
         if hasattr(schema, "model_json_schema"):  # a pydantic model class
             schema = schema.model_json_schema()
         if isinstance(schema, str):

@@ -32,7 +32,7 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 
 # Integers that change with the batch (its query count, its block tables' width, a tree's size) are not specialized
 # on (Triton compiles a variant per argument equal to 1 or a multiple of 16): a server would otherwise compile new
-# variants inside clients' requests whenever a batch first took such a shape (kernels/variants.py).
+# variants inside clients' requests whenever a batch first took such a shape (hf_specdec/kernels/variants.py).
 @triton.jit(do_not_specialize=["stride_tables_b", "stride_positions_b", "stride_slots_b", "stride_region_mask_b",
                                "stride_region_mask_q", "stride_region_positions_b", "region_len", "num_queries",
                                "sliding_window"])
