@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import statistics
 import sys
 import time
+from dataclasses import asdict
 
 import torch
 
@@ -24,6 +26,8 @@ from .speculators.convert_head import convert_head
 from .speculators.resolve import resolve_speculator
 from .tools.bench import environment, run_bench, save, table
 from .tools.serve_bench import add_arguments as add_serve_bench_arguments
+from .tools.shape_bench import run_shape_bench, shape_table
+from .tools.shapes import SHAPES
 from .tools.speculator_args import (
     grammar_from_args,
     quantizations_for,
@@ -187,6 +191,8 @@ def cmd_bench(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.shape:
+        return _bench_shape(args)
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=args.device)
     speculators = {}
     for name in args.speculators.split(","):
@@ -206,10 +212,26 @@ def cmd_bench(args) -> int:
                         schedule=args.schedule, assisted=not args.no_assisted, trees=trees,
                         tree_depth=args.tree_depth, uncalibrated=args.compare_calibration,
                         padded=args.compare_layout,
-                        on_group=lambda so_far: save(so_far, args.out, None, {**meta, "partial": True}))
+                        on_group=lambda so_far: save(so_far, args.out, None, {**meta, "partial": True}),
+                        static=True if args.static_baseline else None)
     save(results, args.out, args.plot, meta)
     print(table(results))
     print(f"\nwrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
+    return 0
+
+
+def _bench_shape(args) -> int:
+    """`bench --shape NAME`: a random-init model of a published shape, synthetic drafts at set acceptance lengths."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    results = run_shape_bench(args.shape, device, parse_dtype(args.dtype) or torch.bfloat16,
+                              [int(b) for b in args.batch_sizes.split(",")],
+                              [float(x) for x in args.acceptance_lengths.split(",")], args.k,
+                              max_new_tokens=args.max_new_tokens, repeats=args.repeats)
+    meta = {"shape": args.shape, "command": "hf-specdec bench " + " ".join(sys.argv[2:]), **environment()}
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=2)
+    print(shape_table(results))
+    print(f"\nwrote {args.out}")
     return 0
 
 
@@ -312,6 +334,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "shipped for --model), EAGLE head directories, 'ngram+eagle' or 'ngram+HEAD_DIR' (lookup where "
                        "the text repeats, the head elsewhere) and/or draft models")
     bench.add_argument("--batch-sizes", default="1,4,16")
+    bench.add_argument("--shape", default=None, choices=sorted(SHAPES), help="instead of --model: a random-init "
+                       "model of this published shape on --device (bfloat16 unless --dtype), synthetic drafts at "
+                       "--acceptance-lengths with -k drafts (free, and priced by the shape's draft model), against "
+                       "plain generate eager and with its static cache")
+    bench.add_argument("--acceptance-lengths", default="2,3,4", help="with --shape: mean acceptance lengths")
+    bench.add_argument("--static-baseline", action="store_true", help="also time plain generate with a static cache "
+                       "(always on CUDA, where transformers compiles it)")
     bench.add_argument("--workloads", default="grounded,open_chat", help="comma-separated: grounded, open_chat, json "
                        "(extraction under a JSON schema per request; plain generate runs with xgrammar's processor)")
     bench.add_argument("--max-new-tokens", type=int, default=128)

@@ -123,3 +123,21 @@ def test_a_decode_outweighed_by_noise_is_not_reported(monkeypatch, capsys):
     assert "TPOT not reported" in capsys.readouterr().out
     assert "| grounded | 1 | plain generate |" in bench.table(results)
     assert bench.table(results).splitlines()[-1].split(" | ")[7] == "-"  # TPOT
+
+
+def test_bench_reports_speedups_over_the_engine_and_the_static_cache():
+    """Every run has "hf_specdec off" (the engine without drafts) and, asked for (default on CUDA), transformers'
+    static-cache `generate`; each row's speedup over both, and each configuration's first call timed apart."""
+    from hf_specdec.tools.bench import OFF, STATIC, run_bench
+
+    model, tokenizer = make_model("llama", dtype=torch.float32), make_tokenizer()
+    results = run_bench(model, tokenizer, {"ngram": "ngram"}, batch_sizes=(2,), workloads=("grounded",),
+                        max_new_tokens=6, repeats=2, progress=False, assisted=False, static=True)
+    by_config = {r.config: r for r in results}
+    assert list(by_config) == ["plain generate", STATIC, OFF, "hf_specdec ngram"]
+    assert all(r.identical for r in results)
+    assert by_config[OFF].speedup_over_off == 1.0 and by_config[STATIC].speedup_over_static == 1.0
+    ngram = by_config["hf_specdec ngram"]
+    assert ngram.speedup_over_off > 0 and ngram.speedup_over_static > 0
+    assert all(r.first_call_s > 0 and r.second_call_s > 0 for r in results)
+    assert by_config[OFF].first_measure_s is not None and by_config["plain generate"].first_measure_s is None

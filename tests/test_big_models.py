@@ -199,6 +199,7 @@ def test_linear_form_is_measured_for_a_model_all_on_disk(saved, tmp_path):
 CASES = ["greedy ngram", "greedy draft", "sampled ngram", "sampled draft", "greedy eagle", "sampled eagle"]
 
 
+@pytest.mark.slow  # two processes under torchrun
 def test_tensor_parallel_ranks_agree_and_equal_one_process(saved, tmp_path):
     from test_eagle import convert, make_target
 

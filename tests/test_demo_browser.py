@@ -23,6 +23,8 @@ import torch
 
 from conftest import make_model, make_tokenizer, word_prompt
 
+pytestmark = pytest.mark.slow  # a real browser
+
 CHROMIUM = os.environ.get("HF_SPECDEC_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]

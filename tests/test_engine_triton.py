@@ -20,6 +20,8 @@ import hf_specdec.kernels.rejection_sample.triton_kernel as rejection_kernel  # 
 import hf_specdec.kernels.sampling.triton_kernel as sampling_kernel  # noqa: E402
 from hf_specdec.kernels._backend import ENV_VAR
 
+pytestmark = pytest.mark.slow  # whole calls on the Triton interpreter
+
 MAX_NEW = 12
 
 

@@ -23,6 +23,7 @@ import gpu_check_stages  # noqa: E402
 from gpu_check_stages import Context, StageError, judge_tests, junit_counts, step_cost_literal  # noqa: E402
 
 
+@pytest.mark.slow  # every stage of the GPU check
 def test_dry_run_runs_every_stage_and_writes_the_report(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--dry-run", "--out", str(out),

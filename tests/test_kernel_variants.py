@@ -97,6 +97,7 @@ def _speculator(name: str, model, tmp_path):
     return name
 
 
+@pytest.mark.slow  # whole warm-ups on the Triton interpreter
 @pytest.mark.parametrize("speculator", ["ngram", "draft", "eagle"])
 def test_warm_up_launches_every_variant_later_requests_need(speculator, tmp_path, monkeypatch):
     """Requests after the warm-up (greedy and sampled with every mix of top-k and top-p, seeded and not, prompts of

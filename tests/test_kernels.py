@@ -178,6 +178,7 @@ def tv(samples: torch.Tensor, probs: torch.Tensor) -> float:
     return 0.5 * (counts / counts.sum() - probs.double()).abs().sum().item()
 
 
+@pytest.mark.slow  # many interpreted draws
 def test_kernel_philox_draws_follow_the_recovered_and_bonus_distributions():
     """The kernel's own Exp(1) noise (Philox, per-row seeds): recovered tokens follow the residual, bonus tokens the
     target. 600 rows per case; the expected TV noise for 5 outcomes is about 0.03, the bound 0.08, and the wrong

@@ -15,6 +15,8 @@ import transformers
 import model_sweep
 from model_sweep import FAILURES, LOSSLESS, OTHER_REFERENCE, REFERENCE_DIFFERS, REFUSED, UNBUILDABLE
 
+pytestmark = pytest.mark.slow  # every architecture transformers can build
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

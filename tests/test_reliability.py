@@ -86,6 +86,7 @@ def _runners_spy(monkeypatch):
     return runners
 
 
+@pytest.mark.slow  # a soak
 def test_soak_random_calls_stay_lossless_and_return_every_block(monkeypatch):
     """Random batch sizes, k, speculators and sampling settings; HF_SPECDEC_SOAK=N runs N calls (default 150)."""
     calls = int(os.environ.get("HF_SPECDEC_SOAK", "150"))

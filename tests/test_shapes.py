@@ -37,3 +37,19 @@ def test_a_shrunk_shape_decodes_exactly_with_synthetic_drafts():
     assert torch.equal(out, reference)
     with pytest.raises(ValueError, match="unknown shape"):
         build_shape("llama-9", device="meta")
+
+
+def test_the_shape_bench_reports_every_configuration_and_exact_output():
+    from hf_specdec.tools.shape_bench import run_shape_bench, shape_table
+
+    small = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512)
+    results = run_shape_bench("llama-3.1-8b", "cpu", torch.float32, batch_sizes=(2,), lengths=(3.0,), k=4,
+                              prompt_tokens=8, max_new_tokens=12, repeats=1, static=True, **small)
+    configs = [r.config for r in results]
+    assert configs == ["plain generate", "plain generate, static cache", "hf_specdec off",
+                       "hf_specdec L=3 k=4, free drafts", "hf_specdec L=3 k=4, llama-3.2-1b draft"]
+    assert all(r.identical for r in results if r.identical is not None)
+    for r in results[3:]:
+        assert r.mean_acceptance_length > 1.5 and r.ideal_speedup > 0 and r.fraction_of_ideal > 0
+    assert "of ideal" in shape_table(results)

@@ -9,6 +9,8 @@ alike (each repeat starting one configuration later), and medians are reported. 
   most pairs); `speedup_of_medians` in the JSON is the ratio of the two medians.
 - vs off: the same paired ratio against "hf_specdec off" (`speculator="off"`: hf_specdec's engine with no drafts),
   which every run includes: speedup = the engine's gain (off over plain generate) x speculation's own gain (vs off).
+- vs static: the same paired ratio against plain `generate(cache_implementation="static")`, transformers' fastest
+  plain path on CUDA (it compiles its decode step), run by default on CUDA (`--static-baseline` elsewhere).
 - first call: each configuration's first call on the first prompt group, timed apart before the repeats (with an
   empty cache it includes measuring this host, `measure s`), against the second call on the same group.
 - tokens/s: new tokens of the batch / end-to-end latency.
@@ -37,8 +39,8 @@ import torch
 from ..decode.speculator import Speculator
 from ..extraction import PROMPTS as EXTRACTION_PROMPTS
 from ..extraction import SCHEMAS as EXTRACTION_SCHEMAS
-from ..workloads import GROUNDED, OPEN_CHAT, chat_inputs
 from ..structured.grammar import Grammar
+from ..workloads import GROUNDED, OPEN_CHAT, chat_inputs
 
 WORKLOADS = {"grounded": list(GROUNDED.values()), "open_chat": list(OPEN_CHAT.values()), "json": EXTRACTION_PROMPTS}
 # The json workload: each row constrained by its request's schema. Its baseline is plain generate with xgrammar's
@@ -46,6 +48,7 @@ WORKLOADS = {"grounded": list(GROUNDED.values()), "open_chat": list(OPEN_CHAT.va
 CONSTRAINED = {"json": EXTRACTION_SCHEMAS}
 TTFT_CALLS = 3  # one-token calls per group and repeat; their fastest is the TTFT sample
 OFF = "hf_specdec off"  # the engine without drafts: what every speculator's own gain is measured against
+STATIC = "plain generate, static cache"  # transformers' own compiled decode on CUDA
 
 
 @dataclass
@@ -78,6 +81,7 @@ class Result:
     draft_to_target: float | None = None
     speedup_of_medians: float | None = None  # median plain latency / median latency (the speedup before pairing)
     speedup_over_off: float | None = None  # paired, against "hf_specdec off" (speculation's own gain)
+    speedup_over_static: float | None = None  # paired, against plain generate with a static cache (where it ran)
     first_call_s: float | None = None  # the configuration's first call on the first group, before any repeat
     second_call_s: float | None = None  # the call right after it, on the same group
     first_measure_s: float | None = None  # of the first call: measuring this host's costs (an empty cache)
@@ -85,8 +89,11 @@ class Result:
 
 def build_configs(model, speculators: dict, k: int, draft_costs: dict, schedule: str = "adaptive",
                   assisted: bool = True, trees: tuple = (), tree_depth: int = 5,
-                  uncalibrated: bool = False, padded: bool = False) -> list[Config]:
-    configs = [Config("plain generate"), Config(OFF, dict(speculator="off"))]
+                  uncalibrated: bool = False, padded: bool = False, static: bool = False) -> list[Config]:
+    configs = [Config("plain generate")]
+    if static:  # transformers' fastest plain path on CUDA: a static cache, and generate compiles itself
+        configs.append(Config(STATIC, dict(cache_implementation="static")))
+    configs.append(Config(OFF, dict(speculator="off")))
     if assisted:
         configs.append(Config("transformers prompt lookup", dict(prompt_lookup_num_tokens=k), batch_one_only=True))
         for name, spec in speculators.items():
@@ -116,12 +123,13 @@ def run_bench(model, tokenizer, speculators: dict, batch_sizes=(1, 4, 16), workl
               max_new_tokens: int = 128, k: int = 10, repeats: int = 3, progress: bool = True,
               schedule: str = "adaptive", assisted: bool = True, trees: tuple = (),
               tree_depth: int = 5, uncalibrated: bool = False, padded: bool = False,
-              on_group=None) -> list[Result]:
+              on_group=None, static: bool | None = None) -> list[Result]:
     """Runs every configuration; returns one `Result` per (workload, batch size, configuration).
 
     `schedule` is hf_specdec's `speculative_schedule`; `assisted=False` leaves out transformers' own speculation.
     `trees`: `(nodes, branching)` draft-tree shapes, each also run, `tree_depth` deep, by every speculator that
-    drafts trees. `uncalibrated=True` also runs each hf_specdec configuration with `speculative_calibration=False`,
+    drafts trees. `static` (default: on CUDA) adds transformers' `generate` with a static cache (which it compiles on
+    CUDA), and every speedup over it. `uncalibrated=True` also runs each hf_specdec configuration with `speculative_calibration=False`,
     `padded=True` with every step padded to its widest row (`HF_SPECDEC_PACKED=0`). `on_group(results)` is called
     with the results so far after each (workload, batch size) (the CLI saves them, so a run stopped part-way keeps
     what it measured).
@@ -132,8 +140,9 @@ def run_bench(model, tokenizer, speculators: dict, batch_sizes=(1, 4, 16), workl
         n: s.relative_cost(model) if isinstance(s, Speculator) else s.num_parameters() / model.num_parameters()
         for n, s in speculators.items() if not isinstance(s, str)
     }
+    static = model.device.type == "cuda" if static is None else static
     configs = build_configs(model, speculators, k, draft_costs, schedule, assisted, trees, tree_depth, uncalibrated,
-                            padded)
+                            padded, static)
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
         raise ValueError(f"unknown workloads {unknown}; choose from {sorted(WORKLOADS)}")
@@ -223,7 +232,7 @@ def _measure(model, groups, configs, workload, batch_size, max_new_tokens, repea
     references = [out.sequences for out in outputs[configs[0].name]]
     base_latency = statistics.median(latencies[configs[0].name])
     base = latencies[configs[0].name]
-    off = latencies.get(OFF)
+    off, static = latencies.get(OFF), latencies.get(STATIC)
     results = []
     for config in configs:
         outs = outputs[config.name]
@@ -247,6 +256,8 @@ def _measure(model, groups, configs, workload, batch_size, max_new_tokens, repea
                         speedup_of_medians=base_latency / latency)
         if off is not None:
             result.speedup_over_off = statistics.median(o / t for o, t in zip(off, latencies[config.name]))
+        if static is not None:
+            result.speedup_over_static = statistics.median(s / t for s, t in zip(static, latencies[config.name]))
         result.first_call_s, result.second_call_s, result.first_measure_s = first[config.name]
         metrics = [getattr(out, "speculative_metrics", None) for out in outs]
         if metrics[0] is not None:
@@ -322,7 +333,7 @@ def table(results: list[Result]) -> str:
 
     lines = ["| workload | batch | configuration | tokens/s | speedup | vs off | TTFT s | TPOT ms | acceptance "
              "| mean acc. len | draft ms/token | draft/target | ideal | of ideal | first call s | second call s "
-             "| measure s | identical |", "|" + " --- |" * 18]
+             "| measure s | vs static | identical |", "|" + " --- |" * 19]
     for r in results:
         lines.append(f"| {r.workload} | {r.batch_size} | {r.config} | {r.tokens_per_s:.1f} | {r.speedup:.2f}x | "
                      f"{fmt(r.speedup_over_off, '.2f')}{'x' if r.speedup_over_off is not None else ''} | "
@@ -331,5 +342,6 @@ def table(results: list[Result]) -> str:
                      f"{fmt(r.draft_to_target, '.2f')} | {fmt(r.ideal_speedup, '.2f')} | "
                      f"{fmt(r.fraction_of_ideal, '.0%')} | {fmt(r.first_call_s, '.2f')} | "
                      f"{fmt(r.second_call_s, '.2f')} | {fmt(r.first_measure_s, '.2f')} | "
+                     f"{fmt(r.speedup_over_static, '.2f')} | "
                      f"{'yes' if r.identical else 'no'} |")
     return "\n".join(lines)

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..workloads import GROUNDED, OPEN_CHAT, chat_inputs
 from ..models import load_model, parse_dtype
+from ..workloads import GROUNDED, OPEN_CHAT, chat_inputs
 
 LENGTHS = (16, 48, 96, 160)  # max_tokens of the requests, cycled: short and long answers mixed
 TRANSFORMERS = "transformers continuous batching"
