@@ -9,6 +9,10 @@ Stages, in order (each fails loudly: the run exits non-zero and names every fail
   train      a short `hf-specdec train-eagle` (its accelerate path), reporting steps/s
   bench      `hf-specdec bench --device cuda --dtype bfloat16` at batch 1, 4, 16, 64: n-gram, the shipped head, an FP8
              and an int8 draft: speedup, acceptance, identical output
+  shape_1b   `hf-specdec bench --shape llama-3.2-1b`: random-init Llama-3.2-1B, synthetic drafts at L = 2, 3, 4 (k = 4),
+             batch 1, 8, 32, against plain generate eager and static-cache (compiled); fraction of the ideal speedup
+  shape_8b   the same for Llama-3.1-8B, its drafts free and priced by a Llama-3.2-1B-shaped draft model
+             (each shape stage is one device call: `--stages shape_1b`, then `--stages shape_8b`)
 
 Usage (docs/benchmarks.md, "Running the GPU check" under "GPU runs", says how to run it through the device tool):
   python benchmarks/gpu_check.py --pack                       # where PyPI is reachable: the offline GPU machine's bundle
@@ -35,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_check_bundle import BUNDLE_DIR, SERVE_PACKED, SERVE_PART_BYTES, install, pack, receive  # noqa: E402
 
-STAGE_NAMES = ("install", "tests", "kernels", "step_cost", "train", "bench")
+STAGE_NAMES = ("install", "tests", "kernels", "step_cost", "train", "bench", "shape_1b", "shape_8b")
 # Seconds per stage, caps rather than plans: the first run (H200, 2026-11-26, results/gpu_h200) took install 39, tests
 # 65, kernels 14, step_cost 29, train 25 and bench 189 for n-gram and the head alone, 372 s in all; the second ran
 # past 50 s in install (a cold import probe) and 80 s in tests on a fresh machine, 75 s warm. A stage past its budget
@@ -43,7 +47,8 @@ STAGE_NAMES = ("install", "tests", "kernels", "step_cost", "train", "bench")
 # at its 10 minutes still returns the stages before. `--stages` reruns any subset. The fifth run (H200, 2026-11-27)
 # found a slower host: step_cost past 40 s and bench 42 of its 52 calls in 320 s; so both have more, and the stages
 # no longer fit one call: `--stages install,tests,kernels,step_cost`, then `--stages bench` on the warm machine.
-BUDGET_S = {"install": 120, "tests": 180, "kernels": 25, "step_cost": 75, "train": 35, "bench": 480}
+BUDGET_S = {"install": 120, "tests": 180, "kernels": 25, "step_cost": 75, "train": 35, "bench": 480, "shape_1b": 480,
+            "shape_8b": 540}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,6 +203,8 @@ def _stage_lines(name: str, entry: dict) -> list[str]:
     if name == "train":
         return [f"{entry['steps']} steps in {entry['train_seconds']:.1f} s: {entry['steps_per_s']:.2f} steps/s "
                 f"(accelerate: {entry['accelerate']}); loss {entry['loss_first']:.3f} -> {entry['loss_last']:.3f}"]
+    if name.startswith("shape_"):
+        return entry["table"].splitlines()
     lines = ["| run | workload | batch | configuration | speedup | acceptance | identical |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for run, rows in entry["runs"].items():

@@ -272,6 +272,30 @@ def run_bench(ctx: Context) -> dict:
                               for r in rows if r["identical"] is False]}
 
 
+# A shape shrunk to a few layers and widths for the dry run: the same code path on the CPU in seconds.
+DRY_SHAPE = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512)
+
+
+def run_shape(name: str):
+    """A stage: `hf-specdec bench --shape NAME` on the GPU in bfloat16, batch 1, 8 and 32, synthetic drafts at mean
+    acceptance lengths 2, 3 and 4 with k = 4 (free, and priced by the shape's draft model), against plain `generate`
+    eager and with its static cache (compiled by transformers on CUDA). A dry run shrinks the shape."""
+    def stage(ctx: Context) -> dict:
+        from dataclasses import asdict
+
+        from hf_specdec.tools.shape_bench import run_shape_bench, shape_table
+
+        if ctx.dry_run:
+            results = run_shape_bench(name, "cpu", torch.float32, batch_sizes=(2,), lengths=(3.0,), k=4,
+                                      prompt_tokens=8, max_new_tokens=8, repeats=1, static=True, **DRY_SHAPE)
+        else:
+            results = run_shape_bench(name, "cuda", torch.bfloat16, batch_sizes=(1, 8, 32), lengths=(2.0, 3.0, 4.0),
+                                      k=4, max_new_tokens=128, repeats=3)
+        return {"rows": [asdict(r) for r in results], "table": shape_table(results)}
+    return stage
+
+
 def bench_rows(path: Path) -> list[dict]:
     import json
 
@@ -342,4 +366,4 @@ def _tiny_tokenizer():
 
 
 STAGES = {"tests": run_tests, "kernels": run_kernels, "step_cost": run_step_cost, "train": run_train,
-          "bench": run_bench}
+          "bench": run_bench, "shape_1b": run_shape("llama-3.2-1b"), "shape_8b": run_shape("llama-3.1-8b")}

@@ -57,6 +57,10 @@ def test_dry_run_runs_every_stage_and_writes_the_report(tmp_path):
     assert all(row["identical"] for rows in runs.values() for row in rows)
     markdown = (out / "gpu_check.md").read_text()
     assert all(f"## {name}" in markdown for name in gpu_check.STAGE_NAMES) and "FAILED" not in markdown
+    for name in ("shape_1b", "shape_8b"):  # the shapes shrunk: every configuration, exact, priced against the ideal
+        rows = stages[name]["rows"]
+        assert [r["config"] for r in rows][:3] == ["plain generate", "plain generate, static cache", "hf_specdec off"]
+        assert all(r["fraction_of_ideal"] > 0 for r in rows[3:]) and all(r["identical"] is not False for r in rows)
 
 
 def test_a_failing_stage_is_named_and_the_run_exits_nonzero(tmp_path, capsys):

@@ -42,7 +42,10 @@ def shape_config(name: str, **overrides):
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}")
     config_class, sizes = SHAPES[name]
-    return config_class(**{**sizes, **overrides})
+    sizes = {**sizes, **overrides}
+    if sizes["eos_token_id"] >= sizes["vocab_size"]:  # a vocabulary shrunk for a test: special tokens inside it
+        sizes.update(bos_token_id=sizes["vocab_size"] - 2, eos_token_id=sizes["vocab_size"] - 1)
+    return config_class(**sizes)
 
 def build_shape(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                 **overrides):
