@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-from ..types import DraftProposal, SequenceBatch
-from ..decode.speculator import Speculator
+from .off import NoDraftSpeculator
 
 
-class GrammarSpeculator(Speculator):
+class GrammarSpeculator(NoDraftSpeculator):
     """Drafts nothing itself. With `grammar=` (or `prefix_allowed_tokens_fn=`), every run of positions where the
     constraint allows exactly one token (`{"name": "`, closing brackets, ...) is drafted and verified in one forward
     (see `structured/constraints.py`), so constrained output needs fewer target forwards than plain constrained
-    decoding."""
+    decoding; adaptive k weighs those drafts like any speculator's."""
 
-    drafts_are_free = True
+    proposes_drafts = True
     needs_constraint = True
 
     def __repr__(self) -> str:
         return "GrammarSpeculator()"
-
-    def propose(self, batch: SequenceBatch, k: int) -> DraftProposal:
-        return DraftProposal.empty(len(batch.active), batch.device)

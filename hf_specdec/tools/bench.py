@@ -326,11 +326,13 @@ def plot(results: list[Result], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def fmt(value, spec: str) -> str:
+    """`value` formatted by `spec`, or "-" where it was not measured."""
+    return "-" if value is None else format(value, spec)
+
+
 def table(results: list[Result]) -> str:
     """A markdown table of the results."""
-    def fmt(v, spec):
-        return "-" if v is None else format(v, spec)
-
     lines = ["| workload | batch | configuration | tokens/s | speedup | vs off | TTFT s | TPOT ms | acceptance "
              "| mean acc. len | draft ms/token | draft/target | ideal | of ideal | first call s | second call s "
              "| measure s | vs static | identical |", "|" + " --- |" * 19]

@@ -20,6 +20,7 @@ import torch
 from ..decode.speculator import Speculator
 from ..speculators.draft_model import DraftModelSpeculator
 from ..types import SequenceBatch
+from .bench import fmt
 from .shapes import DRAFTS, build_shape
 from .synthetic import SyntheticSpeculator, acceptance_for_length
 
@@ -149,9 +150,6 @@ def run_shape_bench(name: str, device: str = "cuda", dtype: torch.dtype = torch.
 
 def shape_table(results: list[ShapeResult]) -> str:
     """A markdown table of the results."""
-    def fmt(value, spec):
-        return "-" if value is None else format(value, spec)
-
     lines = ["| shape | batch | configuration | tokens/s | vs eager | vs static | vs off | mean acc. len | ideal "
              "| of ideal | identical |", "|" + " --- |" * 11]
     for r in results:
