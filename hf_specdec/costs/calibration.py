@@ -93,9 +93,9 @@ def ensure_profile(model, speculator=None, use_profile: bool = True) -> Profile 
     so every call, the first included, runs with one profile fixed before it starts. A model speculator's draft cost
     is measured too where the cache lacks it. Nothing is measured with `use_profile=False`
     (`generate(speculative_calibration=False)`) or `HF_SPECDEC_CALIBRATION=off`, for a model offloaded to disk or
-    the CPU (its forwards stream weights: the flat static default fits), or within `UNSTEADY_RETRY_S` of finding
-    this host's timing unsteady; with `HF_SPECDEC_CALIBRATION=cached` only a cached profile is used. One INFO line
-    says what was measured and where it is cached."""
+    the CPU (its forwards stream weights: the flat static default fits), on a rank of a tensor-parallel run, or
+    within `UNSTEADY_RETRY_S` of finding this host's timing unsteady; with `HF_SPECDEC_CALIBRATION=cached` only a
+    cached profile is used. One INFO line says what was measured and where it is cached."""
     if not (use_profile and enabled()):
         return None
     profile = load_profile(model)
@@ -103,7 +103,7 @@ def ensure_profile(model, speculator=None, use_profile: bool = True) -> Profile 
         return profile
     missing_draft = (speculator is not None and speculator_key(speculator) is not None
                      and (profile is None or speculator_key(speculator) not in profile.draft_costs))
-    if (profile is not None and not missing_draft) or offloaded(model) or not measures_first_call():
+    if (profile is not None and not missing_draft) or offloaded(model) or not measures_first_call() or _sharded():
         return profile
     start = time.perf_counter()
     measured = calibrate(model, [speculator] if missing_draft else [], retry=False, **FIRST_CALL_GRID)
@@ -207,6 +207,13 @@ def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] 
                           attempts, retry)
     finally:
         _measuring.active = outer
+
+
+def _sharded() -> bool:
+    """Whether this process is one rank of several (tensor parallelism): ranks timing on their own could choose
+    different retries and fall out of step in their collectives, so they measure nothing on a first call."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
+        torch.distributed.get_world_size() > 1
 
 
 _measuring = threading.local()  # set while `calibrate` runs: the generate calls timing drafts measure nothing
