@@ -81,9 +81,12 @@ def measures_first_call() -> bool:
 
 # What a call uses -------------------------------------------------------------------------------------------------
 # What the first call on a new host, model, dtype and thread count measures before its first step: every linear weight
-# shape over a few row counts in each form, and a few target forwards. About 2-5 s for a 135M model on 2 cores.
-FIRST_CALL_GRID = dict(rows=(1, 4), tokens=(1, 2, 4, 8), contexts=(64,), repeats=3,
-                       linear_rows=(1, 2, 3, 4, 6, 8, 12, 16, 32), attempts=1)
+# shape over a few row counts in each form, and target forwards of 1 and 4 rows (wider batches are priced by the
+# fitted curve's extrapolation, which runs above what 16 rows measured on the development host: drafting there errs
+# towards less). Five repeats: with three, one slow repeat rejected the step cost on a quiet host. 4.4-5.1 s for
+# SmolLM2-135M on 2 cores (docs/benchmarks.md).
+FIRST_CALL_GRID = dict(rows=(1, 4), tokens=(1, 2, 4), contexts=(64,), repeats=5, linear_rows=(1, 2, 4, 8, 16),
+                       attempts=1, draft_tokens=12)
 
 
 def ensure_profile(model, speculator=None, use_profile: bool = True) -> Profile | None:
@@ -192,7 +195,8 @@ def _distrust(what: str, problem: str, fallback: str) -> None:
 def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] = (1, 4, 16),
               tokens: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12), contexts: tuple[int, ...] = (64, 256),
               repeats: int = 5, linear_rows: tuple[int, ...] = LINEAR_ROWS, progress=None,
-              timer: Timer | None = None, attempts: int = ATTEMPTS, retry: bool = True) -> Profile | None:
+              timer: Timer | None = None, attempts: int = ATTEMPTS, retry: bool = True,
+              draft_tokens: int = 24) -> Profile | None:
     """Returns `model`'s profile on this host, measuring what the cache lacks (everything with `force`): the small-row
     linear form, the step cost (with that form in use), and each of `speculators`' draft cost. Each is measured as
     `timing.py` says (interleaved, repeated, bounded): a step cost that stays untrustworthy is not cached (None is
@@ -200,11 +204,12 @@ def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] 
     untrustworthy linear timing keeps the stock form. Each fallback is logged at WARNING with its reason. The global
     random state is left as it was. `progress`: a function taking a message, called before each measurement;
     `timer`: what times a forward or a product (`timing.Timer`; tests pass made-up timings). With `retry=False`,
-    what was found unsteady in the last `UNSTEADY_RETRY_S` is not measured again (`force` measures anyway)."""
+    what was found unsteady in the last `UNSTEADY_RETRY_S` is not measured again (`force` measures anyway).
+    `draft_tokens`: the length of the short calls a draft cost is timed over."""
     _measuring.active, outer = True, getattr(_measuring, "active", False)
     try:
         return _calibrate(model, speculators, force, rows, tokens, contexts, repeats, linear_rows, progress, timer,
-                          attempts, retry)
+                          attempts, retry, draft_tokens)
     finally:
         _measuring.active = outer
 
@@ -220,7 +225,7 @@ _measuring = threading.local()  # set while `calibrate` runs: the generate calls
 
 
 def _calibrate(model, speculators, force, rows, tokens, contexts, repeats, linear_rows, progress, timer, attempts,
-               retry) -> Profile | None:
+               retry, draft_tokens) -> Profile | None:
     say = progress or (lambda message: None)
     profile = None if force else load_profile(model)
 
@@ -285,7 +290,8 @@ def _calibrate(model, speculators, force, rows, tokens, contexts, repeats, linea
             if skipped(key, f"{type(spec).__name__}'s drafts"):
                 continue
             say(f"measuring {type(spec).__name__}'s drafts")
-            cost, timings, problem = measure_draft_cost(model, spec, profile.step_cost, attempts=attempts)
+            cost, timings, problem = measure_draft_cost(model, spec, profile.step_cost, attempts=attempts,
+                                                        max_new_tokens=draft_tokens)
             note_unsteady(model, key, problem is not None)
             if problem is not None:
                 _distrust(f"{type(spec).__name__}'s draft cost", problem, "it is priced by its parameter count")
