@@ -148,6 +148,7 @@ def test_kv_pool_cap_refuses_before_corrupting():
         engine.generate(PROMPT, None, max_new_tokens=20, do_sample=False)
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_top_level_kernels_is_not_this_repository(tmp_path):
     """PyPI's `kernels` package exists and transformers probes for it: ours must only be `hf_specdec.kernels`."""
     import subprocess
@@ -191,6 +192,7 @@ def test_draft_in_another_dtype_than_the_target_works():
     assert first.speculative_metrics.num_draft_tokens > 0
 
 
+@pytest.mark.slow  # builds the wheel
 def test_every_module_is_in_the_wheel(tmp_path):
     """A regular (non-editable) install holds every module of the package, the kernels and the shipped head."""
     import subprocess

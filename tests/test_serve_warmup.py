@@ -16,6 +16,7 @@ from conftest import COMMON, make_tokenizer
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_warmup.py"
 
 
+@pytest.mark.slow  # both server configurations
 def test_serve_warmup_runs_both_configurations_on_a_tiny_model(tmp_path):
     torch.manual_seed(0)
     model_dir = tmp_path / "model"

@@ -1733,6 +1733,7 @@ def test_queue_full_gets_503(tokenizer):
         srv.stop()
 
 
+@pytest.mark.slow  # a server process, signalled
 @pytest.mark.parametrize("grace", [1.0, 0.0])
 def test_sigterm_shuts_down_cleanly(tmp_path, grace):
     """A server process: SIGTERM while a request streams ends the stream properly and the process without error,
