@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
