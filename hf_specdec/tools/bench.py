@@ -331,19 +331,21 @@ def fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table: a header row, its rule, then one line per row."""
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + " --- |" * len(header),
+                      *("| " + " | ".join(row) + " |" for row in rows)])
+
+
 def table(results: list[Result]) -> str:
     """A markdown table of the results."""
-    lines = ["| workload | batch | configuration | tokens/s | speedup | vs off | TTFT s | TPOT ms | acceptance "
-             "| mean acc. len | draft ms/token | draft/target | ideal | of ideal | first call s | second call s "
-             "| measure s | vs static | identical |", "|" + " --- |" * 19]
-    for r in results:
-        lines.append(f"| {r.workload} | {r.batch_size} | {r.config} | {r.tokens_per_s:.1f} | {r.speedup:.2f}x | "
-                     f"{fmt(r.speedup_over_off, '.2f')}{'x' if r.speedup_over_off is not None else ''} | "
-                     f"{r.ttft_s:.3f} | {fmt(r.tpot_s and 1000 * r.tpot_s, '.1f')} | {fmt(r.acceptance_rate, '.2f')} | "
-                     f"{fmt(r.mean_acceptance_length, '.2f')} | {fmt(r.draft_ms_per_token, '.1f')} | "
-                     f"{fmt(r.draft_to_target, '.2f')} | {fmt(r.ideal_speedup, '.2f')} | "
-                     f"{fmt(r.fraction_of_ideal, '.0%')} | {fmt(r.first_call_s, '.2f')} | "
-                     f"{fmt(r.second_call_s, '.2f')} | {fmt(r.first_measure_s, '.2f')} | "
-                     f"{fmt(r.speedup_over_static, '.2f')} | "
-                     f"{'yes' if r.identical else 'no'} |")
-    return "\n".join(lines)
+    header = ["workload", "batch", "configuration", "tokens/s", "speedup", "vs off", "TTFT s", "TPOT ms", "acceptance",
+              "mean acc. len", "draft ms/token", "draft/target", "ideal", "of ideal", "first call s",
+              "second call s", "measure s", "vs static", "identical"]
+    return markdown_table(header, [[
+        r.workload, str(r.batch_size), r.config, f"{r.tokens_per_s:.1f}", f"{r.speedup:.2f}x",
+        fmt(r.speedup_over_off, ".2f"), f"{r.ttft_s:.3f}", fmt(r.tpot_s and 1000 * r.tpot_s, ".1f"),
+        fmt(r.acceptance_rate, ".2f"), fmt(r.mean_acceptance_length, ".2f"), fmt(r.draft_ms_per_token, ".1f"),
+        fmt(r.draft_to_target, ".2f"), fmt(r.ideal_speedup, ".2f"), fmt(r.fraction_of_ideal, ".0%"),
+        fmt(r.first_call_s, ".2f"), fmt(r.second_call_s, ".2f"), fmt(r.first_measure_s, ".2f"),
+        fmt(r.speedup_over_static, ".2f"), "yes" if r.identical else "no"] for r in results])

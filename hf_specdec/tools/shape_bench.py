@@ -20,7 +20,7 @@ import torch
 from ..decode.speculator import Speculator
 from ..speculators.draft_model import DraftModelSpeculator
 from ..types import SequenceBatch
-from .bench import fmt
+from .bench import fmt, markdown_table
 from .shapes import DRAFTS, build_shape
 from .synthetic import SyntheticSpeculator, acceptance_for_length
 
@@ -150,12 +150,10 @@ def run_shape_bench(name: str, device: str = "cuda", dtype: torch.dtype = torch.
 
 def shape_table(results: list[ShapeResult]) -> str:
     """A markdown table of the results."""
-    lines = ["| shape | batch | configuration | tokens/s | vs eager | vs static | vs off | mean acc. len | ideal "
-             "| of ideal | identical |", "|" + " --- |" * 11]
-    for r in results:
-        lines.append(f"| {r.shape} | {r.batch_size} | {r.config} | {r.tokens_per_s:.1f} | "
-                     f"{r.speedup_over_eager:.2f}x | {fmt(r.speedup_over_static, '.2f')} | "
-                     f"{fmt(r.speedup_over_off, '.2f')} | {fmt(r.mean_acceptance_length, '.2f')} | "
-                     f"{fmt(r.ideal_speedup, '.2f')} | {fmt(r.fraction_of_ideal, '.0%')} | "
-                     f"{'-' if r.identical is None else 'yes' if r.identical else 'no'} |")
-    return "\n".join(lines)
+    header = ["shape", "batch", "configuration", "tokens/s", "vs eager", "vs static", "vs off", "mean acc. len",
+              "ideal", "of ideal", "identical"]
+    return markdown_table(header, [[
+        r.shape, str(r.batch_size), r.config, f"{r.tokens_per_s:.1f}", f"{r.speedup_over_eager:.2f}x",
+        fmt(r.speedup_over_static, ".2f"), fmt(r.speedup_over_off, ".2f"), fmt(r.mean_acceptance_length, ".2f"),
+        fmt(r.ideal_speedup, ".2f"), fmt(r.fraction_of_ideal, ".0%"),
+        "-" if r.identical is None else "yes" if r.identical else "no"] for r in results])

@@ -61,8 +61,8 @@ class SyntheticSpeculator(Speculator):
 
     def begin(self, target, batch: SequenceBatch) -> None:
         if self.reference.shape[0] != batch.token_ids.shape[0]:
-            raise ValueError(f"the reference holds {self.reference.shape[0]} rows, the call {batch.token_ids.shape[0]}: "
-                             "record it with the same inputs")
+            raise ValueError(f"the reference holds {self.reference.shape[0]} rows, the call "
+                             f"{batch.token_ids.shape[0]}: record it with the same inputs")
         self.reference = self.reference.to(batch.device)
         self._generator = torch.Generator(device=batch.device).manual_seed(self.seed)
 
