@@ -15,17 +15,22 @@ from dataclasses import dataclass
 from transformers import GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import LogitsProcessorList, PrefixConstrainedLogitsProcessor
-from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
-                                                       StoppingCriteriaList, StopStringCriteria)
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .costs.step_cost import StepCost
-from .runners.support import check_model_supported, exact_context
-from .structured.constraints import RowConstraints
 from .decode.engine import SpeculativeEngine
 from .metrics import SpeculativeMetrics
+from .runners.support import check_model_supported, exact_context
 from .speculators.grammar import GrammarSpeculator
 from .speculators.resolve import resolve_speculator
+from .structured.constraints import RowConstraints
 from .structured.grammar import Grammar, compile_grammars, xgrammar
 from .tokenizers import check_tokenizers_match
 

@@ -12,18 +12,17 @@ from transformers.pipelines.base import is_valid_message
 from transformers.pipelines.pt_utils import KeyDataset
 from transformers.pipelines.text_generation import Chat, ReturnType
 
-from .generation import _check_num_speculative_tokens
-from .speculators.resolve import resolve_speculator
-from .speculators.convert_head import head_speculator_from_dir
-from .quantization import load_draft
-from .decode.requests import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
+from .decode.requests import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SamplingParams
 from .decode.speculator import Speculator
-from .speculators.draft_model import DraftModelSpeculator
-from .structured.grammar import Grammar
-from .tokenizers import check_tokenizers_match
-from .decode.requests import SamplingParams
+from .generation import _check_num_speculative_tokens
+from .quantization import load_draft
 from .serving.engine import ServingEngine
 from .serving.offline import generate_stream
+from .speculators.convert_head import head_speculator_from_dir
+from .speculators.draft_model import DraftModelSpeculator
+from .speculators.resolve import resolve_speculator
+from .structured.grammar import Grammar
+from .tokenizers import check_tokenizers_match
 
 logger = logging.getLogger(__name__)
 

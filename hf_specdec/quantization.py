@@ -21,9 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .quantized_checkpoint import (
-    check_quantized_checkpoint, checkpoint_quantization, expected_layout,
-)
+from .quantized_checkpoint import check_quantized_checkpoint, checkpoint_quantization, expected_layout
 from .workloads import GROUNDED, OPEN_CHAT, chat_inputs
 
 logger = logging.getLogger("hf_specdec")
@@ -136,8 +134,8 @@ def quantization_config(quantization: str, device=None, *, calibration=None, tok
 
 def _fp8_config(device: torch.device):
     _require("torchao", "quantization='fp8'")
-    from transformers import TorchAoConfig
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, Float8WeightOnlyConfig, PerRow
+    from transformers import TorchAoConfig
 
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
         # FP8 tensor cores: activations are quantized per row on the fly and the matmul runs in FP8.

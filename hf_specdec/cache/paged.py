@@ -25,7 +25,14 @@ from ..kernels.paged_attention.reference import context_slots, slots_of
 from .attention import ACTIVE_PLAN
 from .block_manager import BlockManager
 from .layout import (
-    SCRATCH_SLOT, ContextGroup, PackedLayout, StepPlan, TreeAttention, context_groups, query_groups, token_rows_pay,
+    SCRATCH_SLOT,
+    ContextGroup,
+    PackedLayout,
+    StepPlan,
+    TreeAttention,
+    context_groups,
+    query_groups,
+    token_rows_pay,
 )
 
 

@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 import torch
 
-from .paged import PagedKVCache
 from ..kernels.paged_attention.reference import slots_of
+from .paged import PagedKVCache
 
 
 class PrefixCache:

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .paged import PagedKVCache
 from ..errors import UnsupportedModelError
+from .paged import PagedKVCache
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the compiled paged-attention kernel takes
 

@@ -12,20 +12,20 @@ from contextlib import ExitStack
 
 import torch
 
-from ..costs.adaptive import AdaptiveK
-from ..costs.step_cost import StepCost
-from ..costs.calibration import adaptive_costs, ensure_profile, host_linear, report_idle
 from ..cache.block_manager import OutOfBlocksError
-from .logits import LogitsProcessing
+from ..costs.adaptive import AdaptiveK
+from ..costs.calibration import adaptive_costs, ensure_profile, host_linear, report_idle
+from ..costs.step_cost import StepCost
 from ..metrics import SpeculativeMetrics, logger
 from ..runners.dense import make_runner, runner_attention
+from ..structured.constraints import RowConstraints
+from ..types import SequenceBatch
+from .logits import LogitsProcessing
 from .requests import Request
 from .scheduler import Scheduler
 from .speculator import Speculator
 from .step import Step
 from .stopping import StopRules
-from ..structured.constraints import RowConstraints
-from ..types import SequenceBatch
 
 
 class SpeculativeEngine:

@@ -27,10 +27,9 @@ import torch
 
 from ..metrics import SpeculativeMetrics
 from ..runners.model_runner import TargetHiddenStates, committed_hidden_states
+from ..types import SequenceBatch, gather_right_aligned
 from .requests import Request
 from .step import emitted_logprobs
-from ..types import SequenceBatch, gather_right_aligned
-
 
 # Prompt tokens per forward for a prompt whose log probabilities are reported (`Request.prompt_logprobs`): each
 # position's logits are kept, `[tokens, vocab]` of them.

@@ -19,11 +19,11 @@ import time
 
 import torch
 
-from ..structured.constraints import RowConstraints
-from ..runners.model_runner import TargetHiddenStates, committed_hidden_states
 from ..cache.layout import TreeAttention
-from .speculator import Speculator
+from ..runners.model_runner import TargetHiddenStates, committed_hidden_states
+from ..structured.constraints import RowConstraints
 from ..types import PAD_ID, DraftProposal, DraftTree, gather_right_aligned
+from .speculator import Speculator
 from .verify import verify, verify_tree
 
 

@@ -12,14 +12,14 @@ import logging
 import os
 from collections.abc import Callable
 
+from ..costs.calibration import calibrate, enabled
 from ..extraction import ITEMS as EXTRACTION_ITEMS
 from ..extraction import extraction_prompt
-from ..speculators.resolve import resolve_speculator
 from ..models import DEFAULT_MODEL
+from ..speculators.resolve import resolve_speculator
 from ..workloads import GROUNDED, OPEN_CHAT
 from .render import CSS, LEGEND, batch_html, chart_html, metrics_html, pane_html, status_html
 from .session import DemoInputError, DemoLimits, DemoSession
-from ..costs.calibration import calibrate, enabled
 
 logger = logging.getLogger("hf_specdec.demo")
 

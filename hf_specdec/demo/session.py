@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from ..models import DEFAULT_MODEL, has_trained_head, load_causal_lm, load_model, load_tokenizer, trained_head
+from ..structured.grammar import Grammar, StructuredOutputUnavailableError
 from ..tokenizers import check_tokenizers_match
 from ..workloads import chat_inputs
 from .stream import NGRAM_LABEL, BatchResult, Comparison, Pane, Settings, StepStreamer
-from ..structured.grammar import Grammar, StructuredOutputUnavailableError
+
 
 class DemoInputError(ValueError):
     """Input the demo refuses; the message names the problem and the fix, and is shown to the person as is."""

@@ -9,6 +9,7 @@ import json
 import sys
 
 import torch
+
 from .paged_attention.bench import bench as attention_bench
 from .rejection_sample.bench import bench as rejection_bench
 from .sampling.bench import bench as sampling_bench

@@ -20,10 +20,10 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from .distributed import RankZeroDecides, tp_group
 from ..cache.masked import MaskedKVCache
-from .model_runner import CacheRows, ModelRunner, input_device, paged_attention
 from ..errors import UnsupportedModelError
+from .distributed import RankZeroDecides, tp_group
+from .model_runner import CacheRows, ModelRunner, input_device, paged_attention
 
 # Config fields of attention windows counted in cache columns: holes would widen them, so rows stay contiguous.
 _WINDOW_FIELDS = ("sliding_window", "window_size", "attention_window", "local_attention_window")

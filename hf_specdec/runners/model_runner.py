@@ -10,14 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .distributed import RankZeroDecides, tp_group
-from ..kernels._backend import resolve_backend
 from ..cache.attention import ATTENTION_NAME, PLAN_KWARG
 from ..cache.layout import _ragged
 from ..cache.paged import PagedKVCache
 from ..cache.recurrent import make_cache, recurrent_layers_split
 from ..cache.rope import RopeRows, rope_factors
 from ..errors import UnsupportedModelError
+from ..kernels._backend import resolve_backend
+from .distributed import RankZeroDecides, tp_group
 
 
 @contextmanager

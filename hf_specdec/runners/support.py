@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 
-from ..errors import UnsupportedModelError
 from ..cache.recurrent import is_recurrent
+from ..cache.rope import TokenRope, longrope_parameters, recomputes_at_switch
+from ..errors import UnsupportedModelError
 from .dense import check_dense_supported, uses_paged_cache
 from .model_runner import ModelRunner, input_device, paged_attention
-from ..cache.rope import TokenRope, longrope_parameters, recomputes_at_switch
 
 logger = logging.getLogger("hf_specdec")
 

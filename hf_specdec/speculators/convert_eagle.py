@@ -18,7 +18,13 @@ import torch
 
 from .eagle import EagleSpeculator
 from .heads import (
-    CONFIG_NAME, FORMAT, FORMAT_VERSION, HIDDEN_STATES_CONVENTION, WEIGHTS_NAME, EagleCheckpointError, check_tensors,
+    CONFIG_NAME,
+    FORMAT,
+    FORMAT_VERSION,
+    HIDDEN_STATES_CONVENTION,
+    WEIGHTS_NAME,
+    EagleCheckpointError,
+    check_tensors,
     load_eagle_dir,
 )
 

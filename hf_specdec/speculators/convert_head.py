@@ -24,8 +24,14 @@ from pathlib import Path
 import torch
 
 from .convert_eagle import (
-    _read_json, _resolve_source, _target_config, convert_eagle, eagle_speculator_from_dir, load_pickled_tensors,
-    looks_like_reference_eagle, read_reference_tensors,
+    _read_json,
+    _resolve_source,
+    _target_config,
+    convert_eagle,
+    eagle_speculator_from_dir,
+    load_pickled_tensors,
+    looks_like_reference_eagle,
+    read_reference_tensors,
 )
 from .head_format import CONFIG_NAME, FORMAT, FORMAT_VERSION, HeadCheckpointError, check_tensors, load_head_dir
 from .heads import HIDDEN_STATES_CONVENTION, WEIGHTS_NAME, EagleCheckpointError

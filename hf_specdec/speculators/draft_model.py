@@ -7,11 +7,11 @@ from contextlib import ExitStack
 
 import torch
 
+from ..decode.speculator import Speculator, sample_or_argmax
 from ..runners.dense import make_runner, runner_attention
 from ..runners.model_runner import ModelRunner
-from ..types import DraftProposal, SequenceBatch, gather_right_aligned
-from ..decode.speculator import Speculator, sample_or_argmax
 from ..runners.support import check_model_supported, check_vocab_compatible
+from ..types import DraftProposal, SequenceBatch, gather_right_aligned
 
 
 class DraftModelSpeculator(Speculator):

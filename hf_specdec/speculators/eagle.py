@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from ..runners.model_runner import ModelRunner, TargetHiddenStates
 from ..cache.layout import TreeAttention
-from ..types import PAD_ID, DraftProposal, DraftTree, SequenceBatch, gather_right_aligned
 from ..decode.speculator import Speculator, sample_or_argmax
+from ..runners.model_runner import ModelRunner, TargetHiddenStates
+from ..types import PAD_ID, DraftProposal, DraftTree, SequenceBatch, gather_right_aligned
 from .heads import EagleHead, check_head_target, load_eagle_dir
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..types import PAD_ID, DraftProposal, SequenceBatch
 from ..decode.speculator import Speculator
+from ..types import PAD_ID, DraftProposal, SequenceBatch
 from .eagle import EagleSpeculator
 from .ngram import NgramSpeculator
 

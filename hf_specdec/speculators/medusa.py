@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..types import PAD_ID, DraftProposal, SequenceBatch
 from ..decode.speculator import Speculator, sample_or_argmax
+from ..types import PAD_ID, DraftProposal, SequenceBatch
 from .head_format import load_head_dir
 from .heads import check_head_target
 

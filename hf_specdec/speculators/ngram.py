@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..types import PAD_ID, DraftProposal, SequenceBatch
 from ..decode.speculator import Speculator
+from ..types import PAD_ID, DraftProposal, SequenceBatch
 
 # Confidence classes are the matched context length, capped here: beyond it, longer matches predict no better.
 _MAX_CLASS = 8

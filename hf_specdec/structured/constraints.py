@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .grammar import xgrammar
 from ..types import PAD_ID, DraftProposal
+from .grammar import xgrammar
 
 
 @dataclass

@@ -18,11 +18,24 @@ of (seed, step), so a run resumed from a checkpoint equals an uninterrupted one.
 
 from .cli import add_arguments, cmd_train_eagle
 from .data import (
-    TRAINING_PARTS_DIR, TRAINING_SET_NAME, TrainingSet, add_soft_labels, build_in_parts, build_training_set,
-    default_layers, read_prompts, teacher_top_k, tokenize_prompts,
+    TRAINING_PARTS_DIR,
+    TRAINING_SET_NAME,
+    TrainingSet,
+    add_soft_labels,
+    build_in_parts,
+    build_training_set,
+    default_layers,
+    read_prompts,
+    teacher_top_k,
+    tokenize_prompts,
 )
 from .head import (
-    check_init_from_is_not_out, check_new_head_options, head_config_for, head_to_fine_tune_config, new_head, save_head,
+    check_init_from_is_not_out,
+    check_new_head_options,
+    head_config_for,
+    head_to_fine_tune_config,
+    new_head,
+    save_head,
 )
 from .loop import CHECKPOINT_NAME, TrainResult, eagle_loss, train_eagle_head
 

@@ -8,16 +8,21 @@ from pathlib import Path
 
 import torch
 
+from ..models import load_model, trained_head
 from ..speculators.heads import STORAGE_BITS
-from .prompts import HAND_WRITTEN, built_in_prompts, max_prompts
 from .data import (
-    TRAINING_PARTS_DIR, TRAINING_SET_NAME, TrainingSet, add_soft_labels, build_in_parts, default_layers, read_prompts,
+    TRAINING_PARTS_DIR,
+    TRAINING_SET_NAME,
+    TrainingSet,
+    add_soft_labels,
+    build_in_parts,
+    default_layers,
+    read_prompts,
     tokenize_prompts,
 )
 from .head import check_init_from_is_not_out, check_new_head_options, head_to_fine_tune_config
 from .loop import train_eagle_head
-from ..models import load_model
-from ..models import trained_head
+from .prompts import HAND_WRITTEN, built_in_prompts, max_prompts
 
 
 def add_arguments(parser) -> None:

@@ -9,12 +9,19 @@ from pathlib import Path
 import torch
 
 from ..speculators.convert_eagle import _write
+from ..speculators.head_format import CONFIG_NAME as OTHER_HEAD_CONFIG
 from ..speculators.heads import (
-    CONFIG_NAME, FORMAT, FORMAT_VERSION, HIDDEN_STATES_CONVENTION, WEIGHTS_NAME, EagleHead, check_head_target,
-    load_eagle_dir, pack_weights,
+    CONFIG_NAME,
+    FORMAT,
+    FORMAT_VERSION,
+    HIDDEN_STATES_CONVENTION,
+    WEIGHTS_NAME,
+    EagleHead,
+    check_head_target,
+    load_eagle_dir,
+    pack_weights,
 )
 from .data import TrainingSet
-from ..speculators.head_format import CONFIG_NAME as OTHER_HEAD_CONFIG
 
 
 def head_config_for(target, data: TrainingSet, version: int, *, draft_vocab_size: int | None = None,

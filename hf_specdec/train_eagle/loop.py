@@ -15,7 +15,12 @@ import torch.nn.functional as F
 from ..speculators.heads import STORAGE_BITS, EagleHead
 from .data import TrainingSet, _progress, default_layers
 from .head import (
-    _head_digest, _head_to_fine_tune, check_init_from_is_not_out, check_new_head_options, head_config_for, new_head,
+    _head_digest,
+    _head_to_fine_tune,
+    check_init_from_is_not_out,
+    check_new_head_options,
+    head_config_for,
+    new_head,
     save_head,
 )
 

@@ -25,7 +25,6 @@ import triton.language as tl
 from .._backend import check_tensor, interpreting
 from .reference import TreeMask
 
-
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
               torch.float64: tl.float64}
 
