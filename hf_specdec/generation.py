@@ -262,7 +262,7 @@ def _decode(model, speculator, k, schedule, step_cost, input_ids, logits_process
     logits_processor, constraints = _constraints(model, speculator, input_ids.shape[0], logits_processor,
                                                  constraint, config)
     engine = SpeculativeEngine(model, speculator, k, schedule=schedule, step_cost=step_cost, tree_nodes=tree[0],
-                               tree_branching=tree[1], calibration=calibration)
+                               tree_branching=tree[1], calibration=calibration, generation_config=config)
     sequences, metrics = engine.generate(
         input_ids, model_kwargs.get("attention_mask"), max_new_tokens, config.do_sample, logits_processor,
         stopping_criteria, eos.flatten() if eos is not None else None, pad_token_id, streamer, constraints,

@@ -26,6 +26,9 @@ from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
 ATTENTION_NAME = "hf_specdec_paged"
 PLAN_KWARG = "hf_specdec_plan"
+# The plan a compiled step passes (`runners/graphed.py`): its keys and values come gathered, and its mask is the
+# `attention_mask` argument.
+GRAPHED = "hf_specdec_graphed_step"
 # The plan of the forward running now, for models whose decoder layers drop the keyword arguments on their way to
 # the attention modules (Nemotron): the attention function finds the plan here (`PagedKVCache.active` sets it) when
 # its kwargs lack it.
@@ -60,6 +63,9 @@ def paged_attention_forward(
 ):
     """Attention over a `PagedKVCache` step: `query` `[rows, heads, q, dim]`, `key`/`value` what `update` returned."""
     plan: StepPlan | None = kwargs.get(PLAN_KWARG) or ACTIVE_PLAN.get()
+    if isinstance(plan, str) and plan == GRAPHED:
+        return attend(query, key, value, attention_mask, scaling, softcap, _head_sinks(kwargs, query.shape[1])
+                      ).contiguous(), None
     if plan is None:
         raise RuntimeError(
             f"attention implementation {ATTENTION_NAME!r} only runs inside hf_specdec's engine, which sets the "

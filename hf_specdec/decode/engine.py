@@ -18,6 +18,8 @@ from ..costs.calibration import adaptive_costs, ensure_profile, host_linear, rep
 from ..costs.step_cost import StepCost
 from ..metrics import SpeculativeMetrics, logger
 from ..runners.dense import make_runner, runner_attention
+from ..runners.graphed import graph_settings
+from ..runners.model_runner import ModelRunner
 from ..structured.constraints import RowConstraints
 from ..types import SequenceBatch
 from .logits import LogitsProcessing
@@ -46,11 +48,14 @@ class SpeculativeEngine:
             Trees use a fixed shape: `schedule` must be `"constant"`.
         tree_branching (`int`): children a tree node may get (the speculator's top-k per expansion).
         calibration (`bool`): use this host's cached profile (measured costs, the small-row linear form), if any.
+        generation_config (`GenerationConfig`, *optional*): the call's; its `disable_compile` and `compile_config`
+            decide whether the target's narrow steps run compiled (`runners/graphed.py`).
     """
 
     def __init__(self, model, speculator: Speculator, num_speculative_tokens: int, block_size: int = 16,
                  max_num_blocks: int | None = None, schedule: str = "adaptive", step_cost: StepCost | None = None,
-                 tree_nodes: int | None = None, tree_branching: int = 4, calibration: bool = True):
+                 tree_nodes: int | None = None, tree_branching: int = 4, calibration: bool = True,
+                 generation_config=None):
         if schedule not in ("adaptive", "constant"):
             raise ValueError(f"speculative_schedule must be 'adaptive' or 'constant', got {schedule!r}")
         if tree_nodes is not None:
@@ -69,6 +74,7 @@ class SpeculativeEngine:
         self.tree_nodes = tree_nodes
         self.tree_branching = tree_branching
         self.calibration = calibration
+        self.generation_config = generation_config
 
     def generate(self, input_ids, attention_mask, max_new_tokens: int, do_sample: bool, logits_processor=None,
                  stopping_criteria=None, eos_token_ids=None, pad_token_id: int = 0, streamer=None,
@@ -92,6 +98,8 @@ class SpeculativeEngine:
         batch = self._make_batch(input_ids, attention_mask, max_new_tokens, do_sample, logits_processor, pad_token_id)
         self._check_pool_fits(batch.lengths, max_new_tokens)
         target = make_runner(self.model, block_size=self.block_size, max_num_blocks=self.max_num_blocks)
+        if isinstance(target, ModelRunner):
+            target.use_graphs(graph_settings(self.model, target.device, self.generation_config))
         self._policy = None
         # This host's profile, measured before the first step of the first call that lacks one; fixed for the call
         measuring = time.perf_counter()

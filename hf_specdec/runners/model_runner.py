@@ -18,6 +18,7 @@ from ..cache.rope import RopeRows, rope_factors
 from ..errors import UnsupportedModelError
 from ..kernels._backend import resolve_backend
 from .distributed import RankZeroDecides, tp_group
+from .graphed import GraphedSteps, GraphSettings
 
 
 @contextmanager
@@ -126,6 +127,15 @@ class ModelRunner(CacheRows):
         # LongRoPE's factors chosen per token as plain decoding chooses them, from each row's prompt length
         # (`cache/rope.py`).
         self.rope = RopeRows.of(model)
+        self.graphs: GraphedSteps | None = None  # compiled narrow steps (`use_graphs`)
+
+    def use_graphs(self, settings: GraphSettings | None) -> None:
+        """Runs this runner's narrow steps compiled (`runners/graphed.py`) with these settings; None: eagerly. Only
+        where the runner's cache and positions fit the compiled step (a `PagedKVCache`, no per-row rotary factors,
+        one device)."""
+        fits = settings is not None and type(self.cache) is PagedKVCache and self.rope is None and \
+            self.agree.group is None
+        self.graphs = GraphedSteps(self.model, self._cache_kwarg, settings) if fits else None
 
     def add_sequence(self, seq_id: int, prompt_length: int = 0) -> None:
         super().add_sequence(seq_id)
@@ -199,6 +209,10 @@ class ModelRunner(CacheRows):
         pack = (self.packed and tree is None and sum(num_tokens) < rows * width and min(num_tokens) > 0
                 and width == max(num_tokens) and all(not isinstance(v, torch.Tensor) or v.shape[:2] == (rows, width)
                                                      for v in model_kwargs.values()))
+        if (self.graphs is not None and self.graphs.eligible(num_tokens, tree, model_kwargs)
+                and self.cache.key_pools):
+            return self._graphed(seq_ids, input_ids, num_tokens, num_logits, output_hidden_states, logit_counts,
+                                 caller)
         starts = self.cache.reserve(seq_ids, num_tokens)
         # Recurrent layers keep their state after each of these positions.
         self.cache.num_logits = num_logits if state_window is None else state_window
@@ -223,6 +237,18 @@ class ModelRunner(CacheRows):
             factors = self.rope.factors(seq_ids, starts, num_tokens, plan.query_positions, self.device)
             if factors[1] is not None and layout is not None:
                 factors = (factors[0], factors[1].reshape(-1).index_select(0, layout.pack_index)[None])
+        out = self._call(plan, input_ids, position_ids, keep, output_hidden_states, model_kwargs, factors)
+        if isinstance(out, torch.Tensor):  # a draft head returns its hidden states
+            if layout is not None:  # `[1, T, hidden]` to `[rows, q, hidden]`, as the padded layout returns them
+                out = out[0].index_select(0, layout.unpack_index.to(out.device)).view(rows, width, -1)
+            return _to(out, caller)
+        if layout is not None:
+            layers = output_hidden_states if isinstance(output_hidden_states, tuple) else None
+            _unpack_output(out, layout, keep, rows, num_logits, layers, expand, packed_states)
+        return self._finish(out, num_logits, logit_counts if expand is None else None, caller)
+
+    def _call(self, plan, input_ids, position_ids, keep, output_hidden_states, model_kwargs, factors=None):
+        """The model's forward over the planned step (eagerly)."""
         with self.cache.active(plan), rope_factors(factors):
             out = self.model(
                 input_ids=input_ids,
@@ -235,23 +261,38 @@ class ModelRunner(CacheRows):
                 **{PLAN_KWARG: plan},
             )
         if plan.num_attended < plan.num_updates:  # (differential attention attends twice per layer: fine)
-
             raise UnsupportedModelError(
                 f"{type(self.model).__name__} attended in {plan.num_updates - plan.num_attended} of its "
                 f"{plan.num_updates} layers without transformers' attention interface, so hf_specdec's paged "
                 "attention cannot serve it"
             )
-        if isinstance(out, torch.Tensor):  # a draft head returns its hidden states
-            if layout is not None:  # `[1, T, hidden]` to `[rows, q, hidden]`, as the padded layout returns them
-                out = out[0].index_select(0, layout.unpack_index.to(out.device)).view(rows, width, -1)
-            return _to(out, caller)
-        if layout is not None:
-            layers = output_hidden_states if isinstance(output_hidden_states, tuple) else None
-            _unpack_output(out, layout, keep, rows, num_logits, layers, expand, packed_states)
+        return out
+
+    def _graphed(self, seq_ids, input_ids, num_tokens, num_logits, output_hidden_states, logit_counts, caller):
+        """A narrow step through the compiled forward (`runners/graphed.py`), padded (right-aligned rows, as the
+        unpacked eager step); eagerly where that cannot run it."""
+        width = input_ids.shape[1]
+        starts = self.cache.reserve(seq_ids, num_tokens)
+        self.cache.num_logits = num_logits
+        plan = self.cache.plan_step(seq_ids, starts, num_tokens, self.device, None, False)
+        self.num_forwards += 1
+
+        def eager():
+            return self._call(plan, input_ids, plan.query_positions, width, output_hidden_states, {})
+
+        out = self.graphs.run(self.cache, plan, input_ids, bool(output_hidden_states), eager)
+        if out is None:
+            out = eager()
+        return self._finish(out, num_logits, logit_counts, caller)
+
+    @staticmethod
+    def _finish(out, num_logits: int, logit_counts: list[int] | None, caller):
+        """The output's logits to `[rows, num_logits, vocab]` (left-aligned with `logit_counts`) and everything on
+        the caller's device."""
         logits = getattr(out, "logits", None)
         if logits is not None and logits.shape[1] > num_logits:  # the model ignored logits_to_keep (Whisper)
             out.logits = logits = logits[:, -num_logits:]
-        if logits is not None and logit_counts is not None and expand is None:
+        if logits is not None and logit_counts is not None:
             out.logits = logits = left_aligned(logits, logit_counts)
         if logits is not None:
             out.logits = _to(logits, caller)

@@ -1,0 +1,226 @@
+"""Compiled (graphed) decode and verify steps: a `ModelRunner`'s narrow steps as one `torch.compile`d function.
+
+A step that feeds each row at most `MAX_WIDTH` tokens (decoding, verifying a chain of drafts) runs the model through
+`graphed_forward`, whose every input is a tensor: the token ids, their positions, the pool slots they are written to,
+each row's context slots and the KV pools themselves. Inside it the model sees `StepCache` (writes, then gathers each
+row's context) and our attention (`cache/attention.py`) takes the `GRAPHED` plan: masked SDPA by a mask built from
+the positions. Nothing in it reads a Python value that changes from step to step, so one compilation (shapes
+symbolic) serves every step, and on CUDA each bucket of rows and context becomes one CUDA graph (inductor's
+`mode="reduce-overhead"`). Prefill, draft trees and the models the check below refuses stay eager.
+
+Switches follow transformers' own compile knobs: on by default on CUDA (as `generate` compiles a static cache's
+decode there), off on CPUs (the bench decides: docs/benchmarks.md); `generation_config.disable_compile=True` turns it
+off, a `compile_config` turns it on (with its options) on any device, and `HF_SPECDEC_COMPILE=0`/`1` overrides both
+defaults. A model that fails to compile, or whose compiled step disagrees with its eager one on the first step, runs
+eager and says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from ..cache.attention import GRAPHED, PLAN_KWARG
+from ..cache.layout import SCRATCH_SLOT
+from ..kernels.paged_attention.reference import attention_mask, context_slots
+
+logger = logging.getLogger("hf_specdec")
+
+MAX_WIDTH = 17  # tokens per row a graphed step may feed: one plus up to 16 drafts
+CONTEXT_BUCKET = 256  # with bucketing (CUDA graphs), contexts are padded to a multiple of this many slots
+# Agreement asked of the first compiled step with its eager twin (the logits' largest difference, relative to their
+# largest magnitude): compiled kernels reorder sums, so bits may differ, never more than rounding.
+TRIAL_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+TRIAL_TOLERANCE_LOW = 3e-2  # half precision
+
+
+class StepCache(Cache):
+    """The cache a compiled step's model sees: each layer writes its new keys and values at `write_slots` and gets
+    back every row's context gathered through `context_slots` (`[rows, num_context]`, padding at the scratch slot).
+    It holds only tensors the step was given, so tracing it adds no guard that changes from step to step."""
+
+    is_compileable = True
+
+    def __init__(self, key_pools, value_pools, write_slots: torch.Tensor, slots: torch.Tensor):
+        self.layers = []  # transformers' mask helpers read it; our mask is built by the step
+        self.key_pools, self.value_pools = key_pools, value_pools
+        self.write_slots, self.slots = write_slots, slots
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        rows, heads, q, dim = key_states.shape
+        key_pool, value_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
+        # index_put_ (not index_copy_): inductor writes it into the pool in place, with no copy of the pool.
+        key_pool.index_put_((self.write_slots,), key_states.transpose(1, 2).reshape(rows * q, heads, dim))
+        value_pool.index_put_((self.write_slots,), value_states.transpose(1, 2).reshape(rows * q, heads, -1))
+        flat = self.slots.reshape(-1)
+        shape = (*self.slots.shape, heads)
+        keys = key_pool.index_select(0, flat).view(*shape, dim).transpose(1, 2)
+        values = value_pool.index_select(0, flat).view(*shape, value_pool.shape[-1]).transpose(1, 2)
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always given; nothing slices buffers by it in the models `graph_refusal` admits
+
+
+def graphed_forward(model, cache_kwarg: str, hidden: bool, input_ids, position_ids, write_slots, slots, key_pools,
+                    value_pools):
+    """One step of `model` over `StepCache`: logits at every fed position `[rows, q, vocab]` and, with `hidden`, the
+    hidden states. The function `torch.compile` captures."""
+    mask = attention_mask(position_ids, slots.shape[1], None)
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                **{cache_kwarg: StepCache(key_pools, value_pools, write_slots, slots)}, use_cache=True,
+                logits_to_keep=0, output_hidden_states=hidden, **{PLAN_KWARG: GRAPHED})
+    return out.logits, (out.hidden_states if hidden else None)
+
+
+@dataclass
+class GraphSettings:
+    """How a model's graphed steps compile: `torch.compile`'s keyword arguments, and whether shapes are padded to
+    buckets (rows to a power of two, contexts to `CONTEXT_BUCKET`) so that CUDA graphs are few and reused."""
+
+    options: dict
+    bucket: bool
+
+    @property
+    def key(self) -> tuple:
+        return tuple(sorted((k, repr(v)) for k, v in self.options.items())) + (self.bucket,)
+
+
+def graph_settings(model, device: torch.device, generation_config=None) -> GraphSettings | None:
+    """Whether (and how) the steps of a `generate(speculator=...)` call on `model` (its inputs on `device`) are
+    compiled; None: eager."""
+    config = generation_config
+    if config is not None and getattr(config, "disable_compile", False):
+        return None
+    switch = os.environ.get("HF_SPECDEC_COMPILE", "").strip().lower()
+    if switch in ("0", "off", "false", "no"):
+        return None
+    compile_config = getattr(config, "compile_config", None)
+    if not (switch in ("1", "on", "true", "yes") or compile_config is not None or device.type == "cuda"):
+        return None
+    why = graph_refusal(model)
+    if why is not None:
+        _say_once(model, f"hf_specdec runs {type(model).__name__}'s steps eagerly: {why}")
+        return None
+    if compile_config is not None:
+        options = compile_config.to_dict()
+        if options.get("dynamic") is None:  # one graph with symbolic rows and context, not one per step
+            options["dynamic"] = True
+    else:
+        options = {"dynamic": True, "fullgraph": False}
+        if device.type == "cuda":
+            options["mode"] = "reduce-overhead"
+    return GraphSettings(options, bucket=device.type == "cuda" and options.get("mode") == "reduce-overhead")
+
+
+def graph_refusal(model) -> str | None:
+    """Why `model`'s steps cannot be graphed by `graphed_forward` (None: they can, subject to the first step's trial):
+    its layers attend through windows or caches the step's one causal mask does not describe, or its weights are
+    spread over devices."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if layer_types - {"full_attention"}:
+        return f"its layers are of kinds {sorted(layer_types)} (only full attention layers are graphed)"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False:
+        return "it attends through a sliding window"
+    if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
+        return "its weights are spread over devices or offloaded"
+    if getattr(model, "_hf_specdec_tp", None) or getattr(config, "base_model_tp_plan", None) and getattr(
+            model, "_tp_size", None):
+        return "it runs tensor-parallel"
+    return None
+
+
+def _say_once(model, message: str) -> None:
+    said = model.__dict__.setdefault("_hf_specdec_graph_notes", set())
+    if message not in said:
+        said.add(message)
+        logger.warning(message)
+
+
+class GraphedSteps:
+    """A `ModelRunner`'s compiled narrow steps (see the module's docstring). The compiled function is kept on the
+    model, per settings, so later calls reuse its graphs."""
+
+    def __init__(self, model, cache_kwarg: str, settings: GraphSettings):
+        self.model = model
+        self.settings = settings
+        compiled = model.__dict__.setdefault("_hf_specdec_graphed", {})
+        if settings.key not in compiled:
+            def step(*args, _model=model, _kwarg=cache_kwarg):
+                return graphed_forward(_model, _kwarg, *args)
+
+            compiled[settings.key] = {"fn": torch.compile(step, **settings.options), "trusted": False}
+        self._entry = compiled[settings.key]
+        self.num_steps = 0
+
+    @property
+    def active(self) -> bool:
+        return self._entry.get("failed") is None
+
+    def eligible(self, num_tokens: list[int], tree, model_kwargs: dict) -> bool:
+        return (self.active and tree is None and not model_kwargs and 0 < min(num_tokens)
+                and max(num_tokens) <= MAX_WIDTH)
+
+    def run(self, cache, plan, input_ids: torch.Tensor, hidden: bool, eager) -> CausalLMOutputWithPast | None:
+        """Runs the step `plan` describes (built unpacked, no tree) compiled. Returns its output with logits at
+        every fed position `[rows, q, vocab]` (right-aligned, as the padded eager step's), or None where it cannot
+        (the caller then runs it eagerly: the same keys and values land in the same slots, so nothing is lost).
+        `eager()` runs the same step eagerly, for the first step's trial."""
+        rows, q = input_ids.shape
+        device = input_ids.device
+        lens = plan.context_lens
+        num_context = int(plan.context_slots.shape[1]) if plan.context_slots is not None else None
+        if num_context is None:  # the kernel's plan gathers nothing: find the longest context on the host
+            num_context = int(lens.max())
+        positions, writes = plan.query_positions, plan.write_slots.reshape(rows, q)
+        padded_rows = rows
+        if self.settings.bucket:  # few shapes, so few CUDA graphs: rows to a power of two, contexts to a bucket
+            num_context = -(-num_context // CONTEXT_BUCKET) * CONTEXT_BUCKET
+            padded_rows = 1 << (rows - 1).bit_length()
+        slots = context_slots(plan.block_tables, lens, num_context, plan.block_size, pad_slot=SCRATCH_SLOT)
+        if padded_rows > rows:  # extra rows read and write only the scratch slot, at position 0
+            extra = padded_rows - rows
+            input_ids = torch.cat([input_ids, input_ids.new_zeros(extra, q)])
+            positions = torch.cat([positions, positions.new_zeros(extra, q)])
+            writes = torch.cat([writes, writes.new_full((extra, q), SCRATCH_SLOT)])
+            slots = torch.cat([slots, slots.new_full((extra, num_context), SCRATCH_SLOT)])
+        pools = (list(cache.key_pools.values()), list(cache.value_pools.values()))
+        if len(pools[0]) != len(cache.key_pools) or sorted(cache.key_pools) != list(range(len(pools[0]))):
+            return None  # layers without pools of their own (shared KV): not graphed
+        if self.settings.bucket:
+            for pool in (*pools[0], *pools[1]):
+                torch._dynamo.mark_static_address(pool)
+        args = (hidden, input_ids, positions, writes.reshape(-1).to(device), slots, *pools)
+        try:
+            logits, states = self._entry["fn"](*args)
+        except Exception as error:  # any failure to compile means: run eagerly, and say why once
+            self._entry["failed"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            _say_once(self.model, f"hf_specdec could not compile {type(self.model).__name__}'s steps and runs them "
+                                  f"eagerly ({self._entry['failed']})")
+            return None
+        logits = logits[:rows]
+        states = None if states is None else tuple(h[:rows] for h in states)
+        if not self._entry["trusted"]:
+            reference = eager()
+            if not _agree(logits, reference.logits[:, -q:] if reference.logits.shape[1] >= q else reference.logits):
+                self._entry["failed"] = "its compiled step's logits differ from the eager step's"
+                _say_once(self.model, f"hf_specdec runs {type(self.model).__name__}'s steps eagerly: "
+                                      f"{self._entry['failed']}")
+                return reference
+            self._entry["trusted"] = True
+        self.num_steps += 1
+        return CausalLMOutputWithPast(logits=logits, hidden_states=states)
+
+
+def _agree(compiled: torch.Tensor, eager: torch.Tensor) -> bool:
+    if compiled.shape != eager.shape:
+        return False
+    tolerance = TRIAL_TOLERANCE.get(eager.dtype, TRIAL_TOLERANCE_LOW)
+    scale = float(eager.abs().max().clamp(min=1.0))
+    return bool((compiled.float() - eager.float()).abs().max() <= tolerance * scale)
