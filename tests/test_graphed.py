@@ -1,0 +1,165 @@
+"""Compiled (graphed) steps, forced on the CPU: exact like the eager path, and eager wherever they cannot run.
+
+Compiling takes seconds per shape on these tiny models, so each test compiles a few shapes only.
+"""
+
+import logging
+
+import pytest
+import torch
+from conftest import make_model, ragged_batch, repetitive_prompt
+from test_generate_sampling import SAMPLES, VOCAB, exact_joint, peaky_model, tv
+from transformers import CompileConfig, LogitsProcessorList
+
+import hf_specdec  # noqa: F401
+from hf_specdec.runners import graphed
+from hf_specdec.runners.graphed import graph_refusal, graph_settings
+
+
+def compiled_entries(model) -> list[dict]:
+    return list(model.__dict__.get("_hf_specdec_graphed", {}).values())
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    monkeypatch.setenv("HF_SPECDEC_COMPILE", "1")
+    monkeypatch.setenv("HF_SPECDEC_CALIBRATION", "off")
+
+
+@pytest.mark.parametrize("speculator", ["off", "ngram"])
+def test_compiled_steps_give_plain_greedy_output(forced, speculator):
+    model = make_model("llama")
+    input_ids, mask = ragged_batch(rows=3, width=14)
+    input_ids[:, 8:] = input_ids[:, 2:8]  # a repeat, so n-gram drafts
+    expected = model.generate(input_ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    options = {"speculative_schedule": "constant", "num_speculative_tokens": 3} if speculator == "ngram" else {}
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=24, do_sample=False, speculator=speculator,
+                         return_dict_in_generate=True, **options)
+    assert torch.equal(out.sequences, expected)
+    (entry,) = compiled_entries(model)
+    assert entry["trusted"] and "failed" not in entry and entry["steps"] > 0
+    if speculator == "ngram":
+        assert out.speculative_metrics.num_draft_tokens > 0
+    # A second call reuses the compiled function (nothing compiled again from scratch) and is as exact.
+    again = model.generate(input_ids, attention_mask=mask, max_new_tokens=24, do_sample=False, speculator=speculator,
+                           **options)
+    assert torch.equal(again, expected) and len(compiled_entries(model)) == 1
+
+
+def test_compiled_verify_keeps_the_exact_sampling_distribution(forced):
+    target = peaky_model(0, sharpness=4.0)
+    prompt = torch.tensor([[1, 3, 4, 3, 4, 3]])
+    expected = exact_joint(target, prompt, LogitsProcessorList())
+    torch.manual_seed(0)
+    out = target.generate(prompt.expand(SAMPLES, -1), max_new_tokens=2, do_sample=True, speculator="ngram",
+                          num_speculative_tokens=3, speculative_schedule="constant", return_dict_in_generate=True)
+    assert out.speculative_metrics.num_draft_tokens > 0
+    (entry,) = compiled_entries(target)
+    assert entry["steps"] > 0  # the verify step ran compiled
+    pairs = out.sequences[:, -2] * VOCAB + out.sequences[:, -1]
+    assert tv(pairs, expected) < 0.045
+
+
+def test_compiled_seeded_sampling_repeats(forced):
+    model = make_model("llama")
+    prompt = repetitive_prompt(rows=2, width=16)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        runs.append(model.generate(prompt, max_new_tokens=16, do_sample=True, temperature=0.9, speculator="ngram",
+                                   speculative_schedule="constant"))
+    assert torch.equal(runs[0], runs[1])
+    assert compiled_entries(model)[0]["steps"] > 0
+
+
+def test_switches(monkeypatch):
+    model = make_model("llama")
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("HF_SPECDEC_COMPILE", raising=False)
+    assert graph_settings(model, cpu) is None  # off by default on CPUs
+    assert graph_settings(model, torch.device("cuda")).options["mode"] == "reduce-overhead"
+    assert graph_settings(model, torch.device("cuda")).bucket
+    config = model.generation_config
+    config.compile_config = CompileConfig(fullgraph=False, mode="default")
+    settings = graph_settings(model, cpu, config)  # a compile_config asks for it on any device, with its options
+    assert settings.options["mode"] == "default" and settings.options["dynamic"] is True and not settings.bucket
+    config.disable_compile = True
+    assert graph_settings(model, cpu, config) is None
+    config.disable_compile = False
+    monkeypatch.setenv("HF_SPECDEC_COMPILE", "0")
+    assert graph_settings(model, torch.device("cuda"), config) is None
+
+
+def test_disable_compile_runs_eagerly(forced):
+    model = make_model("llama")
+    prompt = repetitive_prompt(rows=1, width=16)
+    model.generate(prompt, max_new_tokens=4, do_sample=False, speculator="ngram", disable_compile=True)
+    assert compiled_entries(model) == []
+
+
+def test_models_the_step_cannot_describe_stay_eager(forced, caplog):
+    model = make_model("gemma3")  # sliding-window layers
+    assert "sliding_attention" in graph_refusal(model)
+    prompt = repetitive_prompt(rows=1, width=16)
+    expected = model.generate(prompt, max_new_tokens=10, do_sample=False)
+    with caplog.at_level(logging.WARNING, logger="hf_specdec"):
+        for _ in range(2):
+            out = model.generate(prompt, max_new_tokens=10, do_sample=False, speculator="ngram")
+            assert torch.equal(out, expected)
+    assert compiled_entries(model) == []
+    assert sum("runs Gemma3ForCausalLM's steps eagerly" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_compile_failure_falls_back_to_eager_once(forced, monkeypatch, caplog):
+    def broken(fn, **options):
+        def run(*args):
+            raise RuntimeError("backend exploded")
+        return run
+
+    monkeypatch.setattr(graphed.torch, "compile", broken)
+    model = make_model("llama")
+    input_ids, mask = ragged_batch(rows=2, width=12)
+    expected = model.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    with caplog.at_level(logging.WARNING, logger="hf_specdec"):
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False, speculator="off")
+    assert torch.equal(out, expected)
+    assert [r.getMessage() for r in caplog.records if "could not compile" in r.getMessage()] == [
+        "hf_specdec could not compile LlamaForCausalLM's steps and runs them eagerly (RuntimeError: backend "
+        "exploded)"]
+
+
+def test_a_compiled_step_that_disagrees_is_not_trusted(forced, monkeypatch, caplog):
+    def skewed(fn, **options):
+        def run(hidden, *args):
+            logits, states = fn(hidden, *args)
+            return logits + 1e-2 * torch.randn_like(logits), states
+        return run
+
+    monkeypatch.setattr(graphed.torch, "compile", skewed)
+    model = make_model("llama")
+    input_ids, mask = ragged_batch(rows=2, width=12)
+    expected = model.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    with caplog.at_level(logging.WARNING, logger="hf_specdec"):
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False, speculator="off")
+    assert torch.equal(out, expected)
+    (entry,) = compiled_entries(model)
+    assert not entry["trusted"] and "differ" in entry["failed"] and entry["steps"] == 0
+    assert any("logits differ from the eager step's" in r.getMessage() for r in caplog.records)
+
+
+def test_bucketed_rows_and_contexts_are_exact(forced, monkeypatch):
+    """The CUDA-graph layout (rows padded to a power of two, contexts to a bucket), run on the CPU."""
+    real = graph_settings
+
+    def bucketed(model, device, generation_config=None):
+        settings = real(model, device, generation_config)
+        settings.bucket = True
+        return settings
+
+    monkeypatch.setattr("hf_specdec.decode.engine.graph_settings", bucketed)
+    monkeypatch.setattr(graphed, "CONTEXT_BUCKET", 8)
+    model = make_model("llama")
+    input_ids, mask = ragged_batch(rows=3, width=14)
+    expected = model.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False, speculator="off")
+    assert torch.equal(out, expected) and compiled_entries(model)[0]["steps"] > 0
