@@ -213,7 +213,7 @@ def cmd_bench(args) -> int:
                         tree_depth=args.tree_depth, uncalibrated=args.compare_calibration,
                         padded=args.compare_layout,
                         on_group=lambda so_far: save(so_far, args.out, None, {**meta, "partial": True}),
-                        static=True if args.static_baseline else None)
+                        static=True if args.static_baseline else None, compare_compile=args.compare_compile)
     save(results, args.out, args.plot, meta)
     print(table(results))
     print(f"\nwrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
@@ -363,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "with speculative_calibration=False (static default costs, stock linear layers)")
     bench.add_argument("--compare-layout", action="store_true", help="also run each hf_specdec configuration with "
                        "every step padded to its widest row (HF_SPECDEC_PACKED=0) instead of packed")
+    bench.add_argument("--compare-compile", action="store_true", help="also run speculation off and each speculator "
+                       "with compiled steps on a CPU (eager on CUDA, where compiled is the default)")
     bench.set_defaults(func=cmd_bench)
 
     gen = sub.add_parser("generate", help="stream one prompt's speculative generation")

@@ -163,3 +163,18 @@ def test_bucketed_rows_and_contexts_are_exact(forced, monkeypatch):
     expected = model.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
     out = model.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False, speculator="off")
     assert torch.equal(out, expected) and compiled_entries(model)[0]["steps"] > 0
+
+
+def test_served_requests_with_compiled_steps_equal_their_solo_runs(forced):
+    """The serving engine compiles its steps too (at its warm-up); requests joining and leaving mid-way change the
+    rows each step holds, and every answer still equals its solo run."""
+    from test_serving import five_requests_equal_their_solo_runs, served_model, word_tokenizer
+
+    from hf_specdec.serving import ServingEngine
+
+    model = served_model()
+    engine = ServingEngine(model, word_tokenizer(), "ngram", num_speculative_tokens=4, max_batch_size=3,
+                           schedule="constant")
+    five_requests_equal_their_solo_runs(engine, model)
+    (entry,) = compiled_entries(model)
+    assert entry["trusted"] and entry["steps"] > 0

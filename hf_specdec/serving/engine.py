@@ -28,6 +28,8 @@ from ..decode.stopping import StopRules
 from ..generation import DEFAULT_GRAMMAR_TOKENS
 from ..metrics import SpeculativeMetrics, logger
 from ..runners.dense import make_runner, runner_attention
+from ..runners.graphed import graph_settings
+from ..runners.model_runner import ModelRunner
 from ..runners.support import check_model_supported, exact_context
 from ..speculators.grammar import GrammarSpeculator
 from ..speculators.resolve import resolve_speculator
@@ -160,6 +162,8 @@ class ServingEngine:
         # This host's profile, measured now if it has none (a server's first request should not wait for it)
         ensure_profile(self.model, self.speculator, calibration)
         self.target = make_runner(self.model, block_size=block_size, max_num_blocks=max_num_blocks)
+        if isinstance(self.target, ModelRunner):  # compiled steps (`runners/graphed.py`), compiled at the warm-up
+            self.target.use_graphs(graph_settings(self.model, self.target.device, self.model.generation_config))
         if kv_region_tokens and hasattr(self.target, "give_regions"):
             self.target.give_regions(list(range(slots)), min(kv_region_tokens, width))
         policy = None

@@ -89,11 +89,17 @@ class Result:
 
 def build_configs(model, speculators: dict, k: int, draft_costs: dict, schedule: str = "adaptive",
                   assisted: bool = True, trees: tuple = (), tree_depth: int = 5,
-                  uncalibrated: bool = False, padded: bool = False, static: bool = False) -> list[Config]:
+                  uncalibrated: bool = False, padded: bool = False, static: bool = False,
+                  compile_switch: str | None = None) -> list[Config]:
+    """`compile_switch`: `"compiled"` (a CPU, where steps run eagerly by default) or `"eager"` (CUDA, where they are
+    compiled by default) also runs "hf_specdec off" and every speculator the other way (`runners/graphed.py`)."""
     configs = [Config("plain generate")]
     if static:  # transformers' fastest plain path on CUDA: a static cache, and generate compiles itself
         configs.append(Config(STATIC, dict(cache_implementation="static")))
     configs.append(Config(OFF, dict(speculator="off")))
+    switched = {"HF_SPECDEC_COMPILE": "1" if compile_switch == "compiled" else "0"}
+    if compile_switch:
+        configs.append(Config(f"{OFF} {compile_switch}", dict(speculator="off"), env=switched))
     if assisted:
         configs.append(Config("transformers prompt lookup", dict(prompt_lookup_num_tokens=k), batch_one_only=True))
         for name, spec in speculators.items():
@@ -106,6 +112,9 @@ def build_configs(model, speculators: dict, k: int, draft_costs: dict, schedule:
         configs.append(Config(f"hf_specdec {name}", dict(speculator=spec, num_speculative_tokens=k,
                                                          speculative_schedule=schedule),
                               draft_cost=draft_costs.get(name, 0.0)))
+        if compile_switch:
+            configs.append(Config(f"hf_specdec {name} {compile_switch}", dict(configs[-1].kwargs),
+                                  draft_cost=draft_costs.get(name, 0.0), env=switched))
         if uncalibrated:  # the same without this host's profile: static costs, stock linear layers
             configs.append(Config(f"hf_specdec {name} uncalibrated", dict(configs[-1].kwargs,
                                   speculative_calibration=False), draft_cost=draft_costs.get(name, 0.0)))
@@ -123,14 +132,15 @@ def run_bench(model, tokenizer, speculators: dict, batch_sizes=(1, 4, 16), workl
               max_new_tokens: int = 128, k: int = 10, repeats: int = 3, progress: bool = True,
               schedule: str = "adaptive", assisted: bool = True, trees: tuple = (),
               tree_depth: int = 5, uncalibrated: bool = False, padded: bool = False,
-              on_group=None, static: bool | None = None) -> list[Result]:
+              on_group=None, static: bool | None = None, compare_compile: bool = False) -> list[Result]:
     """Runs every configuration; returns one `Result` per (workload, batch size, configuration).
 
     `schedule` is hf_specdec's `speculative_schedule`; `assisted=False` leaves out transformers' own speculation.
     `trees`: `(nodes, branching)` draft-tree shapes, each also run, `tree_depth` deep, by every speculator that
     drafts trees. `static` (default: on CUDA) adds transformers' `generate` with a static cache (which it compiles on
     CUDA), and every speedup over it. `uncalibrated=True` also runs each hf_specdec configuration with `speculative_calibration=False`,
-    `padded=True` with every step padded to its widest row (`HF_SPECDEC_PACKED=0`). `on_group(results)` is called
+    `padded=True` with every step padded to its widest row (`HF_SPECDEC_PACKED=0`), `compare_compile=True` with its
+    steps compiled on a CPU (eager on CUDA, where compiled is the default). `on_group(results)` is called
     with the results so far after each (workload, batch size) (the CLI saves them, so a run stopped part-way keeps
     what it measured).
     """
@@ -141,8 +151,9 @@ def run_bench(model, tokenizer, speculators: dict, batch_sizes=(1, 4, 16), workl
         for n, s in speculators.items() if not isinstance(s, str)
     }
     static = model.device.type == "cuda" if static is None else static
+    switch = ("eager" if model.device.type == "cuda" else "compiled") if compare_compile else None
     configs = build_configs(model, speculators, k, draft_costs, schedule, assisted, trees, tree_depth, uncalibrated,
-                            padded, static)
+                            padded, static, switch)
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
         raise ValueError(f"unknown workloads {unknown}; choose from {sorted(WORKLOADS)}")
