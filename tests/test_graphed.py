@@ -13,7 +13,7 @@ from transformers import CompileConfig, LogitsProcessorList
 
 import hf_specdec  # noqa: F401
 from hf_specdec.runners import graphed
-from hf_specdec.runners.graphed import graph_refusal, graph_settings
+from hf_specdec.runners.graphed import graph_refusal, graph_settings, requested_settings
 
 
 def compiled_entries(model) -> list[dict]:
@@ -44,6 +44,16 @@ def test_compiled_steps_give_plain_greedy_output(forced, speculator):
     again = model.generate(input_ids, attention_mask=mask, max_new_tokens=24, do_sample=False, speculator=speculator,
                            **options)
     assert torch.equal(again, expected) and len(compiled_entries(model)) == 1
+
+
+def test_a_draft_model_compiles_its_own_steps(forced):
+    target, draft = make_model("llama"), make_model("llama", seed=1)
+    input_ids, mask = ragged_batch(rows=2, width=12)
+    expected = target.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    out = target.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False, speculator=draft,
+                          num_speculative_tokens=3, speculative_schedule="constant")
+    assert torch.equal(out, expected)
+    assert compiled_entries(target)[0]["steps"] > 0 and compiled_entries(draft)[0]["steps"] > 0
 
 
 def test_compiled_verify_keeps_the_exact_sampling_distribution(forced):
@@ -149,14 +159,14 @@ def test_a_compiled_step_that_disagrees_is_not_trusted(forced, monkeypatch, capl
 
 def test_bucketed_rows_and_contexts_are_exact(forced, monkeypatch):
     """The CUDA-graph layout (rows padded to a power of two, contexts to a bucket), run on the CPU."""
-    real = graph_settings
+    real = requested_settings
 
-    def bucketed(model, device, generation_config=None):
-        settings = real(model, device, generation_config)
+    def bucketed(device, generation_config=None):
+        settings = real(device, generation_config)
         settings.bucket = True
         return settings
 
-    monkeypatch.setattr("hf_specdec.decode.engine.graph_settings", bucketed)
+    monkeypatch.setattr("hf_specdec.decode.engine.requested_settings", bucketed)
     monkeypatch.setattr(graphed, "CONTEXT_BUCKET", 8)
     model = make_model("llama")
     input_ids, mask = ragged_batch(rows=3, width=14)

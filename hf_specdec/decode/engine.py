@@ -18,7 +18,7 @@ from ..costs.calibration import adaptive_costs, ensure_profile, host_linear, rep
 from ..costs.step_cost import StepCost
 from ..metrics import SpeculativeMetrics, logger
 from ..runners.dense import make_runner, runner_attention
-from ..runners.graphed import graph_settings
+from ..runners.graphed import for_model, requested_settings
 from ..runners.model_runner import ModelRunner
 from ..structured.constraints import RowConstraints
 from ..types import SequenceBatch
@@ -98,8 +98,12 @@ class SpeculativeEngine:
         batch = self._make_batch(input_ids, attention_mask, max_new_tokens, do_sample, logits_processor, pad_token_id)
         self._check_pool_fits(batch.lengths, max_new_tokens)
         target = make_runner(self.model, block_size=self.block_size, max_num_blocks=self.max_num_blocks)
+        # Compiled steps (`runners/graphed.py`) where the call's switches ask for them: the target's, and the
+        # speculator's own forwards where it runs a model
+        graphs = requested_settings(target.device, self.generation_config)
         if isinstance(target, ModelRunner):
-            target.use_graphs(graph_settings(self.model, target.device, self.generation_config))
+            target.use_graphs(for_model(graphs, self.model))
+        self.speculator.graph_settings = graphs
         self._policy = None
         # This host's profile, measured before the first step of the first call that lacks one; fixed for the call
         measuring = time.perf_counter()

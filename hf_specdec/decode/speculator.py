@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..runners.graphed import GraphSettings
 from ..types import DraftProposal, DraftTree, SequenceBatch
 from .verify import sample_unnormalized
 
@@ -55,6 +56,10 @@ class Speculator:
         cannot says False, and such rows get a step of their own first. By default only speculators that do not
         read the target's states join this way."""
         return not self.needs_hidden_states
+
+    # How the speculator's own model forwards compile (`runners/graphed.py`), as the call's switches ask; set by the
+    # engine before `begin`. None: eagerly.
+    graph_settings: GraphSettings | None = None
 
     def begin(self, target, batch: SequenceBatch) -> None:
         """Prepares per-call state. `target` is the model being decoded."""

@@ -95,6 +95,11 @@ class GraphSettings:
 def graph_settings(model, device: torch.device, generation_config=None) -> GraphSettings | None:
     """Whether (and how) the steps of a `generate(speculator=...)` call on `model` (its inputs on `device`) are
     compiled; None: eager."""
+    return for_model(requested_settings(device, generation_config), model)
+
+
+def requested_settings(device: torch.device, generation_config=None) -> GraphSettings | None:
+    """What the call's switches ask for on `device` (see the module's docstring), whatever the model; None: eager."""
     config = generation_config
     if config is not None and getattr(config, "disable_compile", False):
         return None
@@ -103,10 +108,6 @@ def graph_settings(model, device: torch.device, generation_config=None) -> Graph
         return None
     compile_config = getattr(config, "compile_config", None)
     if not (switch in ("1", "on", "true", "yes") or compile_config is not None or device.type == "cuda"):
-        return None
-    why = graph_refusal(model)
-    if why is not None:
-        _say_once(model, f"hf_specdec runs {type(model).__name__}'s steps eagerly: {why}")
         return None
     if compile_config is not None:
         options = compile_config.to_dict()
@@ -117,6 +118,17 @@ def graph_settings(model, device: torch.device, generation_config=None) -> Graph
         if device.type == "cuda":
             options["mode"] = "reduce-overhead"
     return GraphSettings(options, bucket=device.type == "cuda" and options.get("mode") == "reduce-overhead")
+
+
+def for_model(settings: GraphSettings | None, model) -> GraphSettings | None:
+    """`settings` where `model`'s steps can be graphed; None (said once per model) where `graph_refusal` refuses."""
+    if settings is None:
+        return None
+    why = graph_refusal(model)
+    if why is not None:
+        _say_once(model, f"hf_specdec runs {type(model).__name__}'s steps eagerly: {why}")
+        return None
+    return settings
 
 
 def graph_refusal(model) -> str | None:

@@ -28,7 +28,7 @@ from ..decode.stopping import StopRules
 from ..generation import DEFAULT_GRAMMAR_TOKENS
 from ..metrics import SpeculativeMetrics, logger
 from ..runners.dense import make_runner, runner_attention
-from ..runners.graphed import graph_settings
+from ..runners.graphed import for_model, requested_settings
 from ..runners.model_runner import ModelRunner
 from ..runners.support import check_model_supported, exact_context
 from ..speculators.grammar import GrammarSpeculator
@@ -162,8 +162,11 @@ class ServingEngine:
         # This host's profile, measured now if it has none (a server's first request should not wait for it)
         ensure_profile(self.model, self.speculator, calibration)
         self.target = make_runner(self.model, block_size=block_size, max_num_blocks=max_num_blocks)
-        if isinstance(self.target, ModelRunner):  # compiled steps (`runners/graphed.py`), compiled at the warm-up
-            self.target.use_graphs(graph_settings(self.model, self.target.device, self.model.generation_config))
+        # Compiled steps (`runners/graphed.py`), compiled at the warm-up: the target's and the speculator's own
+        graphs = requested_settings(self.target.device, self.model.generation_config)
+        if isinstance(self.target, ModelRunner):
+            self.target.use_graphs(for_model(graphs, self.model))
+        self.speculator.graph_settings = graphs
         if kv_region_tokens and hasattr(self.target, "give_regions"):
             self.target.give_regions(list(range(slots)), min(kv_region_tokens, width))
         policy = None

@@ -9,6 +9,7 @@ import torch
 
 from ..decode.speculator import Speculator, sample_or_argmax
 from ..runners.dense import make_runner, runner_attention
+from ..runners.graphed import for_model
 from ..runners.model_runner import ModelRunner
 from ..runners.support import check_model_supported, check_vocab_compatible
 from ..types import DraftProposal, SequenceBatch, gather_right_aligned
@@ -70,6 +71,8 @@ class DraftModelSpeculator(Speculator):
         self._stack = ExitStack()
         self._stack.enter_context(runner_attention(self.model))
         self._runner = make_runner(self.model, block_size=self.block_size)
+        if isinstance(self._runner, ModelRunner):
+            self._runner.use_graphs(for_model(self.graph_settings, self.model))
         for row in batch.active:  # (a prompt's length decides its rotary factors where they depend on it)
             self._runner.add_sequence(row, prompt_length=int(batch.lengths[row]))
 
