@@ -9,6 +9,9 @@ Stages, in order (each fails loudly: the run exits non-zero and names every fail
   train      a short `hf-specdec train-eagle` (its accelerate path), reporting steps/s
   bench      `hf-specdec bench --device cuda --dtype bfloat16` at batch 1, 4, 16, 64: n-gram, the shipped head, an FP8
              and an int8 draft: speedup, acceptance, identical output
+  graphs     compiled (graphed) steps against eager ones: `hf-specdec bench --compare-compile --static-baseline`,
+             float32, batch 1 and 16, speculation off, n-gram and the head; identical output, first-call (compile and
+             capture) time, CUDA memory
   shape_1b   `hf-specdec bench --shape llama-3.2-1b`: random-init Llama-3.2-1B, synthetic drafts at L = 2, 3, 4 (k = 4),
              batch 1, 8, 32, against plain generate eager and static-cache (compiled); fraction of the ideal speedup
   shape_8b   the same for Llama-3.1-8B, its drafts free and priced by a Llama-3.2-1B-shaped draft model
@@ -39,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_check_bundle import BUNDLE_DIR, SERVE_PACKED, SERVE_PART_BYTES, install, pack, receive  # noqa: E402
 
-STAGE_NAMES = ("install", "tests", "kernels", "step_cost", "train", "bench", "shape_1b", "shape_8b")
+STAGE_NAMES = ("install", "tests", "kernels", "step_cost", "train", "bench", "graphs", "shape_1b", "shape_8b")
 # Seconds per stage, caps rather than plans: the first run (H200, 2026-11-26, results/gpu_h200) took install 39, tests
 # 65, kernels 14, step_cost 29, train 25 and bench 189 for n-gram and the head alone, 372 s in all; the second ran
 # past 50 s in install (a cold import probe) and 80 s in tests on a fresh machine, 75 s warm. A stage past its budget
@@ -47,8 +50,8 @@ STAGE_NAMES = ("install", "tests", "kernels", "step_cost", "train", "bench", "sh
 # at its 10 minutes still returns the stages before. `--stages` reruns any subset. The fifth run (H200, 2026-11-27)
 # found a slower host: step_cost past 40 s and bench 42 of its 52 calls in 320 s; so both have more, and the stages
 # no longer fit one call: `--stages install,tests,kernels,step_cost`, then `--stages bench` on the warm machine.
-BUDGET_S = {"install": 120, "tests": 180, "kernels": 25, "step_cost": 75, "train": 35, "bench": 480, "shape_1b": 480,
-            "shape_8b": 540}
+BUDGET_S = {"install": 120, "tests": 180, "kernels": 25, "step_cost": 75, "train": 35, "bench": 480, "graphs": 540,
+            "shape_1b": 480, "shape_8b": 540}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,6 +208,20 @@ def _stage_lines(name: str, entry: dict) -> list[str]:
                 f"(accelerate: {entry['accelerate']}); loss {entry['loss_first']:.3f} -> {entry['loss_last']:.3f}"]
     if name.startswith("shape_"):
         return entry["table"].splitlines()
+    if name == "graphs":
+        def num(value, suffix=""):
+            return "-" if value is None else f"{value:.2f}{suffix}"
+
+        lines = [f"CUDA memory: {entry.get('cuda_reserved_gib', '-')} GiB reserved, "
+                 f"{entry.get('cuda_peak_allocated_gib', '-')} GiB peak allocated.", "",
+                 "| workload | batch | configuration | speedup | vs off | vs static | first call s | second call s "
+                 "| identical |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in entry["rows"]:
+            lines.append(f"| {r['workload']} | {r['batch']} | {r['config']} | {num(r['speedup'], 'x')} | "
+                         f"{num(r['speedup_over_off'], 'x')} | {num(r['speedup_over_static'], 'x')} | "
+                         f"{num(r['first_call_s'])} | {num(r['second_call_s'])} | "
+                         f"{'yes' if r['identical'] else '**no**'} |")
+        return lines
     lines = ["| run | workload | batch | configuration | speedup | acceptance | identical |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for run, rows in entry["runs"].items():

@@ -272,6 +272,38 @@ def run_bench(ctx: Context) -> dict:
                               for r in rows if r["identical"] is False]}
 
 
+def run_graphs(ctx: Context) -> dict:
+    """Compiled (graphed) steps against eager ones (`runners/graphed.py`): `hf-specdec bench --compare-compile
+    --static-baseline` in float32 (answers compared with plain greedy bit for bit) at batch 1 and 16, speculation off,
+    n-gram and the shipped head, each graphed (the CUDA default) and eager, beside plain `generate` eager and with
+    its static cache (which transformers compiles). The first call, timed apart, holds the compile and capture time;
+    the CUDA memory the run reserved is reported. A dry run compiles on the CPU (`--compare-compile` there adds the
+    compiled configurations)."""
+    path = ctx.work / "bench_graphs.json"
+    path.unlink(missing_ok=True)
+    if ctx.dry_run:
+        head = ctx.work / "head"
+        heads = f"ngram,{head}" if (head / EAGLE_CONFIG_NAME).is_file() else "ngram"
+        args = ["--batch-sizes", "2", "--max-new-tokens", "4", "--workloads", "grounded", "--no-calibrate",
+                "--schedule", "constant", "-k", "2", "--speculators", heads]
+    else:
+        args = ["--batch-sizes", "1,16", "--max-new-tokens", "128", "--speculators", "ngram,eagle"]
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    cli(["bench", "--model", ctx.target(), "--device", ctx.device, "--dtype", "float32", "--repeats", "1",
+         "--no-assisted", "--compare-compile", "--static-baseline", "--plot", "", *args, "--out", str(path)])
+    rows = bench_rows(path)
+    report = {"rows": rows, "seconds": round(time.perf_counter() - start, 1),
+              "not_identical": [f"{r['workload']} batch {r['batch']} {r['config']}" for r in rows
+                                if r["identical"] is False]}
+    if not ctx.dry_run:
+        report["cuda_reserved_gib"] = round(torch.cuda.memory_reserved() / 2**30, 2)
+        report["cuda_peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    if report["not_identical"]:
+        raise StageError(f"answers differ from plain greedy: {report['not_identical']}", partial=report)
+    return report
+
+
 # A shape shrunk to a few layers and widths for the dry run: the same code path on the CPU in seconds.
 DRY_SHAPE = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512)
@@ -305,7 +337,9 @@ def bench_rows(path: Path) -> list[dict]:
     return [{"workload": r["workload"], "batch": r["batch_size"], "config": r["config"],
              "tokens_per_s": r["tokens_per_s"], "speedup": r["speedup"], "acceptance": r["acceptance_rate"],
              "mean_acceptance_length": r["mean_acceptance_length"], "draft_ms_per_token": r["draft_ms_per_token"],
-             "identical": r["identical"]} for r in results]
+             "identical": r["identical"], "first_call_s": r.get("first_call_s"),
+             "second_call_s": r.get("second_call_s"), "speedup_over_off": r.get("speedup_over_off"),
+             "speedup_over_static": r.get("speedup_over_static")} for r in results]
 
 
 # --- helpers ----------------------------------------------------------------------------------------------------------
@@ -366,4 +400,4 @@ def _tiny_tokenizer():
 
 
 STAGES = {"tests": run_tests, "kernels": run_kernels, "step_cost": run_step_cost, "train": run_train,
-          "bench": run_bench, "shape_1b": run_shape("llama-3.2-1b"), "shape_8b": run_shape("llama-3.1-8b")}
+          "bench": run_bench, "graphs": run_graphs, "shape_1b": run_shape("llama-3.2-1b"), "shape_8b": run_shape("llama-3.1-8b")}

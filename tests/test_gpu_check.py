@@ -27,7 +27,7 @@ from gpu_check_stages import Context, StageError, judge_tests, junit_counts, ste
 def test_dry_run_runs_every_stage_and_writes_the_report(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--dry-run", "--out", str(out),
-                           "--work", str(work)], capture_output=True, text=True, timeout=300)
+                           "--work", str(work)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
     stages = report["stages"]
@@ -57,6 +57,9 @@ def test_dry_run_runs_every_stage_and_writes_the_report(tmp_path):
     assert all(row["identical"] for rows in runs.values() for row in rows)
     markdown = (out / "gpu_check.md").read_text()
     assert all(f"## {name}" in markdown for name in gpu_check.STAGE_NAMES) and "FAILED" not in markdown
+    graphs = {row["config"]: row for row in stages["graphs"]["rows"]}  # compiled on the CPU, exact
+    assert {"hf_specdec off compiled", "hf_specdec ngram compiled", "plain generate, static cache"} <= set(graphs)
+    assert all(row["identical"] for row in graphs.values()) and "## graphs" in markdown
     for name in ("shape_1b", "shape_8b"):  # the shapes shrunk: every configuration, exact, priced against the ideal
         rows = stages[name]["rows"]
         assert [r["config"] for r in rows][:3] == ["plain generate", "plain generate, static cache", "hf_specdec off"]
