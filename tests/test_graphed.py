@@ -188,3 +188,22 @@ def test_served_requests_with_compiled_steps_equal_their_solo_runs(forced):
     five_requests_equal_their_solo_runs(engine, model)
     (entry,) = compiled_entries(model)
     assert entry["trusted"] and entry["steps"] > 0
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_eagle_head_and_its_target_compile_and_stay_exact(forced, tmp_path, version):
+    """The target's verify (with the hidden states the head reads) and the head's own forwards (per-token features)
+    run compiled; the output is still the target's greedy one."""
+    from test_eagle import convert, make_target, speculate
+
+    from hf_specdec import EagleSpeculator
+
+    target = make_target(num_layers=2 if version == 1 else 4)
+    spec = EagleSpeculator.from_pretrained(convert(tmp_path, target, version))
+    input_ids, mask = ragged_batch(rows=2)
+    out = speculate(target, spec, input_ids, mask)
+    expected = target.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    assert torch.equal(out.sequences, expected) and out.speculative_metrics.num_draft_tokens > 0
+    assert compiled_entries(target)[0]["steps"] > 0
+    (head,) = compiled_entries(spec.head)
+    assert head["trusted"] and head["steps"] > 0 and head["returns_tensor"]

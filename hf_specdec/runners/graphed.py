@@ -32,6 +32,7 @@ from ..kernels.paged_attention.reference import attention_mask, context_slots
 logger = logging.getLogger("hf_specdec")
 
 MAX_WIDTH = 17  # tokens per row a graphed step may feed: one plus up to 16 drafts
+RECOMPILE_LIMIT = 64  # dynamo's compiled variants per code object, at least (see `GraphedSteps`)
 CONTEXT_BUCKET = 256  # with bucketing (CUDA graphs), contexts are padded to a multiple of this many slots
 # Agreement asked of the first compiled step with its eager twin (the logits' largest difference, relative to their
 # largest magnitude): compiled kernels reorder sums and vectorise functions, so bits may differ, never more than
@@ -68,14 +69,17 @@ class StepCache(Cache):
         return 0  # positions are always given; nothing slices buffers by it in the models `graph_refusal` admits
 
 
-def graphed_forward(model, cache_kwarg: str, hidden: bool, input_ids, position_ids, write_slots, slots, key_pools,
-                    value_pools):
+def graphed_forward(model, cache_kwarg: str, hidden: bool, extra: dict, input_ids, position_ids, write_slots, slots,
+                    key_pools, value_pools):
     """One step of `model` over `StepCache`: logits at every fed position `[rows, q, vocab]` and, with `hidden`, the
-    hidden states. The function `torch.compile` captures."""
+    hidden states; a draft head's own output (a tensor `[rows, q, hidden]`) and None. `extra`: the model's other
+    arguments (a head's per-token features `[rows, q, ...]`, flags). The function `torch.compile` captures."""
     mask = attention_mask(position_ids, slots.shape[1], None)
     out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                 **{cache_kwarg: StepCache(key_pools, value_pools, write_slots, slots)}, use_cache=True,
-                logits_to_keep=0, output_hidden_states=hidden, **{PLAN_KWARG: GRAPHED})
+                logits_to_keep=0, output_hidden_states=hidden, **extra, **{PLAN_KWARG: GRAPHED})
+    if isinstance(out, torch.Tensor):
+        return out, None
     return out.logits, (out.hidden_states if hidden else None)
 
 
@@ -164,6 +168,12 @@ class GraphedSteps:
         self.model = model
         self.settings = settings
         compiled = model.__dict__.setdefault("_hf_specdec_graphed", {})
+        # dynamo keeps one cache per code object, shared by every model compiled here (a target and its draft, a
+        # server's models): 8 entries (its default) are spent by one model's few shapes (one row or more, one
+        # token or more, hidden states or not). Raised, never lowered.
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
+        dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
         if settings.key not in compiled:
             def step(*args, _model=model, _kwarg=cache_kwarg):
                 return graphed_forward(_model, _kwarg, *args)
@@ -175,21 +185,25 @@ class GraphedSteps:
     def active(self) -> bool:
         return self._entry.get("failed") is None
 
-    def eligible(self, num_tokens: list[int], tree, model_kwargs: dict) -> bool:
-        return (self.active and tree is None and not model_kwargs and 0 < min(num_tokens)
-                and max(num_tokens) <= MAX_WIDTH)
+    def eligible(self, num_tokens: list[int], tree, model_kwargs: dict, width: int) -> bool:
+        """Whether a step feeding `num_tokens` per row (`width` columns) runs compiled: no tree, every row feeding
+        at most `MAX_WIDTH`, and the model's other tensor arguments per token (`[rows, width, ...]`)."""
+        rows = len(num_tokens)
+        return (self.active and tree is None and 0 < min(num_tokens) and width <= MAX_WIDTH
+                and all(not isinstance(v, torch.Tensor) or v.shape[:2] == (rows, width)
+                        for v in model_kwargs.values()))
 
-    def run(self, cache, plan, input_ids: torch.Tensor, hidden: bool, eager) -> CausalLMOutputWithPast | None:
+    def run(self, cache, plan, input_ids: torch.Tensor, num_context: int, hidden: bool, eager,
+            model_kwargs: dict | None = None) -> CausalLMOutputWithPast | torch.Tensor | None:
         """Runs the step `plan` describes (built unpacked, no tree) compiled. Returns its output with logits at
-        every fed position `[rows, q, vocab]` (right-aligned, as the padded eager step's), or None where it cannot
-        (the caller then runs it eagerly: the same keys and values land in the same slots, so nothing is lost).
-        `eager()` runs the same step eagerly, for the first step's trial."""
+        every fed position `[rows, q, vocab]` (right-aligned, as the padded eager step's; a draft head's tensor as
+        it returns it), or None where it cannot (the caller then runs it eagerly: the same keys and values land in
+        the same slots, so nothing is lost). `num_context`: the longest row's context after the step (known on the
+        host). `eager()` runs the same step eagerly, for the first step's trial."""
+        extra = dict(model_kwargs or {})
         rows, q = input_ids.shape
         device = input_ids.device
         lens = plan.context_lens
-        num_context = int(plan.context_slots.shape[1]) if plan.context_slots is not None else None
-        if num_context is None:  # the kernel's plan gathers nothing: find the longest context on the host
-            num_context = int(lens.max())
         positions, writes = plan.query_positions, plan.write_slots.reshape(rows, q)
         padded_rows = rows
         if self.settings.bucket:  # few shapes, so few CUDA graphs: rows to a power of two, contexts to a bucket
@@ -197,19 +211,23 @@ class GraphedSteps:
             padded_rows = 1 << (rows - 1).bit_length()
         slots = context_slots(plan.block_tables, lens, num_context, plan.block_size, pad_slot=SCRATCH_SLOT)
         if padded_rows > rows:  # extra rows read and write only the scratch slot, at position 0
-            extra = padded_rows - rows
-            input_ids = torch.cat([input_ids, input_ids.new_zeros(extra, q)])
-            positions = torch.cat([positions, positions.new_zeros(extra, q)])
-            writes = torch.cat([writes, writes.new_full((extra, q), SCRATCH_SLOT)])
-            slots = torch.cat([slots, slots.new_full((extra, num_context), SCRATCH_SLOT)])
+            more = padded_rows - rows
+            input_ids = torch.cat([input_ids, input_ids.new_zeros(more, q)])
+            positions = torch.cat([positions, positions.new_zeros(more, q)])
+            writes = torch.cat([writes, writes.new_full((more, q), SCRATCH_SLOT)])
+            slots = torch.cat([slots, slots.new_full((more, num_context), SCRATCH_SLOT)])
+            extra = {name: torch.cat([v, v.new_zeros(more, *v.shape[1:])]) if isinstance(v, torch.Tensor) else v
+                     for name, v in extra.items()}
         pools = (list(cache.key_pools.values()), list(cache.value_pools.values()))
         if len(pools[0]) != len(cache.key_pools) or sorted(cache.key_pools) != list(range(len(pools[0]))):
             return None  # layers without pools of their own (shared KV): not graphed
         if self.settings.bucket:
             for pool in (*pools[0], *pools[1]):
                 torch._dynamo.mark_static_address(pool)
-        args = (hidden, input_ids, positions, writes.reshape(-1).to(device), slots, *pools)
+        args = (hidden, extra, input_ids, positions, writes.reshape(-1).to(device), slots, *pools)
         try:
+            if self.settings.bucket:  # a new step of CUDA graphs: earlier replays' outputs may be reused
+                torch.compiler.cudagraph_mark_step_begin()
             logits, states = self._entry["fn"](*args)
         except Exception as error:  # any failure to compile means: run eagerly, and say why once
             self._entry["failed"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
@@ -218,15 +236,22 @@ class GraphedSteps:
             return None
         logits = logits[:rows]
         states = None if states is None else tuple(h[:rows] for h in states)
+        if self.settings.bucket:  # a CUDA graph's outputs live in its pool, overwritten by its next replay
+            logits = logits.clone()
+            states = None if states is None else tuple(h.clone() for h in states)
         if not self._entry["trusted"]:
             reference = eager()
-            if not _agree(logits, reference.logits[:, -q:] if reference.logits.shape[1] >= q else reference.logits):
+            self._entry["returns_tensor"] = isinstance(reference, torch.Tensor)  # a draft head's own output
+            wanted = reference if self._entry["returns_tensor"] else reference.logits
+            if not _agree(logits, wanted[:, -q:] if wanted.shape[1] >= q else wanted):
                 self._entry["failed"] = "its compiled step's logits differ from the eager step's"
                 _say_once(self.model, f"hf_specdec runs {type(self.model).__name__}'s steps eagerly: "
                                       f"{self._entry['failed']}")
                 return reference
             self._entry["trusted"] = True
         self._entry["steps"] += 1
+        if self._entry["returns_tensor"]:
+            return logits
         return CausalLMOutputWithPast(logits=logits, hidden_states=states)
 
 

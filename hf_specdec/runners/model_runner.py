@@ -209,10 +209,10 @@ class ModelRunner(CacheRows):
         pack = (self.packed and tree is None and sum(num_tokens) < rows * width and min(num_tokens) > 0
                 and width == max(num_tokens) and all(not isinstance(v, torch.Tensor) or v.shape[:2] == (rows, width)
                                                      for v in model_kwargs.values()))
-        if (self.graphs is not None and self.graphs.eligible(num_tokens, tree, model_kwargs)
+        if (self.graphs is not None and self.graphs.eligible(num_tokens, tree, model_kwargs, width)
                 and self.cache.key_pools):
             return self._graphed(seq_ids, input_ids, num_tokens, num_logits, output_hidden_states, logit_counts,
-                                 caller)
+                                 caller, model_kwargs)
         starts = self.cache.reserve(seq_ids, num_tokens)
         # Recurrent layers keep their state after each of these positions.
         self.cache.num_logits = num_logits if state_window is None else state_window
@@ -268,7 +268,8 @@ class ModelRunner(CacheRows):
             )
         return out
 
-    def _graphed(self, seq_ids, input_ids, num_tokens, num_logits, output_hidden_states, logit_counts, caller):
+    def _graphed(self, seq_ids, input_ids, num_tokens, num_logits, output_hidden_states, logit_counts, caller,
+                 model_kwargs):
         """A narrow step through the compiled forward (`runners/graphed.py`), padded (right-aligned rows, as the
         unpacked eager step); eagerly where that cannot run it."""
         width = input_ids.shape[1]
@@ -278,11 +279,15 @@ class ModelRunner(CacheRows):
         self.num_forwards += 1
 
         def eager():
-            return self._call(plan, input_ids, plan.query_positions, width, output_hidden_states, {})
+            return self._call(plan, input_ids, plan.query_positions, width, output_hidden_states, model_kwargs)
 
-        out = self.graphs.run(self.cache, plan, input_ids, bool(output_hidden_states), eager)
+        num_context = max(s + n for s, n in zip(starts, num_tokens))
+        out = self.graphs.run(self.cache, plan, input_ids, num_context, bool(output_hidden_states), eager,
+                              model_kwargs)
         if out is None:
             out = eager()
+        if isinstance(out, torch.Tensor):  # a draft head returns its hidden states
+            return _to(out, caller)
         return self._finish(out, num_logits, logit_counts, caller)
 
     @staticmethod

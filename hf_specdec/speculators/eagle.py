@@ -18,6 +18,7 @@ import torch
 
 from ..cache.layout import TreeAttention
 from ..decode.speculator import Speculator, sample_or_argmax
+from ..runners.graphed import for_model
 from ..runners.model_runner import ModelRunner, TargetHiddenStates
 from ..types import PAD_ID, DraftProposal, DraftTree, SequenceBatch, gather_right_aligned
 from .heads import EagleHead, check_head_target, load_eagle_dir
@@ -98,6 +99,7 @@ class EagleSpeculator(Speculator):
         # device is `meta` when offloaded to disk)
         self.head.bind(target)
         self._runner = ModelRunner(self.head, block_size=self.block_size)
+        self._runner.use_graphs(for_model(self.graph_settings, self.head))
         for row in batch.active:
             self._runner.add_sequence(row)
         self._pending, self._real_lengths, self._offset = None, None, {}

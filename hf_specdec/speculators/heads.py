@@ -144,11 +144,13 @@ class EagleLayer(nn.Module):
         self.mlp = LlamaMLP(config)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, position_embeddings, **kwargs) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, position_embeddings, attention_mask=None,
+                **kwargs) -> torch.Tensor:
         attn_input = hidden if self.version == 1 else torch.cat(
             [self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        hidden = hidden + self.self_attn(attn_input, position_embeddings=position_embeddings, attention_mask=None,
-                                         **kwargs)[0]
+        # `attention_mask`: None over the paged cache (the step plan masks), a tensor in a compiled step
+        hidden = hidden + self.self_attn(attn_input, position_embeddings=position_embeddings,
+                                         attention_mask=attention_mask, **kwargs)[0]
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
