@@ -1,0 +1,73 @@
+"""Host time per decode step: hf_specdec's step over a model too small to cost anything, against transformers'.
+
+A 1-layer Llama of hidden size 32 makes a forward's arithmetic negligible, so a step's time is what the host spends
+on it: Python, the step's plan, small tensor ops and their dispatch (on a GPU, also the kernel launches that CUDA
+graphs remove). `--rows` prompts repeating a short phrase (so n-gram drafts), `--max-new-tokens` greedy tokens: plain
+`generate`, then hf_specdec with speculation off and with n-gram (adaptive k), each eager and with compiled steps
+(`HF_SPECDEC_COMPILE=1`, compiled once before timing), medians of `--repeats` calls, one thread, no calibration.
+
+    python benchmarks/host_time.py [--rows 32] [--max-new-tokens 128] [--repeats 5] [--no-compile]
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_specdec  # noqa: F401  (registers generate(speculator=...))
+
+
+def tiny_model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-compile", action="store_true", help="leave out the compiled configurations")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    os.environ["HF_SPECDEC_CALIBRATION"] = "off"
+    model = tiny_model()
+    phrase = torch.randint(2, 512, (args.rows, 7), generator=torch.Generator().manual_seed(1))
+    input_ids = phrase.repeat(1, 10)[:, :64]
+    configs = [("plain generate", {}, None)]
+    for compiled in ((False, True) if not args.no_compile else (False,)):
+        for name in ("off", "ngram"):
+            configs.append((f"hf_specdec {name}" + (" compiled" if compiled else ""), {"speculator": name},
+                            "1" if compiled else "0"))
+    print(f"{args.rows} rows, {args.max_new_tokens} new tokens, 1 thread; ms per step = call time / target forwards")
+    print("| configuration | call ms | steps | ms per step | ms per token of a row |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, kwargs, compile_switch in configs:
+        if compile_switch is not None:
+            os.environ["HF_SPECDEC_COMPILE"] = compile_switch
+
+        def call():
+            start = time.perf_counter()
+            with torch.no_grad():
+                out = model.generate(input_ids, max_new_tokens=args.max_new_tokens, do_sample=False,
+                                     return_dict_in_generate=True, **kwargs)
+            metrics = getattr(out, "speculative_metrics", None)
+            return time.perf_counter() - start, metrics.num_steps if metrics is not None else args.max_new_tokens
+
+        call()  # warm-up (and, compiled, the compile)
+        samples = [call() for _ in range(args.repeats)]
+        seconds, steps = statistics.median(s for s, _ in samples), samples[0][1]
+        print(f"| {name} | {1000 * seconds:.1f} | {steps} | {1000 * seconds / steps:.2f} | "
+              f"{1000 * seconds / args.max_new_tokens:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
