@@ -54,7 +54,7 @@ def main() -> None:
         if compile_switch is not None:
             os.environ["HF_SPECDEC_COMPILE"] = compile_switch
 
-        def call():
+        def call(kwargs=kwargs):
             start = time.perf_counter()
             with torch.no_grad():
                 out = model.generate(input_ids, max_new_tokens=args.max_new_tokens, do_sample=False,

@@ -207,3 +207,38 @@ def test_eagle_head_and_its_target_compile_and_stay_exact(forced, tmp_path, vers
     assert compiled_entries(target)[0]["steps"] > 0
     (head,) = compiled_entries(spec.head)
     assert head["trusted"] and head["steps"] > 0 and head["returns_tensor"]
+
+
+@pytest.mark.parametrize("bucket", [False, True])
+def test_compiled_steps_on_the_attention_kernel_read_the_pools_in_place(forced, monkeypatch, bucket):
+    """On CUDA the compiled step attends through the paged attention kernel, an opaque custom op reading the pools
+    through the block tables (no context length in the compiled shapes); here on the Triton interpreter, with and
+    without the CUDA-graph buckets. The output is still plain greedy's."""
+    pytest.importorskip("triton")
+    import hf_specdec.kernels.paged_attention.triton_kernel as attention_kernel
+    from hf_specdec.kernels._backend import ENV_VAR
+
+    monkeypatch.setenv(ENV_VAR, "triton")
+    launches = []
+    original = attention_kernel.paged_attention_triton
+    monkeypatch.setattr(attention_kernel, "paged_attention_triton",
+                        lambda *args, **kwargs: launches.append(args[0].shape) or original(*args, **kwargs))
+    if bucket:
+        real = requested_settings
+
+        def bucketed(device, generation_config=None):
+            settings = real(device, generation_config)
+            settings.bucket = True
+            return settings
+
+        monkeypatch.setattr("hf_specdec.decode.engine.requested_settings", bucketed)
+    model = make_model("llama", dtype=torch.float32)
+    input_ids, mask = ragged_batch(rows=3, width=10)
+    input_ids[:, 6:] = input_ids[:, 2:6]
+    expected = model.generate(input_ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=8, do_sample=False, speculator="ngram",
+                         num_speculative_tokens=2, speculative_schedule="constant")
+    assert torch.equal(out, expected)
+    (entry,) = compiled_entries(model)
+    assert entry["trusted"] and entry["steps"] > 0
+    assert any(shape[0] == (4 if bucket else 3) for shape in launches)  # the compiled steps' rows, padded or not

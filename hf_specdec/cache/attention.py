@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UnsupportedModelError, torchao_skew_messages_dropped
+from ..kernels.paged_attention.graph_op import paged_attention_op
 from ..kernels.paged_attention.reference import attend
 from .layout import StepPlan
 
@@ -27,8 +28,18 @@ from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 ATTENTION_NAME = "hf_specdec_paged"
 PLAN_KWARG = "hf_specdec_plan"
 # The plan a compiled step passes (`runners/graphed.py`): its keys and values come gathered, and its mask is the
-# `attention_mask` argument.
+# `attention_mask` argument; or, with the kernel (`GraphedKernelPlan`), the pools themselves.
 GRAPHED = "hf_specdec_graphed_step"
+
+
+@dataclass
+class GraphedKernelPlan:
+    """A compiled step's plan where the paged attention kernel reads the pools in place: each row's block table
+    `[rows, max_blocks]` and each query's position `[rows, q]`."""
+
+    block_tables: torch.Tensor
+    query_positions: torch.Tensor
+    block_size: int
 # The plan of the forward running now, for models whose decoder layers drop the keyword arguments on their way to
 # the attention modules (Nemotron): the attention function finds the plan here (`PagedKVCache.active` sets it) when
 # its kwargs lack it.
@@ -66,6 +77,9 @@ def paged_attention_forward(
     if isinstance(plan, str) and plan == GRAPHED:
         return attend(query, key, value, attention_mask, scaling, softcap, _head_sinks(kwargs, query.shape[1])
                       ).contiguous(), None
+    if isinstance(plan, GraphedKernelPlan):  # `key`, `value` are the pools; the kernel reads them in place
+        return paged_attention_op(query, key, value, plan.block_tables, plan.query_positions, plan.block_size,
+                                  scaling, softcap or None, _head_sinks(kwargs, query.shape[1])), None
     if plan is None:
         raise RuntimeError(
             f"attention implementation {ATTENTION_NAME!r} only runs inside hf_specdec's engine, which sets the "

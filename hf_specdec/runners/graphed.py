@@ -25,7 +25,7 @@ import torch
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..cache.attention import GRAPHED, PLAN_KWARG
+from ..cache.attention import GRAPHED, PLAN_KWARG, GraphedKernelPlan
 from ..cache.layout import SCRATCH_SLOT
 from ..kernels.paged_attention.reference import attention_mask, context_slots
 
@@ -43,8 +43,9 @@ TRIAL_TOLERANCE_LOW = 3e-2  # half precision
 
 class StepCache(Cache):
     """The cache a compiled step's model sees: each layer writes its new keys and values at `write_slots` and gets
-    back every row's context gathered through `context_slots` (`[rows, num_context]`, padding at the scratch slot).
-    It holds only tensors the step was given, so tracing it adds no guard that changes from step to step."""
+    back every row's context gathered through `slots` (`[rows, num_context]`, padding at the scratch slot), or, with
+    `slots=None` (the kernel reads the pools in place), the pools themselves. It holds only tensors the step was
+    given, so tracing it adds no guard that changes from step to step."""
 
     is_compileable = True
 
@@ -59,6 +60,8 @@ class StepCache(Cache):
         # index_put_ (not index_copy_): inductor writes it into the pool in place, with no copy of the pool.
         key_pool.index_put_((self.write_slots,), key_states.transpose(1, 2).reshape(rows * q, heads, dim))
         value_pool.index_put_((self.write_slots,), value_states.transpose(1, 2).reshape(rows * q, heads, -1))
+        if self.slots is None:
+            return key_pool, value_pool
         flat = self.slots.reshape(-1)
         shape = (*self.slots.shape, heads)
         keys = key_pool.index_select(0, flat).view(*shape, dim).transpose(1, 2)
@@ -69,15 +72,21 @@ class StepCache(Cache):
         return 0  # positions are always given; nothing slices buffers by it in the models `graph_refusal` admits
 
 
-def graphed_forward(model, cache_kwarg: str, hidden: bool, extra: dict, input_ids, position_ids, write_slots, slots,
-                    key_pools, value_pools):
+def graphed_forward(model, cache_kwarg: str, hidden: bool, extra: dict, block_size: int | None, input_ids,
+                    position_ids, write_slots, slots, key_pools, value_pools):
     """One step of `model` over `StepCache`: logits at every fed position `[rows, q, vocab]` and, with `hidden`, the
     hidden states; a draft head's own output (a tensor `[rows, q, hidden]`) and None. `extra`: the model's other
-    arguments (a head's per-token features `[rows, q, ...]`, flags). The function `torch.compile` captures."""
-    mask = attention_mask(position_ids, slots.shape[1], None)
-    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                **{cache_kwarg: StepCache(key_pools, value_pools, write_slots, slots)}, use_cache=True,
-                logits_to_keep=0, output_hidden_states=hidden, **extra, **{PLAN_KWARG: GRAPHED})
+    arguments (a head's per-token features `[rows, q, ...]`, flags). `slots`: each row's context slots, gathered
+    and attended by masked SDPA; or, with `block_size`, each row's block table, read in place by the paged
+    attention kernel (`kernels/paged_attention/graph_op.py`). The function `torch.compile` captures."""
+    if block_size is None:
+        mask, plan = attention_mask(position_ids, slots.shape[1], None), GRAPHED
+        cache = StepCache(key_pools, value_pools, write_slots, slots)
+    else:
+        mask, plan = None, GraphedKernelPlan(slots, position_ids, block_size)
+        cache = StepCache(key_pools, value_pools, write_slots, None)
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, **{cache_kwarg: cache},
+                use_cache=True, logits_to_keep=0, output_hidden_states=hidden, **extra, **{PLAN_KWARG: plan})
     if isinstance(out, torch.Tensor):
         return out, None
     return out.logits, (out.hidden_states if hidden else None)
@@ -203,19 +212,26 @@ class GraphedSteps:
         extra = dict(model_kwargs or {})
         rows, q = input_ids.shape
         device = input_ids.device
-        lens = plan.context_lens
         positions, writes = plan.query_positions, plan.write_slots.reshape(rows, q)
+        kernel = plan.backend == "triton"  # the kernel reads the pools in place: no context in the shapes
         padded_rows = rows
         if self.settings.bucket:  # few shapes, so few CUDA graphs: rows to a power of two, contexts to a bucket
             num_context = -(-num_context // CONTEXT_BUCKET) * CONTEXT_BUCKET
             padded_rows = 1 << (rows - 1).bit_length()
-        slots = context_slots(plan.block_tables, lens, num_context, plan.block_size, pad_slot=SCRATCH_SLOT)
+        if kernel:  # block tables, as wide as a bucket when bucketing (entries past a row's context go unread)
+            slots = plan.block_tables
+            if self.settings.bucket:
+                width = 1 << (slots.shape[1] - 1).bit_length()
+                slots = torch.cat([slots, slots.new_zeros(rows, width - slots.shape[1])], dim=1)
+        else:
+            slots = context_slots(plan.block_tables, plan.context_lens, num_context, plan.block_size,
+                                  pad_slot=SCRATCH_SLOT)
         if padded_rows > rows:  # extra rows read and write only the scratch slot, at position 0
             more = padded_rows - rows
             input_ids = torch.cat([input_ids, input_ids.new_zeros(more, q)])
             positions = torch.cat([positions, positions.new_zeros(more, q)])
             writes = torch.cat([writes, writes.new_full((more, q), SCRATCH_SLOT)])
-            slots = torch.cat([slots, slots.new_full((more, num_context), SCRATCH_SLOT)])
+            slots = torch.cat([slots, slots.new_full((more, slots.shape[1]), 0 if kernel else SCRATCH_SLOT)])
             extra = {name: torch.cat([v, v.new_zeros(more, *v.shape[1:])]) if isinstance(v, torch.Tensor) else v
                      for name, v in extra.items()}
         pools = (list(cache.key_pools.values()), list(cache.value_pools.values()))
@@ -224,7 +240,8 @@ class GraphedSteps:
         if self.settings.bucket:
             for pool in (*pools[0], *pools[1]):
                 torch._dynamo.mark_static_address(pool)
-        args = (hidden, extra, input_ids, positions, writes.reshape(-1).to(device), slots, *pools)
+        args = (hidden, extra, plan.block_size if kernel else None, input_ids, positions,
+                writes.reshape(-1).to(device), slots, *pools)
         try:
             if self.settings.bucket:  # a new step of CUDA graphs: earlier replays' outputs may be reused
                 torch.compiler.cudagraph_mark_step_begin()
