@@ -120,6 +120,27 @@ def test_models_the_step_cannot_describe_stay_eager(forced, caplog):
     assert sum("runs Gemma3ForCausalLM's steps eagerly" in r.getMessage() for r in caplog.records) == 1
 
 
+def assert_off_is_exact(model, caplog) -> None:
+    """`speculator="off"` on a ragged batch of 2, its warnings captured, gives plain greedy's output."""
+    input_ids, mask = ragged_batch(rows=2, width=12)
+    expected = model.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    with caplog.at_level(logging.WARNING, logger="hf_specdec"):
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False, speculator="off")
+    assert torch.equal(out, expected)
+
+
+def force_buckets(monkeypatch) -> None:
+    """The CUDA-graph layout (rows padded to a power of two, contexts and block tables to buckets) on the CPU."""
+    real = requested_settings
+
+    def bucketed(device, generation_config=None):
+        settings = real(device, generation_config)
+        settings.bucket = True
+        return settings
+
+    monkeypatch.setattr("hf_specdec.decode.engine.requested_settings", bucketed)
+
+
 def test_a_compile_failure_falls_back_to_eager_once(forced, monkeypatch, caplog):
     def broken(fn, **options):
         def run(*args):
@@ -128,11 +149,7 @@ def test_a_compile_failure_falls_back_to_eager_once(forced, monkeypatch, caplog)
 
     monkeypatch.setattr(graphed.torch, "compile", broken)
     model = make_model("llama")
-    input_ids, mask = ragged_batch(rows=2, width=12)
-    expected = model.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
-    with caplog.at_level(logging.WARNING, logger="hf_specdec"):
-        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False, speculator="off")
-    assert torch.equal(out, expected)
+    assert_off_is_exact(model, caplog)
     assert [r.getMessage() for r in caplog.records if "could not compile" in r.getMessage()] == [
         "hf_specdec could not compile LlamaForCausalLM's steps and runs them eagerly (RuntimeError: backend "
         "exploded)"]
@@ -147,11 +164,7 @@ def test_a_compiled_step_that_disagrees_is_not_trusted(forced, monkeypatch, capl
 
     monkeypatch.setattr(graphed.torch, "compile", skewed)
     model = make_model("llama")
-    input_ids, mask = ragged_batch(rows=2, width=12)
-    expected = model.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
-    with caplog.at_level(logging.WARNING, logger="hf_specdec"):
-        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False, speculator="off")
-    assert torch.equal(out, expected)
+    assert_off_is_exact(model, caplog)
     (entry,) = compiled_entries(model)
     assert not entry["trusted"] and "differ" in entry["failed"] and entry["steps"] == 0
     assert any("logits differ from the eager step's" in r.getMessage() for r in caplog.records)
@@ -159,14 +172,7 @@ def test_a_compiled_step_that_disagrees_is_not_trusted(forced, monkeypatch, capl
 
 def test_bucketed_rows_and_contexts_are_exact(forced, monkeypatch):
     """The CUDA-graph layout (rows padded to a power of two, contexts to a bucket), run on the CPU."""
-    real = requested_settings
-
-    def bucketed(device, generation_config=None):
-        settings = real(device, generation_config)
-        settings.bucket = True
-        return settings
-
-    monkeypatch.setattr("hf_specdec.decode.engine.requested_settings", bucketed)
+    force_buckets(monkeypatch)
     monkeypatch.setattr(graphed, "CONTEXT_BUCKET", 8)
     model = make_model("llama")
     input_ids, mask = ragged_batch(rows=3, width=14)
@@ -224,14 +230,7 @@ def test_compiled_steps_on_the_attention_kernel_read_the_pools_in_place(forced, 
     monkeypatch.setattr(attention_kernel, "paged_attention_triton",
                         lambda *args, **kwargs: launches.append(args[0].shape) or original(*args, **kwargs))
     if bucket:
-        real = requested_settings
-
-        def bucketed(device, generation_config=None):
-            settings = real(device, generation_config)
-            settings.bucket = True
-            return settings
-
-        monkeypatch.setattr("hf_specdec.decode.engine.requested_settings", bucketed)
+        force_buckets(monkeypatch)
     model = make_model("llama", dtype=torch.float32)
     input_ids, mask = ragged_batch(rows=3, width=10)
     input_ids[:, 6:] = input_ids[:, 2:6]
