@@ -38,8 +38,10 @@ def test_compiled_steps_give_plain_greedy_output(forced, speculator):
     assert torch.equal(out.sequences, expected)
     (entry,) = compiled_entries(model)
     assert entry["trusted"] and "failed" not in entry and entry["steps"] > 0
+    assert set(entry["trials"]) == entry["trusted"]  # every shape it ran was checked against its eager twin first
     if speculator == "ngram":
         assert out.speculative_metrics.num_draft_tokens > 0
+        assert len(entry["trusted"]) > 1  # decode and verify widths: each checked
     # A second call reuses the compiled function (nothing compiled again from scratch) and is as exact.
     again = model.generate(input_ids, attention_mask=mask, max_new_tokens=24, do_sample=False, speculator=speculator,
                            **options)
@@ -98,6 +100,24 @@ def test_switches(monkeypatch):
     config.disable_compile = False
     monkeypatch.setenv("HF_SPECDEC_COMPILE", "0")
     assert graph_settings(model, torch.device("cuda"), config) is None
+
+
+def test_a_bad_switch_value_is_refused(monkeypatch):
+    monkeypatch.setenv("HF_SPECDEC_COMPILE", "sometimes")
+    with pytest.raises(ValueError, match="HF_SPECDEC_COMPILE must be 1/on"):
+        requested_settings(torch.device("cpu"))
+
+
+def test_options_torch_compile_refuses_run_eagerly_and_say_so(monkeypatch, caplog):
+    """transformers' CompileConfig defaults to mode="reduce-overhead"; adding backend options makes torch.compile
+    refuse the pair ("Either mode or options"): the call runs eagerly, exact, and says why."""
+    monkeypatch.setenv("HF_SPECDEC_CALIBRATION", "off")
+    model = make_model("llama")
+    model.generation_config.compile_config = CompileConfig(options={"max_autotune": False})
+    assert_off_is_exact(model, caplog)
+    (entry,) = compiled_entries(model)
+    assert entry["fn"] is None and "failed" in entry
+    assert any("could not compile LlamaForCausalLM's steps" in r.getMessage() for r in caplog.records)
 
 
 def test_disable_compile_runs_eagerly(forced):

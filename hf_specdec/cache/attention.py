@@ -74,6 +74,11 @@ def paged_attention_forward(
 ):
     """Attention over a `PagedKVCache` step: `query` `[rows, heads, q, dim]`, `key`/`value` what `update` returned."""
     plan: StepPlan | None = kwargs.get(PLAN_KWARG) or ACTIVE_PLAN.get()
+    if (isinstance(plan, str) and plan == GRAPHED or isinstance(plan, GraphedKernelPlan)) and sliding_window:
+        # A compiled step's mask is causal only (`runners/graphed.py` refuses models with windows; this guards the
+        # rest): the raise sends the step back to the eager path, which applies the window.
+        raise NotImplementedError(f"{type(module).__name__} attends through a sliding window, which compiled steps "
+                                  "do not apply")
     if isinstance(plan, str) and plan == GRAPHED:
         return attend(query, key, value, attention_mask, scaling, softcap, _head_sinks(kwargs, query.shape[1])
                       ).contiguous(), None

@@ -11,8 +11,8 @@ symbolic) serves every step, and on CUDA each bucket of rows and context becomes
 Switches follow transformers' own compile knobs: on by default on CUDA (as `generate` compiles a static cache's
 decode there), off on CPUs (the bench decides: docs/benchmarks.md); `generation_config.disable_compile=True` turns it
 off, a `compile_config` turns it on (with its options) on any device, and `HF_SPECDEC_COMPILE=0`/`1` overrides both
-defaults. A model that fails to compile, or whose compiled step disagrees with its eager one on the first step, runs
-eager and says so once.
+defaults. A model that fails to compile, or whose compiled steps disagree with their eager twins (each new step shape
+is checked on its first calls), runs eagerly and says so once.
 """
 
 from __future__ import annotations
@@ -32,13 +32,18 @@ from ..kernels.paged_attention.reference import attention_mask, context_slots
 logger = logging.getLogger("hf_specdec")
 
 MAX_WIDTH = 17  # tokens per row a graphed step may feed: one plus up to 16 drafts
+SWITCH_ON, SWITCH_OFF = ("1", "on", "true", "yes"), ("0", "off", "false", "no")  # HF_SPECDEC_COMPILE's values
 RECOMPILE_LIMIT = 64  # dynamo's compiled variants per code object, at least (see `GraphedSteps`)
 CONTEXT_BUCKET = 256  # with bucketing (CUDA graphs), contexts are padded to a multiple of this many slots
-# Agreement asked of the first compiled step with its eager twin (the logits' largest difference, relative to their
+# Agreement asked of a compiled step with its eager twin (the logits' largest difference, relative to their
 # largest magnitude): compiled kernels reorder sums and vectorise functions, so bits may differ, never more than
 # rounding. Models compute some parts in float32 whatever their dtype (rotary angles), so float64 models get float32's.
 TRIAL_TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-4}
-TRIAL_TOLERANCE_LOW = 3e-2  # half precision
+TRIAL_TOLERANCE_LOW = 1e-2  # half precision
+# Each new step shape (rows, width, hidden states or not, attention path) is checked against its eager twin on its
+# first calls: one where the compiled code runs as traced; three where CUDA graphs are recorded (a warm-up run, the
+# recording, then the first replay).
+TRIALS, TRIALS_GRAPHED = 1, 3
 
 
 class StepCache(Cache):
@@ -117,10 +122,13 @@ def requested_settings(device: torch.device, generation_config=None) -> GraphSet
     if config is not None and getattr(config, "disable_compile", False):
         return None
     switch = os.environ.get("HF_SPECDEC_COMPILE", "").strip().lower()
-    if switch in ("0", "off", "false", "no"):
+    if switch not in ("", *SWITCH_ON, *SWITCH_OFF):
+        raise ValueError(f"HF_SPECDEC_COMPILE must be 1/on (compile hf_specdec's steps) or 0/off (run them eagerly), "
+                         f"got {switch!r}")
+    if switch in SWITCH_OFF:
         return None
     compile_config = getattr(config, "compile_config", None)
-    if not (switch in ("1", "on", "true", "yes") or compile_config is not None or device.type == "cuda"):
+    if not (switch in SWITCH_ON or compile_config is not None or device.type == "cuda"):
         return None
     if compile_config is not None:
         options = compile_config.to_dict()
@@ -130,7 +138,10 @@ def requested_settings(device: torch.device, generation_config=None) -> GraphSet
         options = {"dynamic": True, "fullgraph": False}
         if device.type == "cuda":
             options["mode"] = "reduce-overhead"
-    return GraphSettings(options, bucket=device.type == "cuda" and options.get("mode") == "reduce-overhead")
+    # Shapes bucketed wherever inductor records CUDA graphs: these modes, or its `triton.cudagraphs` option
+    graphs = options.get("mode") in ("reduce-overhead", "max-autotune") or bool(
+        (options.get("options") or {}).get("triton.cudagraphs"))
+    return GraphSettings(options, bucket=device.type == "cuda" and graphs)
 
 
 def for_model(settings: GraphSettings | None, model) -> GraphSettings | None:
@@ -139,7 +150,7 @@ def for_model(settings: GraphSettings | None, model) -> GraphSettings | None:
         return None
     why = graph_refusal(model)
     if why is not None:
-        _say_once(model, f"hf_specdec runs {type(model).__name__}'s steps eagerly: {why}")
+        say_once(model, f"hf_specdec runs {type(model).__name__}'s steps eagerly: {why}")
         return None
     return settings
 
@@ -154,6 +165,8 @@ def graph_refusal(model) -> str | None:
         return f"its layers are of kinds {sorted(layer_types)} (only full attention layers are graphed)"
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False:
         return "it attends through a sliding window"
+    if getattr(config, "attn_temperature_tuning", False):
+        return "its attention scales queries by the cached length, which the compiled step does not pass"
     if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
         return "its weights are spread over devices or offloaded"
     if getattr(model, "_hf_specdec_tp", None) or getattr(config, "base_model_tp_plan", None) and getattr(
@@ -162,7 +175,8 @@ def graph_refusal(model) -> str | None:
     return None
 
 
-def _say_once(model, message: str) -> None:
+def say_once(model, message: str) -> None:
+    """Logs `message` at WARNING once per model."""
     said = model.__dict__.setdefault("_hf_specdec_graph_notes", set())
     if message not in said:
         said.add(message)
@@ -181,18 +195,26 @@ class GraphedSteps:
         # server's models): 8 entries (its default) are spent by one model's few shapes (one row or more, one
         # token or more, hidden states or not). Raised, never lowered.
         dynamo = torch._dynamo.config
-        dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
-        dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
+        for name, least in (("recompile_limit", RECOMPILE_LIMIT), ("accumulated_recompile_limit", 4 * RECOMPILE_LIMIT)):
+            if isinstance(getattr(dynamo, name, None), int):  # (older torch names them otherwise: left alone)
+                setattr(dynamo, name, max(getattr(dynamo, name), least))
         if settings.key not in compiled:
             def step(*args, _model=model, _kwarg=cache_kwarg):
                 return graphed_forward(_model, _kwarg, *args)
 
-            compiled[settings.key] = {"fn": torch.compile(step, **settings.options), "trusted": False, "steps": 0}
+            entry = {"fn": None, "trusted": set(), "steps": 0}
+            try:  # options torch.compile refuses, or a Python it cannot compile on: eager, said once
+                entry["fn"] = torch.compile(step, **settings.options)
+            except Exception as error:  # noqa: BLE001
+                entry["failed"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                say_once(model, f"hf_specdec could not compile {type(model).__name__}'s steps and runs them "
+                                 f"eagerly ({entry['failed']})")
+            compiled[settings.key] = entry
         self._entry = compiled[settings.key]
 
     @property
     def active(self) -> bool:
-        return self._entry.get("failed") is None
+        return self._entry.get("failed") is None and self._entry["fn"] is not None
 
     def eligible(self, num_tokens: list[int], tree, model_kwargs: dict, width: int) -> bool:
         """Whether a step feeding `num_tokens` per row (`width` columns) runs compiled: no tree, every row feeding
@@ -234,9 +256,10 @@ class GraphedSteps:
             slots = torch.cat([slots, slots.new_full((more, slots.shape[1]), 0 if kernel else SCRATCH_SLOT)])
             extra = {name: torch.cat([v, v.new_zeros(more, *v.shape[1:])]) if isinstance(v, torch.Tensor) else v
                      for name, v in extra.items()}
-        pools = (list(cache.key_pools.values()), list(cache.value_pools.values()))
-        if len(pools[0]) != len(cache.key_pools) or sorted(cache.key_pools) != list(range(len(pools[0]))):
+        layers = sorted(cache.key_pools)
+        if layers != list(range(len(layers))):
             return None  # layers without pools of their own (shared KV): not graphed
+        pools = ([cache.key_pools[i] for i in layers], [cache.value_pools[i] for i in layers])
         if self.settings.bucket:
             for pool in (*pools[0], *pools[1]):
                 torch._dynamo.mark_static_address(pool)
@@ -246,9 +269,9 @@ class GraphedSteps:
             if self.settings.bucket:  # a new step of CUDA graphs: earlier replays' outputs may be reused
                 torch.compiler.cudagraph_mark_step_begin()
             logits, states = self._entry["fn"](*args)
-        except Exception as error:  # any failure to compile means: run eagerly, and say why once
+        except Exception as error:  # noqa: BLE001 - any failure to compile means: run eagerly, say why once
             self._entry["failed"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            _say_once(self.model, f"hf_specdec could not compile {type(self.model).__name__}'s steps and runs them "
+            say_once(self.model, f"hf_specdec could not compile {type(self.model).__name__}'s steps and runs them "
                                   f"eagerly ({self._entry['failed']})")
             return None
         logits = logits[:rows]
@@ -256,16 +279,22 @@ class GraphedSteps:
         if self.settings.bucket:  # a CUDA graph's outputs live in its pool, overwritten by its next replay
             logits = logits.clone()
             states = None if states is None else tuple(h.clone() for h in states)
-        if not self._entry["trusted"]:
+        shape = (padded_rows, q, hidden, kernel)
+        trials = self._entry.setdefault("trials", {})
+        if trials.get(shape, 0) < (TRIALS_GRAPHED if self.settings.bucket else TRIALS):
+            trials[shape] = trials.get(shape, 0) + 1
             reference = eager()
             self._entry["returns_tensor"] = isinstance(reference, torch.Tensor)  # a draft head's own output
             wanted = reference if self._entry["returns_tensor"] else reference.logits
-            if not _agree(logits, wanted[:, -q:] if wanted.shape[1] >= q else wanted):
+            agree = _agree(logits, wanted[:, -q:] if wanted.shape[1] >= q else wanted)
+            if agree and states is not None and getattr(reference, "hidden_states", None) is not None:
+                agree = _agree(states[-1], reference.hidden_states[-1])  # what a head reads: the last layer's
+            if not agree:
                 self._entry["failed"] = "its compiled step's logits differ from the eager step's"
-                _say_once(self.model, f"hf_specdec runs {type(self.model).__name__}'s steps eagerly: "
+                say_once(self.model, f"hf_specdec runs {type(self.model).__name__}'s steps eagerly: "
                                       f"{self._entry['failed']}")
                 return reference
-            self._entry["trusted"] = True
+            self._entry["trusted"].add(shape)
         self._entry["steps"] += 1
         if self._entry["returns_tensor"]:
             return logits

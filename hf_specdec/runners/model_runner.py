@@ -18,7 +18,7 @@ from ..cache.rope import RopeRows, rope_factors
 from ..errors import UnsupportedModelError
 from ..kernels._backend import resolve_backend
 from .distributed import RankZeroDecides, tp_group
-from .graphed import GraphedSteps, GraphSettings
+from .graphed import GraphedSteps, GraphSettings, say_once
 
 
 @contextmanager
@@ -133,9 +133,12 @@ class ModelRunner(CacheRows):
         """Runs this runner's narrow steps compiled (`runners/graphed.py`) with these settings; None: eagerly. Only
         where the runner's cache and positions fit the compiled step (a `PagedKVCache`, no per-row rotary factors,
         one device)."""
-        fits = settings is not None and type(self.cache) is PagedKVCache and self.rope is None and \
-            self.agree.group is None
-        self.graphs = GraphedSteps(self.model, self._cache_kwarg, settings) if fits else None
+        fits = type(self.cache) is PagedKVCache and self.rope is None and self.agree.group is None
+        if settings is not None and not fits:
+            say_once(self.model, f"hf_specdec runs {type(self.model).__name__}'s steps eagerly: compiled steps "
+                                 "serve models on the paged cache alone, without per-row rotary factors (LongRoPE) "
+                                 "or tensor parallelism")
+        self.graphs = GraphedSteps(self.model, self._cache_kwarg, settings) if settings is not None and fits else None
 
     def add_sequence(self, seq_id: int, prompt_length: int = 0) -> None:
         super().add_sequence(seq_id)

@@ -72,6 +72,7 @@ class HybridSpeculator(Speculator):
         self._policy = policy
 
     def begin(self, target, batch: SequenceBatch) -> None:
+        self.ngram.graph_settings = self.head.graph_settings = self.graph_settings  # the head's forwards compile
         self.ngram.begin(target, batch)
         self.head.begin(target, batch)
 
