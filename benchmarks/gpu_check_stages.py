@@ -225,6 +225,12 @@ def run_train(ctx: Context) -> dict:
 
 
 # --- 5. hf-specdec bench ----------------------------------------------------------------------------------------------
+# A dry run's bench: one ragged batch of 2 (batch 1 runs every prompt alone, three times the calls), a few tokens,
+# constant k so that every step drafts: the path, not speed.
+DRY_BENCH = ["--batch-sizes", "2", "--max-new-tokens", "4", "--workloads", "grounded", "--no-calibrate", "--schedule",
+             "constant", "-k", "2"]
+
+
 def run_bench(ctx: Context) -> dict:
     """`hf-specdec bench --device cuda --dtype bfloat16` at batch 1, 4, 16 and 64: n-gram and the shipped head in
     one run, then an FP8 and an int8 draft, each in its own run so one that cannot load does not hide the others."""
@@ -233,9 +239,7 @@ def run_bench(ctx: Context) -> dict:
         head = ctx.work / "head"
         if not (head / EAGLE_CONFIG_NAME).is_file():
             raise StageError(f"the dry run benches the head the train stage writes, and {head} has none")
-        # one ragged batch of 2 (batch 1 runs every prompt alone, three times the calls): the path, not speed
-        common += ["--dtype", "float32", "--batch-sizes", "2", "--max-new-tokens", "4", "--workloads", "grounded",
-                   "--no-calibrate", "--schedule", "constant", "-k", "2"]  # constant k: every step drafts
+        common += ["--dtype", "float32", *DRY_BENCH]
         heads = f"ngram,{head}"
     else:
         common += ["--dtype", "bfloat16", "--batch-sizes", BATCH_SIZES, "--max-new-tokens", "128"]
@@ -284,8 +288,7 @@ def run_graphs(ctx: Context) -> dict:
     if ctx.dry_run:
         head = ctx.work / "head"
         heads = f"ngram,{head}" if (head / EAGLE_CONFIG_NAME).is_file() else "ngram"
-        args = ["--batch-sizes", "2", "--max-new-tokens", "4", "--workloads", "grounded", "--no-calibrate",
-                "--schedule", "constant", "-k", "2", "--speculators", heads]
+        args = [*DRY_BENCH, "--speculators", heads]
     else:
         args = ["--batch-sizes", "1,16", "--max-new-tokens", "128", "--speculators", "ngram,eagle"]
         torch.cuda.reset_peak_memory_stats()

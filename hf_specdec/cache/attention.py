@@ -74,17 +74,17 @@ def paged_attention_forward(
 ):
     """Attention over a `PagedKVCache` step: `query` `[rows, heads, q, dim]`, `key`/`value` what `update` returned."""
     plan: StepPlan | None = kwargs.get(PLAN_KWARG) or ACTIVE_PLAN.get()
-    if (isinstance(plan, str) and plan == GRAPHED or isinstance(plan, GraphedKernelPlan)) and sliding_window:
-        # A compiled step's mask is causal only (`runners/graphed.py` refuses models with windows; this guards the
-        # rest): the raise sends the step back to the eager path, which applies the window.
-        raise NotImplementedError(f"{type(module).__name__} attends through a sliding window, which compiled steps "
-                                  "do not apply")
-    if isinstance(plan, str) and plan == GRAPHED:
-        return attend(query, key, value, attention_mask, scaling, softcap, _head_sinks(kwargs, query.shape[1])
-                      ).contiguous(), None
-    if isinstance(plan, GraphedKernelPlan):  # `key`, `value` are the pools; the kernel reads them in place
+    if isinstance(plan, GraphedKernelPlan) or plan == GRAPHED:  # a compiled step (`runners/graphed.py`)
+        if sliding_window:  # its mask is causal only (models with windows are refused; this guards the rest): the
+            # raise sends the step back to the eager path, which applies the window
+            raise NotImplementedError(f"{type(module).__name__} attends through a sliding window, which compiled "
+                                      "steps do not apply")
+        sinks = _head_sinks(kwargs, query.shape[1])
+        if plan == GRAPHED:  # `key`, `value` gathered; `attention_mask` the step's
+            return attend(query, key, value, attention_mask, scaling, softcap, sinks).contiguous(), None
+        # `key`, `value` are the pools: the kernel reads them in place
         return paged_attention_op(query, key, value, plan.block_tables, plan.query_positions, plan.block_size,
-                                  scaling, softcap or None, _head_sinks(kwargs, query.shape[1])), None
+                                  scaling, softcap or None, sinks), None
     if plan is None:
         raise RuntimeError(
             f"attention implementation {ATTENTION_NAME!r} only runs inside hf_specdec's engine, which sets the "

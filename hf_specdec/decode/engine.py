@@ -30,6 +30,15 @@ from .step import Step
 from .stopping import StopRules
 
 
+def compile_steps(model, target, speculator: Speculator, generation_config=None) -> None:
+    """Compiled steps (`runners/graphed.py`) where the switches (`generation_config`'s, `HF_SPECDEC_COMPILE`) ask for
+    them: the target runner's, and the speculator's own forwards where it runs a model."""
+    graphs = requested_settings(target.device, generation_config)
+    if isinstance(target, ModelRunner):
+        target.use_graphs(for_model(graphs, model))
+    speculator.graph_settings = graphs
+
+
 class SpeculativeEngine:
     """Runs one batched speculative `generate` call.
 
@@ -98,12 +107,7 @@ class SpeculativeEngine:
         batch = self._make_batch(input_ids, attention_mask, max_new_tokens, do_sample, logits_processor, pad_token_id)
         self._check_pool_fits(batch.lengths, max_new_tokens)
         target = make_runner(self.model, block_size=self.block_size, max_num_blocks=self.max_num_blocks)
-        # Compiled steps (`runners/graphed.py`) where the call's switches ask for them: the target's, and the
-        # speculator's own forwards where it runs a model
-        graphs = requested_settings(target.device, self.generation_config)
-        if isinstance(target, ModelRunner):
-            target.use_graphs(for_model(graphs, self.model))
-        self.speculator.graph_settings = graphs
+        compile_steps(self.model, target, self.speculator, self.generation_config)
         self._policy = None
         # This host's profile, measured before the first step of the first call that lacks one; fixed for the call
         measuring = time.perf_counter()

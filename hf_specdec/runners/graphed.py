@@ -198,19 +198,29 @@ class GraphedSteps:
         for name, least in (("recompile_limit", RECOMPILE_LIMIT), ("accumulated_recompile_limit", 4 * RECOMPILE_LIMIT)):
             if isinstance(getattr(dynamo, name, None), int):  # (older torch names them otherwise: left alone)
                 setattr(dynamo, name, max(getattr(dynamo, name), least))
-        if settings.key not in compiled:
-            def step(*args, _model=model, _kwarg=cache_kwarg):
-                return graphed_forward(_model, _kwarg, *args)
+        def step(*args, _model=model, _kwarg=cache_kwarg):
+            return graphed_forward(_model, _kwarg, *args)
 
-            entry = {"fn": None, "trusted": set(), "steps": 0}
-            try:  # options torch.compile refuses, or a Python it cannot compile on: eager, said once
-                entry["fn"] = torch.compile(step, **settings.options)
-            except Exception as error:  # noqa: BLE001
-                entry["failed"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-                say_once(model, f"hf_specdec could not compile {type(model).__name__}'s steps and runs them "
-                                 f"eagerly ({entry['failed']})")
-            compiled[settings.key] = entry
+        if settings.key not in compiled:
+            compiled[settings.key] = {"fn": None, "trusted": set(), "steps": 0, "trials": {}}
         self._entry = compiled[settings.key]
+        self._marked = None  # the pools last marked as static addresses (CUDA graphs)
+        if self._entry["fn"] is None and "failed" not in self._entry:
+            try:  # options torch.compile refuses, or a Python it cannot compile on: eager, said once
+                self._entry["fn"] = torch.compile(step, **settings.options)
+            except Exception as error:  # noqa: BLE001
+                self._give_up(error)
+
+    def _give_up(self, error: Exception | str) -> None:
+        """Runs this model's steps eagerly from now on, saying why once."""
+        if isinstance(error, Exception):
+            first = str(error).splitlines()[0] if str(error) else ""
+            self._entry["failed"] = f"{type(error).__name__}: {first}"
+            say_once(self.model, f"hf_specdec could not compile {type(self.model).__name__}'s steps and runs them "
+                                 f"eagerly ({self._entry['failed']})")
+        else:
+            self._entry["failed"] = error
+            say_once(self.model, f"hf_specdec runs {type(self.model).__name__}'s steps eagerly: {error}")
 
     @property
     def active(self) -> bool:
@@ -231,23 +241,29 @@ class GraphedSteps:
         it returns it), or None where it cannot (the caller then runs it eagerly: the same keys and values land in
         the same slots, so nothing is lost). `num_context`: the longest row's context after the step (known on the
         host). `eager()` runs the same step eagerly, for the first step's trial."""
+        layers = sorted(cache.key_pools)
+        if layers != list(range(len(layers))):
+            return None  # layers without pools of their own (shared KV): not graphed
+        pools = ([cache.key_pools[i] for i in layers], [cache.value_pools[i] for i in layers])
         extra = dict(model_kwargs or {})
         rows, q = input_ids.shape
         device = input_ids.device
         positions, writes = plan.query_positions, plan.write_slots.reshape(rows, q)
         kernel = plan.backend == "triton"  # the kernel reads the pools in place: no context in the shapes
-        padded_rows = rows
-        if self.settings.bucket:  # few shapes, so few CUDA graphs: rows to a power of two, contexts to a bucket
-            num_context = -(-num_context // CONTEXT_BUCKET) * CONTEXT_BUCKET
-            padded_rows = 1 << (rows - 1).bit_length()
+        bucket = self.settings.bucket  # few shapes, so few CUDA graphs: rows to a power of two, the rest to buckets
+        padded_rows = 1 << (rows - 1).bit_length() if bucket else rows
         if kernel:  # block tables, as wide as a bucket when bucketing (entries past a row's context go unread)
             slots = plan.block_tables
-            if self.settings.bucket:
+            if bucket:
                 width = 1 << (slots.shape[1] - 1).bit_length()
                 slots = torch.cat([slots, slots.new_zeros(rows, width - slots.shape[1])], dim=1)
-        else:
+        elif bucket or plan.context_slots is None:
+            if bucket:
+                num_context = -(-num_context // CONTEXT_BUCKET) * CONTEXT_BUCKET
             slots = context_slots(plan.block_tables, plan.context_lens, num_context, plan.block_size,
                                   pad_slot=SCRATCH_SLOT)
+        else:  # the plan gathered them already (an unpacked plan: one row of slots per row)
+            slots = plan.context_slots
         if padded_rows > rows:  # extra rows read and write only the scratch slot, at position 0
             more = padded_rows - rows
             input_ids = torch.cat([input_ids, input_ids.new_zeros(more, q)])
@@ -256,32 +272,27 @@ class GraphedSteps:
             slots = torch.cat([slots, slots.new_full((more, slots.shape[1]), 0 if kernel else SCRATCH_SLOT)])
             extra = {name: torch.cat([v, v.new_zeros(more, *v.shape[1:])]) if isinstance(v, torch.Tensor) else v
                      for name, v in extra.items()}
-        layers = sorted(cache.key_pools)
-        if layers != list(range(len(layers))):
-            return None  # layers without pools of their own (shared KV): not graphed
-        pools = ([cache.key_pools[i] for i in layers], [cache.value_pools[i] for i in layers])
-        if self.settings.bucket:
+        if bucket and self._marked is not pools[0][0]:  # pools are replaced together when the cache grows
             for pool in (*pools[0], *pools[1]):
                 torch._dynamo.mark_static_address(pool)
+            self._marked = pools[0][0]
         args = (hidden, extra, plan.block_size if kernel else None, input_ids, positions,
                 writes.reshape(-1).to(device), slots, *pools)
         try:
-            if self.settings.bucket:  # a new step of CUDA graphs: earlier replays' outputs may be reused
+            if bucket:  # a new step of CUDA graphs: earlier replays' outputs may be reused
                 torch.compiler.cudagraph_mark_step_begin()
             logits, states = self._entry["fn"](*args)
         except Exception as error:  # noqa: BLE001 - any failure to compile means: run eagerly, say why once
-            self._entry["failed"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            say_once(self.model, f"hf_specdec could not compile {type(self.model).__name__}'s steps and runs them "
-                                  f"eagerly ({self._entry['failed']})")
+            self._give_up(error)
             return None
         logits = logits[:rows]
         states = None if states is None else tuple(h[:rows] for h in states)
-        if self.settings.bucket:  # a CUDA graph's outputs live in its pool, overwritten by its next replay
+        if bucket:  # a CUDA graph's outputs live in its pool, overwritten by its next replay
             logits = logits.clone()
             states = None if states is None else tuple(h.clone() for h in states)
         shape = (padded_rows, q, hidden, kernel)
-        trials = self._entry.setdefault("trials", {})
-        if trials.get(shape, 0) < (TRIALS_GRAPHED if self.settings.bucket else TRIALS):
+        trials = self._entry["trials"]
+        if trials.get(shape, 0) < (TRIALS_GRAPHED if bucket else TRIALS):
             trials[shape] = trials.get(shape, 0) + 1
             reference = eager()
             self._entry["returns_tensor"] = isinstance(reference, torch.Tensor)  # a draft head's own output
@@ -290,9 +301,7 @@ class GraphedSteps:
             if agree and states is not None and getattr(reference, "hidden_states", None) is not None:
                 agree = _agree(states[-1], reference.hidden_states[-1])  # what a head reads: the last layer's
             if not agree:
-                self._entry["failed"] = "its compiled step's logits differ from the eager step's"
-                say_once(self.model, f"hf_specdec runs {type(self.model).__name__}'s steps eagerly: "
-                                      f"{self._entry['failed']}")
+                self._give_up("its compiled step's logits differ from the eager step's")
                 return reference
             self._entry["trusted"].add(shape)
         self._entry["steps"] += 1

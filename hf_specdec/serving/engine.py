@@ -21,6 +21,7 @@ from contextlib import ExitStack
 import torch
 
 from ..costs.calibration import ensure_profile, host_linear
+from ..decode.engine import compile_steps
 from ..decode.requests import Request, SamplingParams
 from ..decode.scheduler import Scheduler
 from ..decode.step import Step
@@ -28,8 +29,6 @@ from ..decode.stopping import StopRules
 from ..generation import DEFAULT_GRAMMAR_TOKENS
 from ..metrics import SpeculativeMetrics, logger
 from ..runners.dense import make_runner, runner_attention
-from ..runners.graphed import for_model, requested_settings
-from ..runners.model_runner import ModelRunner
 from ..runners.support import check_model_supported, exact_context
 from ..speculators.grammar import GrammarSpeculator
 from ..speculators.resolve import resolve_speculator
@@ -162,11 +161,7 @@ class ServingEngine:
         # This host's profile, measured now if it has none (a server's first request should not wait for it)
         ensure_profile(self.model, self.speculator, calibration)
         self.target = make_runner(self.model, block_size=block_size, max_num_blocks=max_num_blocks)
-        # Compiled steps (`runners/graphed.py`), compiled at the warm-up: the target's and the speculator's own
-        graphs = requested_settings(self.target.device, self.model.generation_config)
-        if isinstance(self.target, ModelRunner):
-            self.target.use_graphs(for_model(graphs, self.model))
-        self.speculator.graph_settings = graphs
+        compile_steps(self.model, self.target, self.speculator, self.model.generation_config)  # at the warm-up
         if kv_region_tokens and hasattr(self.target, "give_regions"):
             self.target.give_regions(list(range(slots)), min(kv_region_tokens, width))
         policy = None
