@@ -658,3 +658,35 @@ def test_packed_linear_stands_aside_where_its_copy_cannot_serve(monkeypatch):
     with calibration.host_linear(target):
         pass
     assert not any(m in linear_forms._PACKED for m in target.modules())
+
+
+def test_linear_forms_are_timed_over_distinct_weights_as_a_forward_reads_them(monkeypatch):
+    """A forward reads each layer's weight from memory, so each form is timed over up to `COLD_PRODUCTS` of the
+    model's own weights of a shape, each form over its own where the model has enough (the second would otherwise
+    find the first's in cache), never one weight over and over."""
+    items = list(range(20))
+    assert linear_forms.cold_weights(items, 2) == [list(range(8)), list(range(8, 16))]
+    assert linear_forms.cold_weights(items[:3], 2) == [[0, 1, 2], [0, 1, 2]]  # too few: shared, each once
+    target = make_model("llama", dtype=torch.float32)
+    read: dict[tuple, list[int]] = {}
+    current = []
+    stock = torch.nn.functional.linear
+
+    def linear(x, w, *args):
+        if current:  # not the untimed warm-up
+            read.setdefault(current[0], []).append(w.data_ptr())
+        return stock(x, w, *args)
+
+    def timer(key, fn):
+        current[:] = [key]
+        fn()
+        current.clear()
+        return steady(key)
+
+    monkeypatch.setattr(linear_forms.F, "linear", linear)
+    linear_forms.measure_thin_linear(target, (1,), 0.8, repeats=1, timer=timer, attempts=1)
+    layers = [m for m in target.modules() if isinstance(m, torch.nn.Linear)]
+    for shape in {tuple(m.weight.shape) for m in layers}:
+        own = {m.weight.data_ptr() for m in layers if tuple(m.weight.shape) == shape}
+        ptrs = read["linear", "stock", 1, shape]
+        assert len(ptrs) == len(set(ptrs)) == min(len(own), linear_forms.COLD_PRODUCTS) and set(ptrs) <= own

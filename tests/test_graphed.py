@@ -261,3 +261,29 @@ def test_compiled_steps_on_the_attention_kernel_read_the_pools_in_place(forced, 
     (entry,) = compiled_entries(model)
     assert entry["trusted"] and entry["steps"] > 0
     assert any(shape[0] == (4 if bucket else 3) for shape in launches)  # the compiled steps' rows, padded or not
+
+
+def test_a_profile_with_packed_linear_layers_still_compiles(forced, monkeypatch, tmp_path, caplog):
+    """A profile that packs linear weights for oneDNN (an AMD EPYC's, say) leaves the packed form out of compiled
+    steps (inductor cannot lower the opaque packed copy), so the steps compile instead of falling back."""
+    from hf_specdec.costs import linear_forms
+    from hf_specdec.costs.profile import Profile, profile_key, save_profile
+    from hf_specdec.costs.step_cost import StepCost
+
+    if not linear_forms.packed_linear_supported(torch.zeros(1)):
+        pytest.skip("torch built without oneDNN")
+    monkeypatch.setenv("HF_SPECDEC_CALIBRATION", "cached")
+    monkeypatch.setenv("HF_SPECDEC_CACHE", str(tmp_path))
+    model = make_model("llama", dtype=torch.float32)
+    every = {linear_forms.shape_key(m.weight.shape): tuple(range(1, 17)) for m in model.modules()
+             if isinstance(m, torch.nn.Linear)}
+    flat = StepCost(per_row=0.0, points=((1, 10.0), (256, 10.0)))
+    save_profile(model, Profile(profile_key(model), flat, (), {}, {}, tuple(range(1, 17)), {}, every))
+    input_ids, mask = ragged_batch(rows=2, width=10)
+    expected = model.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    with caplog.at_level(logging.INFO, logger="hf_specdec"):
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False, speculator="off")
+    assert torch.equal(out, expected)
+    (entry,) = compiled_entries(model)
+    assert "failed" not in entry and entry["steps"] > 0
+    assert not [r for r in caplog.records if "could not compile" in r.getMessage()]

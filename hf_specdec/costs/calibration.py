@@ -169,12 +169,13 @@ def report_idle(policy, model, speculator, cost_source: str) -> None:
 
 
 @contextmanager
-def host_linear(model, speculator=None, use_profile: bool = True):
+def host_linear(model, speculator=None, use_profile: bool = True, compiled: bool = False):
     """For the duration, `model`'s and the speculator's linear layers run as `(W @ x.T).T`, or with their weight
     packed for oneDNN, for the input row counts where the cached profile found that faster (`thin_linear`); nothing
-    changes without a profile."""
+    changes without a profile. `compiled`: steps run compiled (`runners/graphed.py`), which cannot take the packed
+    copy (an opaque oneDNN tensor inductor does not lower), so the packed form is left out."""
     profile = load_profile(model) if use_profile and enabled() and thin_linear_enabled() else None
-    packed = profile.packed_linear_shapes if profile is not None and packed_linear_enabled() else {}
+    packed = profile.packed_linear_shapes if profile is not None and packed_linear_enabled() and not compiled else {}
     if not packed:  # copies kept from earlier calls are not used now: free them
         clear_packed_weights(model)
     if profile is None or not (profile.thin_linear_rows or any(profile.thin_linear_shapes.values())

@@ -13,7 +13,16 @@ import torch
 import torch.nn.functional as F
 
 from ..runners.model_runner import input_device
-from .timing import ATTEMPTS, Timer, measure_repeated, middle, out_of_bounds, timed_round, wall_timer
+from .timing import (
+    ATTEMPTS,
+    LINEAR_FLOOR,
+    Timer,
+    measure_repeated,
+    middle,
+    out_of_bounds,
+    timed_round,
+    wall_timer,
+)
 
 logger = logging.getLogger("hf_specdec")
 
@@ -54,19 +63,21 @@ def measure_thin_linear(model, rows: tuple[int, ...], margin: float, repeats: in
     shapes = Counter(tuple(m.weight.shape) for m in layers)
     # A layer offloaded to disk has its weight on `meta` until its forward streams it in: time a stand-in of the
     # same shape and dtype (the product's cost does not depend on the values).
-    weights = {tuple(m.weight.shape): m.weight for m in layers if m.weight.device.type == "cpu"}
+    weights: dict[tuple, list[torch.Tensor]] = {}
+    for m in layers:
+        if m.weight.device.type == "cpu":
+            weights.setdefault(tuple(m.weight.shape), []).append(m.weight.detach())
     for shape, m in {tuple(m.weight.shape): m for m in layers}.items():
         if shape not in weights:
-            weights[shape] = torch.randn(shape, dtype=m.weight.dtype)
+            weights[shape] = [torch.randn(shape, dtype=m.weight.dtype)]
     cells = {}
     with torch.no_grad():
         for r in rows:
             for shape in shapes:
-                w, x = weights[shape], torch.randn(r, shape[1], dtype=weights[shape].dtype)
-                reps = min(shapes[shape], 8)  # a few products per timing: one alone is too short to time well
-                cells["linear", "stock", r, shape] = lambda w=w, x=x, reps=reps: [F.linear(x, w) for _ in range(reps)]
-                cells["linear", "thin", r, shape] = lambda w=w, x=x, reps=reps: [(w @ x.t()).t().contiguous()
-                                                                                 for _ in range(reps)]
+                x = torch.randn(r, shape[1], dtype=weights[shape][0].dtype)
+                stock, thin = cold_weights(weights[shape], 2)
+                cells["linear", "stock", r, shape] = lambda ws=stock, x=x: [F.linear(x, w) for w in ws]
+                cells["linear", "thin", r, shape] = lambda ws=thin, x=x: [(w @ x.t()).t().contiguous() for w in ws]
 
         rounds: list[dict[tuple, float]] = []  # this attempt's totals per (form, rows), round by round
 
@@ -77,8 +88,8 @@ def measure_thin_linear(model, rows: tuple[int, ...], margin: float, repeats: in
             times = timed_round({key: cells[key] for key in keys}, timer)
             totals: dict[tuple, float] = {}
             for (_, form, r, shape), t in times.items():
-                totals["linear", form, r] = totals.get(("linear", form, r), 0.0) + t * shapes[shape] / min(
-                    shapes[shape], 8)
+                totals["linear", form, r] = totals.get(("linear", form, r), 0.0) + t * shapes[shape] / len(
+                    cold_weights(weights[shape], 2)[0])
             if i == 0:
                 rounds.clear()
             rounds.append(totals)
@@ -96,7 +107,7 @@ def measure_thin_linear(model, rows: tuple[int, ...], margin: float, repeats: in
             medians = absolute()
             best = {r: min(medians["linear", "stock", r], medians["linear", "thin", r]) for r in rows}
             for r in rows:
-                problem = out_of_bounds(best[r], r, best[min(rows)], f"the faster form over {r} rows")
+                problem = out_of_bounds(best[r], r, best[min(rows)], f"the faster form over {r} rows", LINEAR_FLOOR)
                 if problem:
                     return problem
             return None
@@ -159,22 +170,27 @@ def measure_packed_linear(model, rows: tuple[int, ...], margin: float, forms: di
         return {}, {}, None
     timer = timer or wall_timer(torch.device("cpu"))
     shapes = Counter(tuple(m.weight.shape) for m in layers)
-    weights = {tuple(m.weight.shape): m.weight for m in layers}
+    by_shape_layers: dict[tuple, list[torch.nn.Linear]] = {}
+    for m in layers:
+        by_shape_layers.setdefault(tuple(m.weight.shape), []).append(m)
     cells = {}
     with torch.no_grad():
         for shape in shapes:
-            w = weights[shape].detach()
-            packed = pack_linear_weight(w)
+            packed_layers, other_layers = cold_weights(by_shape_layers[shape], 2)
+            # The model's own layers, packed as a call packs them (`_packed_weights` keeps the copies, so a call that
+            # then packs this shape does not pack them again; `clear_packed_weights` drops those it does not use).
+            copies = _packed_weights(packed_layers)
+            packed = [copies[id(m)] for m in packed_layers] if copies else [
+                pack_linear_weight(m.weight) for m in packed_layers]
+            others = [m.weight.detach() for m in other_layers]
             table = forms.get(shape, [])
             for r in rows:
-                x = torch.randn(r, shape[1], dtype=w.dtype)
-                reps = min(shapes[shape], 8)
+                x = torch.randn(r, shape[1], dtype=others[0].dtype)
                 thin = r < len(table) and table[r]
-                cells["packed", "packed", r, shape] = lambda p=packed, x=x, reps=reps: [
-                    packed_linear(x, p, None) for _ in range(reps)]
+                cells["packed", "packed", r, shape] = lambda ps=packed, x=x: [packed_linear(x, p, None) for p in ps]
                 cells["packed", "chosen", r, shape] = (
-                    (lambda w=w, x=x, reps=reps: [(w @ x.t()).t().contiguous() for _ in range(reps)]) if thin else
-                    (lambda w=w, x=x, reps=reps: [F.linear(x, w) for _ in range(reps)]))
+                    (lambda ws=others, x=x: [(w @ x.t()).t().contiguous() for w in ws]) if thin else
+                    (lambda ws=others, x=x: [F.linear(x, w) for w in ws]))
 
         def run_round(i: int) -> dict[tuple, float]:
             keys = list(cells)
@@ -194,10 +210,28 @@ def measure_packed_linear(model, rows: tuple[int, ...], margin: float, forms: di
         timed_round(cells, lambda key, fn: fn())  # warm-up
         measurement = measure_repeated(run_round, repeats, None, attempts, agree=same_choice)
     by_shape = {shape: tuple(r for r in rows if chosen.get((r, shape), False)) for shape in shapes}
+    for shape, chosen_rows in by_shape.items():  # copies made for timing a shape no call packs: freed now
+        if not chosen_rows or measurement.problem is not None:
+            for m in by_shape_layers[shape]:
+                _PACKED.pop(m, None)
     details = {"linear_packed_over_chosen_by_shape": {
         "x".join(map(str, shape)): {str(r): round(measurement.medians["packed", "packed / chosen", r, shape], 3)
                                     for r in rows} for shape in shapes}}
     return by_shape, details, measurement.problem
+
+
+COLD_PRODUCTS = 8  # products per timing of one weight shape and form: one alone is too short to time well
+
+
+def cold_weights(items: list, forms: int) -> list[list]:
+    """For each of `forms` forms timed side by side, up to `COLD_PRODUCTS` of a shape's weights (or layers), each
+    form's its own where the model has enough: in a forward every product reads its weight from memory (a model's
+    weights are far larger than a CPU's caches), so a timing that multiplied one weight over and over, or by the
+    weights the other form just read, would time products out of cache, where the forms compare differently (on an
+    AMD EPYC, the packed form of a 576x576 weight at one row: 1.2x slower than `F.linear` in cache, 1.8x faster from
+    memory)."""
+    count = min(len(items), COLD_PRODUCTS)
+    return [[items[(f * count + j) % len(items)] for j in range(count)] for f in range(forms)]
 
 
 # Rows of a linear layer's input timed both ways; a count between two takes the choice made at the lower, and past

@@ -11,7 +11,7 @@ So every measurement here is
   the weights once instead of B * q times), so it may cost at most `BOUND` times that much, and no less than
   `FLOOR` times a one-token forward (not 1: on some hosts a one-row product runs a slower kernel than a few rows,
   e.g. MKL on an AMD EPYC, where a 4-token forward took 0.76 of a one-token one); the same holds for a linear layer
-  over r rows.
+  over r rows, down to `LINEAR_FLOOR`.
 What still fails comes back as `Measurement.problem`, and the caller keeps the static default instead. Timings go
 through a `Timer`, `timer(key, fn) -> seconds`, which tests replace with made-up numbers.
 """
@@ -27,7 +27,10 @@ import torch
 
 SPREAD = 1.3  # the middle repeats of one timing may differ by at most this factor
 BOUND = 1.25  # slack on the physical bounds above
-FLOOR = 0.5  # the least a forward of more tokens (or a linear layer over more rows) may cost, in one-token ones
+FLOOR = 0.5  # the least a forward of more tokens may cost, in one-token ones
+# The least a linear layer over more rows may cost, in one-row products: read from memory, as a forward reads its
+# weights, a one-row product through MKL on an AMD EPYC took 2.4 times a two-row one (a slow matrix-vector kernel).
+LINEAR_FLOOR = 0.25
 ATTEMPTS = 2  # measurements of a grid before giving up on it
 
 Timer = Callable[[tuple, Callable[[], object]], float]
@@ -129,9 +132,9 @@ def timed_round(cells: dict[tuple, Callable[[], object]], timer: Timer, start: i
     return out
 
 
-def out_of_bounds(cost: float, work: float, unit: float, what: str) -> str | None:
-    """`cost` of `work` times the work that costs `unit`: physical when within [FLOOR * unit, BOUND * work * unit]."""
-    if cost > BOUND * work * unit or cost < FLOOR * unit:
+def out_of_bounds(cost: float, work: float, unit: float, what: str, floor: float = FLOOR) -> str | None:
+    """`cost` of `work` times the work that costs `unit`: physical when within [floor * unit, BOUND * work * unit]."""
+    if cost > BOUND * work * unit or cost < floor * unit:
         return (f"{what} took {cost / unit:.2f} times the one-token (one-row) cost, outside the physical range "
-                f"[{FLOOR:.2f}, {BOUND * work:.2f}]")
+                f"[{floor:.2f}, {BOUND * work:.2f}]")
     return None

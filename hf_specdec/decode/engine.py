@@ -39,6 +39,11 @@ def compile_steps(model, target, speculator: Speculator, generation_config=None)
     speculator.graph_settings = graphs
 
 
+def compiled(target) -> bool:
+    """Whether the target runner's steps run compiled (`compile_steps` turned them on)."""
+    return getattr(target, "graphs", None) is not None
+
+
 class SpeculativeEngine:
     """Runs one batched speculative `generate` call.
 
@@ -129,7 +134,7 @@ class SpeculativeEngine:
         scheduler.place(requests, self._region_tokens(batch.lengths, max_new_tokens))
         with ExitStack() as stack:
             stack.enter_context(runner_attention(self.model))
-            stack.enter_context(host_linear(self.model, self.speculator, self.calibration))
+            stack.enter_context(host_linear(self.model, self.speculator, self.calibration, compiled(target)))
             self.speculator.begin(self.model, batch)
             stack.callback(self.speculator.end)
             while scheduler.has_work() and max_new_tokens > 0:

@@ -21,7 +21,7 @@ from contextlib import ExitStack
 import torch
 
 from ..costs.calibration import ensure_profile, host_linear
-from ..decode.engine import compile_steps
+from ..decode.engine import compile_steps, compiled
 from ..decode.requests import Request, SamplingParams
 from ..decode.scheduler import Scheduler
 from ..decode.step import Step
@@ -313,7 +313,8 @@ class ServingEngine:
             with ExitStack() as stack:
                 stack.enter_context(torch.no_grad())
                 stack.enter_context(runner_attention(self.model))
-                stack.enter_context(host_linear(self.model, self.speculator, self.calibration))
+                stack.enter_context(host_linear(self.model, self.speculator, self.calibration,
+                                                compiled(self.target)))
                 self.speculator.begin(self.model, self.batch)
                 stack.callback(self.speculator.end)
                 if self.warmup or self.short_warmup:
