@@ -13,16 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..runners.model_runner import input_device
-from .timing import (
-    ATTEMPTS,
-    LINEAR_FLOOR,
-    Timer,
-    measure_repeated,
-    middle,
-    out_of_bounds,
-    timed_round,
-    wall_timer,
-)
+from .timing import ATTEMPTS, LINEAR_FLOOR, Timer, measure_repeated, middle, out_of_bounds, timed_round, wall_timer
 
 logger = logging.getLogger("hf_specdec")
 
