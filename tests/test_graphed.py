@@ -287,3 +287,34 @@ def test_a_profile_with_packed_linear_layers_still_compiles(forced, monkeypatch,
     (entry,) = compiled_entries(model)
     assert "failed" not in entry and entry["steps"] > 0
     assert not [r for r in caplog.records if "could not compile" in r.getMessage()]
+
+
+def test_cuda_graph_steps_keep_their_pools_from_one_call_to_the_next(forced, monkeypatch):
+    """Under CUDA graphs (the bucketed layout, forced here) a call starts with the pools the model's last call left,
+    so graphs recorded at their addresses replay instead of recording again; a cache running
+    beside a live one allocates its own; a model cast to another dtype gets fresh pools; every output exact."""
+    from hf_specdec.runners.dense import make_runner
+    from hf_specdec.runners.graphed import GraphSettings
+
+    force_buckets(monkeypatch)
+    model = make_model("llama")
+    input_ids, mask = ragged_batch(rows=3, width=14)
+    expected = model.generate(input_ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    runs = []
+    for _ in range(2):
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=40, do_sample=False, speculator="off")
+        assert torch.equal(out, expected)
+        kept = model.__dict__["_hf_specdec_pools"]
+        runs.append({layer: pool.data_ptr() for layer, pool in kept.keys.items()})
+    assert runs[0] and runs[0] == runs[1]  # the second call wrote into the first's pools
+    settings = GraphSettings({}, True)
+    first, second = make_runner(model), make_runner(model)
+    first.use_graphs(settings)
+    second.use_graphs(settings)  # the first still lives and holds them
+    assert first.cache.kept is kept and second.cache.kept is None
+    assert {layer: p.data_ptr() for layer, p in first.cache.key_pools.items()} == runs[0]
+    del first, second
+    model.to(torch.float64)
+    expected = model.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False, speculator="off")
+    assert torch.equal(out, expected) and all(p.dtype == torch.float64 for p in kept.keys.values())

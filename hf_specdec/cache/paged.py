@@ -15,6 +15,7 @@ context and the attention is masked SDPA. Both follow `hf_specdec.kernels.paged_
 from __future__ import annotations
 
 import os
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -34,6 +35,28 @@ from .layout import (
     query_groups,
     token_rows_pay,
 )
+
+
+class KeptPools:
+    """A model's KV pools kept from one call to the next, for steps that run as CUDA graphs: a graph reads its pools
+    at the addresses it was recorded with, so fresh pools in every `generate` call (or a pool that grows) would
+    record every graph again. A cache that keeps them (`PagedKVCache.keep_pools`) starts with them, as large as they
+    grew, and hands them back grown. Reusing their contents is safe: a step reads only the slots its rows wrote in
+    this call (stale slots lie outside every row's context). One cache uses them at a time; a call running beside it
+    on the same model allocates its own."""
+
+    def __init__(self):
+        self.block_size: int | None = None
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.user = None  # a weak reference to the cache using them
+
+    def in_use_by_another(self, cache) -> bool:
+        user = self.user() if self.user is not None else None
+        return user is not None and user is not cache
+
+    def memory_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for pools in (self.keys, self.values) for p in pools.values())
 
 
 class PagedKVCache(Cache):
@@ -72,6 +95,28 @@ class PagedKVCache(Cache):
         self.value_pools: dict[int, torch.Tensor] = {}
         self.plan: StepPlan | None = None
         self._past_length = 0
+        self.kept: KeptPools | None = None  # pools kept between calls (`keep_pools`)
+        self._unchecked: set[int] = set()  # layers whose kept pools have not met a key yet (shape, dtype, device)
+
+    def keep_pools(self, kept: KeptPools) -> bool:
+        """Uses `kept`'s pools, grown to their size, and leaves this cache's in it for the next call. False (nothing
+        kept) where another live cache uses them, or they do not fit this one (block size, its cap, tokens already
+        held)."""
+        if kept.in_use_by_another(self) or self.key_pools or self.manager.num_used_blocks:
+            return False
+        if kept.keys:
+            slots = next(iter(kept.keys.values())).shape[0]
+            blocks = slots // self.block_size
+            cap = self.manager.max_num_blocks
+            if (kept.block_size != self.block_size or slots % self.block_size
+                    or (cap is not None and blocks > cap) or blocks < self.manager.num_blocks):
+                return False
+            if blocks > self.manager.num_blocks:
+                self.manager.grow(blocks - self.manager.num_blocks)
+            self.key_pools, self.value_pools = dict(kept.keys), dict(kept.values)
+            self._unchecked = set(self.key_pools)
+        kept.block_size, kept.user, self.kept = self.block_size, weakref.ref(self), kept
+        return True
 
     # --- sequences -----------------------------------------------------------------------------------------------
     def add_sequence(self, seq_id: int) -> None:
@@ -118,6 +163,8 @@ class PagedKVCache(Cache):
         for pools in (self.key_pools, self.value_pools):
             for layer, pool in pools.items():
                 pools[layer] = torch.cat([pool, pool.new_zeros((extra, *pool.shape[1:]))])
+        if self.kept is not None:  # the next call starts with them as large as they are now
+            self.kept.keys, self.kept.values = dict(self.key_pools), dict(self.value_pools)
 
     # --- one forward step ----------------------------------------------------------------------------------------
     def plan_step(self, seq_ids: list[int], starts: list[int], num_tokens: list[int], device,
@@ -221,10 +268,19 @@ class PagedKVCache(Cache):
         rows, heads, q, dim = key_states.shape
         plan.num_updates += 1
         plan = plan.on(key_states.device)  # each layer's pool lives on the device that layer runs on
+        if self._unchecked and layer_idx in self._unchecked:  # a kept pool meets this call's keys: still fit?
+            self._unchecked.discard(layer_idx)
+            pool, values = self.key_pools[layer_idx], self.value_pools[layer_idx]
+            if (pool.shape[1:] != (heads, dim) or pool.dtype != key_states.dtype or pool.device != key_states.device
+                    or values.shape[1:] != (heads, value_states.shape[-1]) or values.dtype != value_states.dtype):
+                del self.key_pools[layer_idx], self.value_pools[layer_idx]  # (the model was cast or moved)
         if layer_idx not in self.key_pools:
             size = self.manager.num_blocks * self.block_size
             self.key_pools[layer_idx] = key_states.new_zeros((size, heads, dim))
             self.value_pools[layer_idx] = value_states.new_zeros((size, heads, value_states.shape[-1]))
+            if self.kept is not None:
+                self.kept.keys[layer_idx], self.kept.values[layer_idx] = (self.key_pools[layer_idx],
+                                                                          self.value_pools[layer_idx])
         key_pool, value_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
         key_pool.index_copy_(0, plan.write_slots, key_states.transpose(1, 2).reshape(rows * q, heads, dim))
         value_pool.index_copy_(0, plan.write_slots, value_states.transpose(1, 2).reshape(rows * q, heads, -1))

@@ -12,7 +12,7 @@ import torch
 
 from ..cache.attention import ATTENTION_NAME, PLAN_KWARG
 from ..cache.layout import _ragged
-from ..cache.paged import PagedKVCache
+from ..cache.paged import KeptPools, PagedKVCache
 from ..cache.recurrent import make_cache, recurrent_layers_split
 from ..cache.rope import RopeRows, rope_factors
 from ..errors import UnsupportedModelError
@@ -139,6 +139,8 @@ class ModelRunner(CacheRows):
                                  "serve models on the paged cache alone, without per-row rotary factors (LongRoPE) "
                                  "or tensor parallelism")
         self.graphs = GraphedSteps(self.model, self._cache_kwarg, settings) if settings is not None and fits else None
+        if self.graphs is not None and settings.bucket:  # CUDA graphs: the pools of the model's last call, if free
+            self.cache.keep_pools(self.model.__dict__.setdefault("_hf_specdec_pools", KeptPools()))
 
     def add_sequence(self, seq_id: int, prompt_length: int = 0) -> None:
         super().add_sequence(seq_id)
@@ -171,10 +173,10 @@ class ModelRunner(CacheRows):
         another (`PagedKVCache.give_regions`), where attention gathers each row's context before attending (the
         PyTorch path): while rows with consecutive regions step together, it reads their keys and values in place
         instead. Returns False, giving nothing, where that does not apply (the Triton kernel reads blocks in place
-        anyway)."""
-        if not isinstance(self.cache, PagedKVCache) or resolve_backend(self.cache.kernel_backend,
-                                                                        self.device) != "torch":
-            return False
+        anyway; pools kept between calls for CUDA graphs)."""
+        if (not isinstance(self.cache, PagedKVCache) or self.cache.kept is not None
+                or resolve_backend(self.cache.kernel_backend, self.device) != "torch"):
+            return False  # (pools kept between calls would grow by the regions in every call)
         self.cache.give_regions(seq_ids, num_tokens)
         return True
 
