@@ -5,7 +5,7 @@ speculative decoding. Importing does no network access and writes no files.
 """
 
 from .cache.block_manager import BlockManager, OutOfBlocksError
-from .cache.paged import PagedKVCache
+from .cache.paged import PagedKVCache, release_kv_pools
 from .costs.step_cost import StepCost
 from .decode.engine import SpeculativeEngine
 from .decode.verify import verify
@@ -52,5 +52,5 @@ __all__ = [
     "load_draft", "resolve_speculator", "TrainingSet", "build_training_set", "train_eagle_head",
     "verify", "HeadCheckpointError", "MedusaSpeculator", "MlpSpeculator", "convert_head",
     "trained_head", "HybridSpeculator", "Grammar", "GrammarError", "GrammarSpeculator",
-    "StructuredOutputUnavailableError", "SamplingParams", "ServingEngine", "generate_batch",
+    "StructuredOutputUnavailableError", "SamplingParams", "ServingEngine", "generate_batch", "release_kv_pools",
 ]

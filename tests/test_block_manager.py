@@ -120,3 +120,32 @@ def test_regions_are_refused_past_the_cap_without_side_effects():
     with pytest.raises(OutOfBlocksError, match="capped"):
         manager.give_regions([0, 1], 3)
     assert manager.num_blocks == 4 and manager.block_table(0) == [] and manager.region(0) == []
+
+
+def test_batch_append_and_rollback_do_what_one_row_at_a_time_does():
+    """`blocks_missing_total`, `append_many` and `rollback_many` (a step's every row in one pass) leave the manager
+    as the per-row calls do, regions included, over random steps."""
+    import random
+
+    rng = random.Random(0)
+    one, many = BlockManager(64, 4), BlockManager(64, 4)
+    for manager in (one, many):
+        manager.give_regions([1], 2)
+        for seq in range(4):
+            manager.add_sequence(seq)
+    seqs = [0, 1, 2, 3]
+    for _ in range(200):
+        counts = [rng.randint(1, 6) for _ in seqs]
+        assert many.blocks_missing_total(seqs, counts) == sum(one.blocks_missing(s, n) for s, n in zip(seqs, counts))
+        assert many.append_many(seqs, counts) == [one.append(s, n) for s, n in zip(seqs, counts)]
+        keep = [rng.randint(max(0, one.length(s) - 7), one.length(s)) for s in seqs]
+        for s, n in zip(seqs, keep):
+            one.rollback(s, n)
+        many.rollback_many(seqs, keep)
+        assert [one.block_table(s) for s in seqs] == [many.block_table(s) for s in seqs]
+        assert [one.length(s) for s in seqs] == [many.length(s) for s in seqs]
+        assert one.num_free_blocks == many.num_free_blocks
+    with pytest.raises(ValueError, match="cannot roll"):
+        many.rollback_many([0], [many.length(0) + 1])
+    with pytest.raises(OutOfBlocksError):
+        many.append_many([0], [1000])

@@ -318,3 +318,5 @@ def test_cuda_graph_steps_keep_their_pools_from_one_call_to_the_next(forced, mon
     expected = model.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
     out = model.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False, speculator="off")
     assert torch.equal(out, expected) and all(p.dtype == torch.float64 for p in kept.keys.values())
+    assert hf_specdec.release_kv_pools(model) == kept.memory_bytes() > 0
+    assert "_hf_specdec_pools" not in model.__dict__

@@ -139,6 +139,45 @@ class BlockManager:
         self._lengths[seq_id] = start + num_tokens
         return start
 
+    def blocks_missing_total(self, seq_ids: list[int], num_tokens: list[int]) -> int:
+        """`sum(blocks_missing(s, n))` over the rows, in one pass (a step's every row)."""
+        bs, lengths, tables, total = self.block_size, self._lengths, self._tables, 0
+        for seq_id, n in zip(seq_ids, num_tokens):
+            need = -(-(lengths[seq_id] + n) // bs) - len(tables[seq_id])
+            if need > 0:
+                total += need
+        return total
+
+    def append_many(self, seq_ids: list[int], num_tokens: list[int]) -> list[int]:
+        """`append(seq_ids[i], num_tokens[i])` for every row, in one pass; returns each row's first position."""
+        bs, lengths, tables, free = self.block_size, self._lengths, self._tables, self._free
+        starts = []
+        for seq_id, n in zip(seq_ids, num_tokens):
+            start, table = lengths[seq_id], tables[seq_id]
+            need = -(-(start + n) // bs) - len(table)
+            if need > 0:
+                if need > len(free):
+                    raise OutOfBlocksError(f"sequence {seq_id} needs {need} blocks, {len(free)} free")
+                for _ in range(need):
+                    table.append(free.pop())
+            lengths[seq_id] = start + n
+            starts.append(start)
+        return starts
+
+    def rollback_many(self, seq_ids: list[int], lengths: list[int]) -> None:
+        """`rollback(seq_ids[i], lengths[i])` for every row, in one pass."""
+        bs, own, tables, free, regions = self.block_size, self._lengths, self._tables, self._free, self._regions
+        for seq_id, length in zip(seq_ids, lengths):
+            if not 0 <= length <= own[seq_id]:
+                raise ValueError(f"cannot roll sequence {seq_id} of length {own[seq_id]} back to {length}")
+            table = tables[seq_id]
+            keep = -(-length // bs)
+            if len(table) > keep:
+                keep = max(keep, len(regions.get(seq_id, ())))
+                while len(table) > keep:
+                    free.append(table.pop())
+            own[seq_id] = length
+
     def rollback(self, seq_id: int, length: int) -> None:
         """Shrinks a sequence to its first `length` tokens and frees the blocks past them. O(freed blocks)."""
         if not 0 <= length <= self._lengths[seq_id]:

@@ -59,6 +59,21 @@ class KeptPools:
         return sum(p.numel() * p.element_size() for pools in (self.keys, self.values) for p in pools.values())
 
 
+def release_kv_pools(*owners) -> int:
+    """Frees the KV pools kept between calls (`KeptPools`, under CUDA graphs) by these models, or by the models a
+    speculator runs (a draft model, an EAGLE head); returns the bytes let go. The next call allocates again and
+    records its graphs again."""
+    freed = 0
+    for owner in owners:
+        roots = [owner] if isinstance(owner, torch.nn.Module) else list(owner.modules())
+        for root in roots:
+            for module in root.modules():
+                kept = module.__dict__.pop("_hf_specdec_pools", None)
+                if kept is not None:
+                    freed += kept.memory_bytes()
+    return freed
+
+
 class PagedKVCache(Cache):
     """Paged keys and values for one model, with O(1) per-row rollback.
 
@@ -128,6 +143,9 @@ class PagedKVCache(Cache):
     def rollback(self, seq_id: int, length: int) -> None:
         self.manager.rollback(seq_id, length)
 
+    def rollback_many(self, seq_ids: list[int], lengths: list[int]) -> None:
+        self.manager.rollback_many(seq_ids, lengths)
+
     def free(self, seq_id: int) -> None:
         self.manager.free(seq_id)
 
@@ -136,10 +154,10 @@ class PagedKVCache(Cache):
 
         Returns the position of each row's first new token.
         """
-        missing = sum(self.manager.blocks_missing(s, n) for s, n in zip(seq_ids, num_tokens))
+        missing = self.manager.blocks_missing_total(seq_ids, num_tokens)
         if missing > self.manager.num_free_blocks:
             self._grow(missing - self.manager.num_free_blocks)
-        return [self.manager.append(s, n) for s, n in zip(seq_ids, num_tokens)]
+        return self.manager.append_many(seq_ids, num_tokens)
 
     def give_regions(self, seq_ids: list[int], num_tokens: int) -> None:
         """Gives each of these row ids room for `num_tokens` tokens in one region of consecutive blocks, the regions

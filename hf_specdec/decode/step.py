@@ -269,10 +269,16 @@ class Step:
                 f"{producer} produced NaN or inf logits for batch rows {[r for r, b in zip(rows, broken) if b]}; "
                 "float16 overflow is the usual cause: load the model in bfloat16 or float32, or check its weights"
             )
-        for row, count, done in zip(rows, num_emit, finished):
-            batch.lengths[row] += count
-            if not done:
-                target.rollback(row, batch.lengths[row] - 1)
+        lengths = batch.lengths
+        for row, count in zip(rows, num_emit):
+            lengths[row] += count
+        going = [row for row, done in zip(rows, finished) if not done]
+        rollback_many = getattr(target, "rollback_many", None)
+        if rollback_many is not None:
+            rollback_many(going, [lengths[row] - 1 for row in going])
+        else:
+            for row in going:
+                target.rollback(row, lengths[row] - 1)
         return num_emit, num_accepted, num_drafted, finished
 
     @staticmethod

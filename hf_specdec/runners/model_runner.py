@@ -84,6 +84,14 @@ class CacheRows:
     def rollback(self, seq_id: int, length: int) -> None:
         self.cache.rollback(seq_id, length)
 
+    def rollback_many(self, seq_ids: list[int], lengths: list[int]) -> None:
+        """`rollback` for several rows (one pass where the cache has one: a step's commit)."""
+        if type(self.cache) is PagedKVCache:
+            self.cache.rollback_many(seq_ids, lengths)
+            return
+        for seq_id, length in zip(seq_ids, lengths):
+            self.rollback(seq_id, length)
+
     def free(self, seq_id: int) -> None:
         self.cache.free(seq_id)
 
