@@ -175,6 +175,41 @@ def test_a_compile_failure_falls_back_to_eager_once(forced, monkeypatch, caplog)
         "exploded)"]
 
 
+def test_running_out_of_memory_now_and_then_runs_those_steps_eagerly_only(forced, monkeypatch, caplog):
+    """Device memory short for a compiled step (a graph's recording, say) sends that step to eager and later steps
+    try again; only `OUT_OF_MEMORY_LIMIT` of them turn compiling off for the model."""
+    real = graphed.torch.compile
+    calls = []
+
+    def short_now_and_then(fn, **options):
+        compiled = real(fn, **options)
+
+        def run(*args):
+            calls.append(1)
+            if len(calls) in (2, 4):
+                raise torch.OutOfMemoryError("out of memory (made up)")
+            return compiled(*args)
+        return run
+
+    monkeypatch.setattr(graphed.torch, "compile", short_now_and_then)
+    model = make_model("llama")
+    assert_off_is_exact(model, caplog)
+    (entry,) = compiled_entries(model)
+    assert "failed" not in entry and entry["out_of_memory"] == 2 and entry["steps"] > 0
+    monkeypatch.setattr(graphed, "OUT_OF_MEMORY_LIMIT", 3)
+    calls.clear()
+
+    def always_short(fn, **options):
+        def run(*args):
+            raise torch.OutOfMemoryError("out of memory (made up)")
+        return run
+
+    monkeypatch.setattr(graphed.torch, "compile", always_short)
+    other = make_model("llama", seed=2)
+    assert_off_is_exact(other, caplog)
+    assert "OutOfMemoryError" in compiled_entries(other)[0]["failed"]
+
+
 def test_a_compiled_step_that_disagrees_is_not_trusted(forced, monkeypatch, caplog):
     def skewed(fn, **options):
         def run(hidden, *args):
@@ -320,3 +355,30 @@ def test_cuda_graph_steps_keep_their_pools_from_one_call_to_the_next(forced, mon
     assert torch.equal(out, expected) and all(p.dtype == torch.float64 for p in kept.keys.values())
     assert hf_specdec.release_kv_pools(model) == kept.memory_bytes() > 0
     assert "_hf_specdec_pools" not in model.__dict__
+
+
+def test_a_draft_on_another_kind_of_device_follows_that_devices_switches(monkeypatch):
+    """The target on CUDA records CUDA graphs by default; a draft model on the CPU beside it stays eager (the CPU's
+    default) unless the switches ask for compiling there, and then compiles without CUDA graphs."""
+    from types import SimpleNamespace
+
+    from hf_specdec.decode.engine import compile_steps
+    from hf_specdec.speculators import DraftModelSpeculator
+
+    monkeypatch.delenv("HF_SPECDEC_COMPILE", raising=False)
+    target, draft = make_model("llama"), make_model("llama", seed=1)
+    speculator = DraftModelSpeculator(draft)
+    compile_steps(target, SimpleNamespace(device=torch.device("cuda")), speculator)
+    assert speculator.graph_settings.bucket and speculator.graph_settings.options["mode"] == "reduce-overhead"
+    assert speculator.graph_settings_on(torch.device("cuda")) is speculator.graph_settings
+    assert speculator.graph_settings_on(torch.device("cpu")) is None
+    monkeypatch.setenv("HF_SPECDEC_COMPILE", "1")
+    on_cpu = speculator.graph_settings_on(torch.device("cpu"))
+    assert on_cpu is not None and not on_cpu.bucket and "mode" not in on_cpu.options
+    compile_steps(target, SimpleNamespace(device=torch.device("cpu")), speculator, GenerationConfigLike())
+    assert speculator.graph_settings is None and speculator.graph_settings_on(torch.device("cuda")) is None
+
+
+class GenerationConfigLike:
+    disable_compile = True
+    compile_config = None

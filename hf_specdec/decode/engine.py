@@ -36,7 +36,7 @@ def compile_steps(model, target, speculator: Speculator, generation_config=None)
     graphs = requested_settings(target.device, generation_config)
     if isinstance(target, ModelRunner):
         target.use_graphs(for_model(graphs, model))
-    speculator.graph_settings = graphs
+    speculator.graph_settings, speculator.graph_switches = graphs, (target.device.type, generation_config)
 
 
 def compiled(target) -> bool:

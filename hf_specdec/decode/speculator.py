@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runners.graphed import GraphSettings
+from ..runners.graphed import GraphSettings, requested_settings
 from ..types import DraftProposal, DraftTree, SequenceBatch
 from .verify import sample_unnormalized
 
@@ -58,8 +58,18 @@ class Speculator:
         return not self.needs_hidden_states
 
     # How the speculator's own model forwards compile (`runners/graphed.py`), as the call's switches ask; set by the
-    # engine before `begin`. None: eagerly.
+    # engine before `begin`. None: eagerly. `graph_switches`: the device type those settings are for and the call's
+    # generation config (its switches), for a model on another kind of device (`graph_settings_on`).
     graph_settings: GraphSettings | None = None
+    graph_switches: tuple | None = None
+
+    def graph_settings_on(self, device: torch.device) -> GraphSettings | None:
+        """How the speculator's own model compiles on `device`: as the target's where that is the same kind of
+        device, else as the call's switches ask there (a draft on the CPU beside a CUDA target stays eager by
+        default; one on a GPU beside a CPU target records CUDA graphs)."""
+        if self.graph_switches is None or device.type == self.graph_switches[0]:
+            return self.graph_settings
+        return requested_settings(device, self.graph_switches[1])
 
     def begin(self, target, batch: SequenceBatch) -> None:
         """Prepares per-call state. `target` is the model being decoded."""

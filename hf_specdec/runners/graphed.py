@@ -44,6 +44,9 @@ TRIAL_TOLERANCE_LOW = 1e-2  # half precision
 # first calls: one where the compiled code runs as traced; three where CUDA graphs are recorded (a warm-up run, the
 # recording, then the first replay).
 TRIALS, TRIALS_GRAPHED = 1, 3
+# Device memory running short for a step's graph (recording one, or a bigger bucket) is a moment's, not the model's:
+# that step runs eagerly and later ones try again; only this many in one process turn compiling off for the model.
+OUT_OF_MEMORY_LIMIT = 3
 
 
 class StepCache(Cache):
@@ -282,7 +285,15 @@ class GraphedSteps:
             if bucket:  # a new step of CUDA graphs: earlier replays' outputs may be reused
                 torch.compiler.cudagraph_mark_step_begin()
             logits, states = self._entry["fn"](*args)
-        except Exception as error:  # noqa: BLE001 - any failure to compile means: run eagerly, say why once
+        except torch.OutOfMemoryError as error:  # this step eagerly; later steps try again (`OUT_OF_MEMORY_LIMIT`)
+            self._entry["out_of_memory"] = self._entry.get("out_of_memory", 0) + 1
+            if self._entry["out_of_memory"] >= OUT_OF_MEMORY_LIMIT:
+                self._give_up(error)
+            else:
+                logger.info(f"hf_specdec ran a step of {type(self.model).__name__} eagerly: out of device memory for "
+                            "its compiled step now (tried again next step)")
+            return None
+        except Exception as error:  # noqa: BLE001 - any other failure to compile means: run eagerly, say why once
             self._give_up(error)
             return None
         logits = logits[:rows]

@@ -72,7 +72,7 @@ class DraftModelSpeculator(Speculator):
         self._stack.enter_context(runner_attention(self.model))
         self._runner = make_runner(self.model, block_size=self.block_size)
         if isinstance(self._runner, ModelRunner):
-            self._runner.use_graphs(for_model(self.graph_settings, self.model))
+            self._runner.use_graphs(for_model(self.graph_settings_on(self._runner.device), self.model))
         for row in batch.active:  # (a prompt's length decides its rotary factors where they depend on it)
             self._runner.add_sequence(row, prompt_length=int(batch.lengths[row]))
 

@@ -72,7 +72,8 @@ class HybridSpeculator(Speculator):
         self._policy = policy
 
     def begin(self, target, batch: SequenceBatch) -> None:
-        self.ngram.graph_settings = self.head.graph_settings = self.graph_settings  # the head's forwards compile
+        for part in (self.ngram, self.head):  # the head's forwards compile
+            part.graph_settings, part.graph_switches = self.graph_settings, self.graph_switches
         self.ngram.begin(target, batch)
         self.head.begin(target, batch)
 
