@@ -11,7 +11,7 @@ from conftest import make_model, ragged_batch, repetitive_prompt
 from test_generate_sampling import SAMPLES, VOCAB, exact_joint, peaky_model, tv
 from transformers import CompileConfig, LogitsProcessorList
 
-import hf_specdec  # noqa: F401
+import hf_specdec
 from hf_specdec.runners import graphed
 from hf_specdec.runners.graphed import graph_refusal, graph_settings, requested_settings
 
