@@ -5,6 +5,8 @@ on it: Python, the step's plan, small tensor ops and their dispatch (on a GPU, a
 graphs remove). `--rows` prompts repeating a short phrase (so n-gram drafts), `--max-new-tokens` greedy tokens: plain
 `generate`, then hf_specdec with speculation off and with n-gram (adaptive k), each eager and with compiled steps
 (`HF_SPECDEC_COMPILE=1`, compiled once before timing), medians of `--repeats` calls, one thread, no calibration.
+"Outside the forward" is the step's time less the target forward's own (the model's call, eager or compiled, timed
+around it): what stays on the host when the forward is a CUDA graph replayed on a GPU.
 
     python benchmarks/host_time.py [--rows 32] [--max-new-tokens 128] [--repeats 5] [--no-compile]
 """
@@ -18,6 +20,24 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_specdec  # noqa: F401  (registers generate(speculator=...))
+from hf_specdec.runners.graphed import GraphedSteps
+from hf_specdec.runners.model_runner import ModelRunner
+
+FORWARD_S = [0.0]  # seconds spent inside target forwards (eager `_call` or compiled `GraphedSteps.run`)
+
+
+def timed_forwards() -> None:
+    """Adds each forward's time to `FORWARD_S`."""
+    for owner, name in ((ModelRunner, "_call"), (GraphedSteps, "run")):
+        inner = getattr(owner, name)
+
+        def timed(*args, _inner=inner, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                FORWARD_S[0] += time.perf_counter() - start
+        setattr(owner, name, timed)
 
 
 def tiny_model() -> LlamaForCausalLM:
@@ -39,6 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.environ["HF_SPECDEC_CALIBRATION"] = "off"
+    timed_forwards()
     model = tiny_model()
     phrase = torch.randint(2, 512, (args.rows, 7), generator=torch.Generator().manual_seed(1))
     input_ids = phrase.repeat(1, 10)[:, :64]
@@ -48,24 +69,28 @@ def main() -> None:
             configs.append((f"hf_specdec {name}" + (" compiled" if compiled else ""), {"speculator": name},
                             "1" if compiled else "0"))
     print(f"{args.rows} rows, {args.max_new_tokens} new tokens, 1 thread; ms per step = call time / target forwards")
-    print("| configuration | call ms | steps | ms per step | ms per token of a row |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| configuration | call ms | steps | ms per step | ms per step outside the forward | ms per token of a row |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for name, kwargs, compile_switch in configs:
         if compile_switch is not None:
             os.environ["HF_SPECDEC_COMPILE"] = compile_switch
 
         def call(kwargs=kwargs):
+            FORWARD_S[0] = 0.0
             start = time.perf_counter()
             with torch.no_grad():
                 out = model.generate(input_ids, max_new_tokens=args.max_new_tokens, do_sample=False,
                                      return_dict_in_generate=True, **kwargs)
             metrics = getattr(out, "speculative_metrics", None)
-            return time.perf_counter() - start, metrics.num_steps if metrics is not None else args.max_new_tokens
+            seconds = time.perf_counter() - start
+            steps = metrics.num_steps if metrics is not None else args.max_new_tokens
+            return seconds, steps, seconds - FORWARD_S[0] if metrics is not None else None
 
         call()  # warm-up (and, compiled, the compile)
         samples = [call() for _ in range(args.repeats)]
-        seconds, steps = statistics.median(s for s, _ in samples), samples[0][1]
-        print(f"| {name} | {1000 * seconds:.1f} | {steps} | {1000 * seconds / steps:.2f} | "
+        seconds, steps = statistics.median(s[0] for s in samples), samples[0][1]
+        outside = "-" if samples[0][2] is None else f"{1000 * statistics.median(s[2] for s in samples) / steps:.2f}"
+        print(f"| {name} | {1000 * seconds:.1f} | {steps} | {1000 * seconds / steps:.2f} | {outside} | "
               f"{1000 * seconds / args.max_new_tokens:.2f} |", flush=True)
 
 
