@@ -4,8 +4,8 @@ proposal by its confidence class."""
 import pytest
 import torch
 
-from hf_specdec.costs.adaptive import AdaptiveK
 from hf_specdec.costs.step_cost import DEFAULT_STEP_COST, MeasuredStepCost, StepCost
+from hf_specdec.costs.adaptive import AdaptiveK
 
 # A forward costs 1 + 0.18 per token: 5 drafts at batch 1 cost 1.6 plain steps.
 LINEAR = StepCost(per_row=0.0, points=((1, 1.18), (2, 1.36)))
@@ -496,34 +496,3 @@ def test_a_model_speculator_drafts_only_for_the_rows_worth_it():
     assert counts[0] == 0 and counts[1] > 0 and counts[2:] == [0] * 14
     policy.weigh(rows, None)  # every row alike: no draft pays for the batch
     assert policy.choose_drafters(rows) == [0] * 16 and policy.num_declined == 4  # with `choose` above
-
-
-def test_idle_rows_keep_their_evidence_longer_with_an_idle_decay():
-    """With `idle_decay`, a row that drafted nothing in a step has its counts decayed by it, a drafting row's by
-    `decay`; without it every row decays by `decay`. Model speculators in `generate` get `MODEL_IDLE_DECAY`."""
-    from hf_specdec.costs.adaptive import MODEL_IDLE_DECAY
-
-    flat = StepCost(per_row=0.0, points=((1, 10.0), (256, 10.0)))
-    plain, idle = AdaptiveK(2, 4, flat), AdaptiveK(2, 4, flat, idle_decay=0.98)
-    for policy in (plain, idle):
-        policy.update([0, 1], [4, 4], [0, 0])  # both rows fail
-        policy.update([0, 1], [4, 0], [0, 0])  # row 1 idle
-    assert torch.allclose(plain.tried[:, 0], torch.tensor([0.9 + 1, 0.9], dtype=torch.float64))
-    assert torch.allclose(idle.tried[:, 0], torch.tensor([0.9 + 1, 0.98], dtype=torch.float64))
-    assert idle.acceptance([1]) < plain.acceptance([1])  # the failure weighs longer: retried later
-
-    from conftest import make_model, ragged_batch
-
-    import hf_specdec.decode.engine as engine_module
-
-    made = []
-    real = engine_module.AdaptiveK
-    engine_module.AdaptiveK = lambda *args, **kwargs: made.append(kwargs.get("idle_decay")) or real(*args, **kwargs)
-    try:
-        target, draft = make_model("llama"), make_model("llama", seed=1)
-        input_ids, mask = ragged_batch(rows=2, width=10)
-        target.generate(input_ids, attention_mask=mask, max_new_tokens=4, do_sample=False, speculator=draft)
-        target.generate(input_ids, attention_mask=mask, max_new_tokens=4, do_sample=False, speculator="ngram")
-    finally:
-        engine_module.AdaptiveK = real
-    assert made == [MODEL_IDLE_DECAY, None]

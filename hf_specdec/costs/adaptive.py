@@ -31,12 +31,6 @@ from .returns import DraftReturns
 from .step_cost import MeasuredStepCost, StepCost
 
 _MAX_RATE = 0.95  # a prior scaled up by a call's evidence stays below certainty
-# Per-step decay of the counts of a row that drafted nothing in a step, for speculators that run a model (`generate`):
-# with the drafting rows' 0.9 an idle row's evidence faded in about ten steps and the row was tried again, each retry
-# a head's catch-up, drafts and a wider verify. The shipped head on grounded prompts at batch 4 (acceptance about
-# 0.15, AMD EPYC): 58 drafts for 6 accepted, 0.96x speculation off; with 0.98, 25 drafts, 0.98-0.99x; at batch 1
-# 1.06x -> 1.03x, open chat unchanged (docs/benchmarks.md).
-MODEL_IDLE_DECAY = 0.98
 
 
 class AdaptiveK:
@@ -67,8 +61,6 @@ class AdaptiveK:
             first draft after steps without drafts, or after requests joined) with the drafts, spread over
             `READ_HORIZON` steps. The serving engine's choice, where arrivals stop and resume drafting at large
             batches; in one call a model speculator reads the prompts once and drafting rarely stops.
-        idle_decay (`float`, *optional*): the decay of a row's counts in steps where it drafted nothing (`decay` in
-            the others); None: `decay` in every step. Slower, a row that stopped drafting is tried again later.
         draft_subsets (`bool`): a model speculator that can draft for some rows only
             (`Speculator.drafts_row_subsets`) drafts for the rows `choose_drafters` picks, priced for those rows
             alone, where the verify is packed. Off by default, the serving engine's too: faster on the virtual
@@ -79,8 +71,7 @@ class AdaptiveK:
     def __init__(self, num_rows: int, max_k: int, step_cost: StepCost, draft_cost_per_token: float = 0.0,
                  priors: tuple[float, ...] = (0.6,), strength: float = 2.0, decay: float = 0.9, min_gain: float = 1.1,
                  packed: bool = False, measure_steps: bool = False, calibrate: bool = False,
-                 check_returns: bool = False, price_reading: bool = False, draft_subsets: bool = False,
-                 idle_decay: float | None = None):
+                 check_returns: bool = False, price_reading: bool = False, draft_subsets: bool = False):
         if not priors or not all(0.0 <= p < 1.0 for p in priors):
             raise ValueError(f"acceptance priors must be in [0, 1), one per confidence class, got {priors!r}")
         self.max_k = max_k
@@ -97,7 +88,6 @@ class AdaptiveK:
         self.strength = strength
         self.decay = decay
         self.min_gain = min_gain
-        self.idle_decay = idle_decay
         classes = len(priors)
         # Host tensors: the policy never touches the device.
         self.accepted = torch.zeros(num_rows, classes, dtype=torch.float64)
@@ -400,15 +390,9 @@ class AdaptiveK:
                 expected = (rates[:, None] ** depth[None, :]).masked_fill(depth[None, :] > drafted_t[:, None], 0.0)
                 self.expected_accepted += float(expected.sum())
                 self.actual_accepted += float(sum(num_accepted))
+        self.accepted.mul_(self.decay)
+        self.tried.mul_(self.decay)
         drafted = torch.tensor(num_drafted, dtype=torch.float64)
-        if self.idle_decay is None:
-            self.accepted.mul_(self.decay)
-            self.tried.mul_(self.decay)
-        else:  # rows that drafted nothing this step keep their evidence longer
-            factor = torch.full((self.accepted.shape[0], 1), self.idle_decay, dtype=torch.float64)
-            factor[torch.tensor(rows, dtype=torch.long)[drafted > 0]] = self.decay
-            self.accepted.mul_(factor)
-            self.tried.mul_(factor)
         accepted = torch.tensor(num_accepted, dtype=torch.float64)
         # Tokens tried: every accepted one, plus the rejected one when a row stopped before its last draft.
         tried = accepted + (accepted < drafted).double()

@@ -13,7 +13,7 @@ from contextlib import ExitStack
 import torch
 
 from ..cache.block_manager import OutOfBlocksError
-from ..costs.adaptive import MODEL_IDLE_DECAY, AdaptiveK
+from ..costs.adaptive import AdaptiveK
 from ..costs.calibration import adaptive_costs, ensure_profile, host_linear, report_idle
 from ..costs.step_cost import StepCost
 from ..metrics import SpeculativeMetrics, logger
@@ -121,11 +121,8 @@ class SpeculativeEngine:
         if self.schedule == "adaptive" and self.speculator.proposes_drafts:
             cost, draft_cost, cost_source = adaptive_costs(self.model, self.speculator, self.step_cost,
                                                            self.calibration)
-            # A speculator that runs a model pays forwards for every retry after idle steps: its idle rows keep
-            # their evidence longer (`AdaptiveK.idle_decay`).
-            idle = None if self.speculator.drafts_are_free else MODEL_IDLE_DECAY
             self._policy = AdaptiveK(len(batch.lengths), self.k, cost, draft_cost,
-                                     priors=self.speculator.confidence_priors, packed=target.packed, idle_decay=idle)
+                                     priors=self.speculator.confidence_priors, packed=target.packed)
         stop = StopRules(stopping_criteria, eos_token_ids)
         if self.tree_nodes is not None and not getattr(target, "supports_trees", True):
             raise ValueError(f"{type(self.model).__name__} runs on hf_specdec's masked cache (it does not use "
