@@ -125,19 +125,7 @@ class BlockManager:
 
     def blocks_missing(self, seq_id: int, num_tokens: int) -> int:
         """How many more blocks `append(seq_id, num_tokens)` would take from the free list."""
-        return max(0, self.blocks_for(self._lengths[seq_id] + num_tokens) - len(self._tables[seq_id]))
-
-    def append(self, seq_id: int, num_tokens: int) -> int:
-        """Reserves room for `num_tokens` more tokens; returns the position of the first one."""
-        start = self._lengths[seq_id]
-        need = self.blocks_missing(seq_id, num_tokens)
-        if need > len(self._free):
-            raise OutOfBlocksError(f"sequence {seq_id} needs {need} blocks, {len(self._free)} free")
-        table = self._tables[seq_id]
-        for _ in range(need):
-            table.append(self._free.pop())
-        self._lengths[seq_id] = start + num_tokens
-        return start
+        return self.blocks_missing_total([seq_id], [num_tokens])
 
     def blocks_missing_total(self, seq_ids: list[int], num_tokens: list[int]) -> int:
         """`sum(blocks_missing(s, n))` over the rows, in one pass (a step's every row)."""
@@ -147,6 +135,10 @@ class BlockManager:
             if need > 0:
                 total += need
         return total
+
+    def append(self, seq_id: int, num_tokens: int) -> int:
+        """Reserves room for `num_tokens` more tokens; returns the position of the first one."""
+        return self.append_many([seq_id], [num_tokens])[0]
 
     def append_many(self, seq_ids: list[int], num_tokens: list[int]) -> list[int]:
         """`append(seq_ids[i], num_tokens[i])` for every row, in one pass; returns each row's first position."""
@@ -164,6 +156,10 @@ class BlockManager:
             starts.append(start)
         return starts
 
+    def rollback(self, seq_id: int, length: int) -> None:
+        """Shrinks a sequence to its first `length` tokens and frees the blocks past them. O(freed blocks)."""
+        self.rollback_many([seq_id], [length])
+
     def rollback_many(self, seq_ids: list[int], lengths: list[int]) -> None:
         """`rollback(seq_ids[i], lengths[i])` for every row, in one pass."""
         bs, own, tables, free, regions = self.block_size, self._lengths, self._tables, self._free, self._regions
@@ -177,16 +173,6 @@ class BlockManager:
                 while len(table) > keep:
                     free.append(table.pop())
             own[seq_id] = length
-
-    def rollback(self, seq_id: int, length: int) -> None:
-        """Shrinks a sequence to its first `length` tokens and frees the blocks past them. O(freed blocks)."""
-        if not 0 <= length <= self._lengths[seq_id]:
-            raise ValueError(f"cannot roll sequence {seq_id} of length {self._lengths[seq_id]} back to {length}")
-        table = self._tables[seq_id]
-        keep = max(self.blocks_for(length), len(self._regions.get(seq_id, ())))
-        while len(table) > keep:
-            self._free.append(table.pop())
-        self._lengths[seq_id] = length
 
     def free(self, seq_id: int) -> None:
         """Returns a sequence's blocks to the pool (its id's region stays with the id) and forgets it."""

@@ -205,6 +205,10 @@ class RecurrentPagedCache(PagedKVCache):
         super().rollback(seq_id, length)
         self._floor[seq_id] = length
 
+    def rollback_many(self, seq_ids: list[int], lengths: list[int]) -> None:
+        for seq_id, length in zip(seq_ids, lengths):  # each row's recurrent floor checked and moved
+            self.rollback(seq_id, length)
+
     def free(self, seq_id: int) -> None:
         super().free(seq_id)
         self._floor.pop(seq_id, None)

@@ -85,9 +85,10 @@ class CacheRows:
         self.cache.rollback(seq_id, length)
 
     def rollback_many(self, seq_ids: list[int], lengths: list[int]) -> None:
-        """`rollback` for several rows (one pass where the cache has one: a step's commit)."""
-        if type(self.cache) is PagedKVCache:
-            self.cache.rollback_many(seq_ids, lengths)
+        """`rollback` for several rows (a step's commit): in one pass where the cache has one."""
+        many = getattr(self.cache, "rollback_many", None)
+        if many is not None:
+            many(seq_ids, lengths)
             return
         for seq_id, length in zip(seq_ids, lengths):
             self.rollback(seq_id, length)
