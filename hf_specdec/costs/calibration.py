@@ -37,10 +37,10 @@ import torch
 from ..runners.model_runner import input_device
 from .draft_cost import measure_draft_cost
 from .linear_forms import (
+    FUSED_MARGIN,
     LINEAR_MARGIN,
     LINEAR_ROWS,
     PACKED_MARGIN,
-    clear_packed_weights,
     measure_packed_linear,
     measure_thin_linear,
     packed_linear_enabled,
@@ -49,6 +49,7 @@ from .linear_forms import (
     thin_linear_enabled,
     thin_row_table,
 )
+from .linear_weights import clear_packed_weights
 from .profile import (
     Profile,
     load_profile,
@@ -66,7 +67,7 @@ from .timing import ATTEMPTS, Timer
 
 logger = logging.getLogger("hf_specdec")
 
-PROBE_REPEATS = 9  # one-token forwards timed first: if they disagree, the host is too busy to measure
+PROBE_REPEATS = 7  # one-token forwards timed first: if they disagree, the host is too busy to measure
 
 
 def enabled() -> bool:
@@ -175,16 +176,18 @@ def host_linear(model, speculator=None, use_profile: bool = True, compiled: bool
     changes without a profile. `compiled`: steps run compiled (`runners/graphed.py`), which cannot take the packed
     copy (an opaque oneDNN tensor inductor does not lower), so the packed form is left out."""
     profile = load_profile(model) if use_profile and enabled() and thin_linear_enabled() else None
-    packed = profile.packed_linear_shapes if profile is not None and packed_linear_enabled() and not compiled else {}
-    if not packed:  # copies kept from earlier calls are not used now: free them
+    packing = profile is not None and packed_linear_enabled() and not compiled
+    packed = profile.packed_linear_shapes if packing else {}
+    fused = profile.fused_linear_groups if packing else {}
+    if not packed and not fused:  # copies kept from earlier calls are not used now: free them
         clear_packed_weights(model)
     if profile is None or not (profile.thin_linear_rows or any(profile.thin_linear_shapes.values())
-                               or any(packed.values())):
+                               or any(packed.values()) or any(fused.values())):
         yield
         return
     modules = [model, *(speculator.modules() if speculator is not None else [])]
     with thin_linear(modules, profile.thin_linear_rows, profile.linear_rows or None,
-                     profile.thin_linear_shapes or None, packed or None):
+                     profile.thin_linear_shapes or None, packed or None, fused or None):
         yield
 
 
@@ -258,18 +261,19 @@ def _calibrate(model, speculators, force, rows, tokens, contexts, repeats, linea
             if not thin_linear_enabled():
                 thin_rows, by_shape = (), {}
             shapes = {shape_key(shape): rows for shape, rows in by_shape.items()}
-            packed = {}
+            packed, fused = {}, {}
             if packed_linear_enabled():
                 forms = {shape: thin_row_table(rows, linear_rows) for shape, rows in by_shape.items()}
-                by_shape_packed, packed_details, problem = measure_packed_linear(
-                    model, linear_rows, PACKED_MARGIN, forms, repeats, timer, attempts)
+                by_shape_packed, packed_details, problem, by_group = measure_packed_linear(
+                    model, linear_rows, PACKED_MARGIN, forms, repeats, timer, attempts, FUSED_MARGIN)
                 details.update(packed_details)
                 if problem is not None:
                     _distrust("the packed linear timing", problem, "linear layers keep their unpacked forms")
                 else:
                     packed = {shape_key(shape): rows for shape, rows in by_shape_packed.items()}
+                    fused = by_group
             say(f"measuring target forwards (batch {', '.join(map(str, rows))})")
-            with thin_linear([model], thin_rows, linear_rows, shapes, packed or None):
+            with thin_linear([model], thin_rows, linear_rows, shapes, packed or None, fused or None):
                 step_cost, measurement = measure_step_cost(model, rows, tokens, contexts, repeats, timer, attempts)
             if measurement.problem is not None:
                 _distrust("the step cost measured now", measurement.problem,
@@ -278,7 +282,7 @@ def _calibrate(model, speculators, force, rows, tokens, contexts, repeats, linea
                 return None
             details.update(seconds=round(time.perf_counter() - start, 1), step_attempts=measurement.attempts)
             profile = Profile(profile_key(model), step_cost, thin_rows, {}, details, tuple(linear_rows), shapes,
-                              packed)
+                              packed, fused)
             save_profile(model, profile)
             note_unsteady(model, "step", False)
         for spec in speculators:
@@ -337,6 +341,10 @@ def describe(profile: Profile | None) -> str:
         if rows:
             lines.append(f"  linear layers of weight {shape} packed for oneDNN at {spans(rows)} input rows (before "
                          "the above)")
+    for key, rows in sorted(profile.fused_linear_groups.items()):
+        if rows:
+            lines.append(f"  sibling linear layers of weights {key} as one packed product at {spans(rows)} input rows "
+                         "(before the above)")
     for key, value in profile.draft_costs.items():
         name = profile.details.get(f"draft {key}", {}).get("speculator", key)
         lines.append(f"  {name} ({key[:8]}): a drafted token costs {value:.3f} plain steps")

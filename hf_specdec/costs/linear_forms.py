@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import statistics
-import weakref
 from collections import Counter
 from contextlib import contextmanager
 
@@ -13,6 +12,22 @@ import torch
 import torch.nn.functional as F
 
 from ..runners.model_runner import input_device
+from .linear_weights import (
+    _FUSED,
+    _PACKED,
+    _fused_weights,
+    _FusedGroup,
+    _packed_weights,
+    _prune_packed,
+    _weight_identity,
+    group_key,
+    linear_groups,
+    pack_linear_weight,
+    packed_linear,
+    packed_linear_supported,
+    shape_key,
+    thin_linear_candidate,
+)
 from .timing import ATTEMPTS, LINEAR_FLOOR, Timer, measure_repeated, middle, out_of_bounds, timed_round, wall_timer
 
 logger = logging.getLogger("hf_specdec")
@@ -21,17 +36,6 @@ STOCK, THIN, PACKED = 0, 1, 2  # a linear layer's forms (`thin_linear`'s tables)
 
 
 # The small-row linear form ------------------------------------------------------------------------------------------
-def thin_linear_candidate(module: torch.nn.Module) -> bool:
-    """Whether a module is a plain full-precision `torch.nn.Linear` whose product runs on the CPU: its weight is
-    there, or accelerate's hook brings it there (an offloaded layer's weight sits on `meta` until the hook streams it
-    in for the forward). Quantized and wrapped layers are not."""
-    if not (type(module) is torch.nn.Linear and type(module.weight) is torch.nn.Parameter
-            and module.weight.is_floating_point()):
-        return False
-    device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
-    return torch.device(device if device is not None else module.weight.device).type == "cpu"
-
-
 def measure_thin_linear(model, rows: tuple[int, ...], margin: float, repeats: int = 5, timer: Timer | None = None,
                         attempts: int = ATTEMPTS
                         ) -> tuple[tuple[int, ...], dict, str | None, dict[tuple[int, int], tuple[int, ...]]]:
@@ -44,8 +48,11 @@ def measure_thin_linear(model, rows: tuple[int, ...], margin: float, repeats: in
     same choice is made for each weight shape alone (the fourth value: every shape -> the row counts where thin won
     for it, empty where it never did),
     as the forms' speeds differ by shape: on an AMD EPYC with MKL the thin form is 1.6-2.9x faster for an LM head's
-    `[vocab, hidden]` weight from 2 rows up, and slower for the layers' at 6-12 rows."""
+    `[vocab, hidden]` weight from 2 rows up, and slower for the layers' at 6-12 rows. One row is not timed where
+    more are (it keeps the stock form): `W @ x.T` of one column runs the matrix-vector kernel `F.linear` runs, 1.00-1.04
+    times its time on every host measured."""
 
+    rows = tuple(r for r in rows if r > 1) or tuple(rows)
     layers = [m for m in model.modules() if thin_linear_candidate(m)]
     device = input_device(model)  # not model.device: `meta` when the first weights live on disk
     if device.type != "cpu" or not layers:
@@ -127,88 +134,156 @@ def measure_thin_linear(model, rows: tuple[int, ...], margin: float, repeats: in
     return faster, details, measurement.problem, by_shape
 
 
-def packed_linear_supported(weight: torch.Tensor) -> bool:
-    """Whether oneDNN can multiply by `weight` in a packed layout here: a float32 CPU weight, torch built with
-    oneDNN."""
-    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-
-
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` reordered once into oneDNN's blocked layout (a copy, opaque: only `packed_linear` reads it)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, W, bias)` with `W` packed by `pack_linear_weight`: the product runs without repacking the
-    weight, which is what the stock call spends most of its time on at a few rows."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
 def measure_packed_linear(model, rows: tuple[int, ...], margin: float, forms: dict[tuple[int, int], list[bool]],
-                          repeats: int = 5, timer: Timer | None = None, attempts: int = ATTEMPTS
-                          ) -> tuple[dict[tuple[int, int], tuple[int, ...]], dict, str | None]:
-    """Times each weight shape of the model's float32 CPU linear layers over `rows` input rows in the packed form
-    (`packed_linear`) against the form chosen without it (`forms`: shape -> `thin_row_table`, thin where True),
-    side by side in each round. Returns, per shape, the row counts where the packed form took at most `margin` of
-    the other's time in every middle round (empty where it never did), the timings, and why they are not to be
-    trusted (None when they are). Measured on an AMD EPYC with MKL: 2-3x faster for SmolLM2's LM head from 1 row,
-    about 2x for its layers over 2-8 rows."""
+                          repeats: int = 5, timer: Timer | None = None, attempts: int = ATTEMPTS,
+                          fused_margin: float | None = None
+                          ) -> tuple[dict[tuple[int, int], tuple[int, ...]], dict, str | None, dict[str, tuple[int, ...]]]:
+    """Times the model's float32 CPU linear layers over `rows` input rows in the packed form (`packed_linear`)
+    against the form chosen without it (`forms`: shape -> `thin_row_table`, thin where True), and each group of
+    sibling layers that read one input (`linear_groups`: q/k/v, gate/up) as one packed product against its members
+    apart. Returns, per shape, the row counts where the packed form took at most `margin` of the other's time in
+    every middle round (empty where it never did), the timings, why they are not to be trusted (None when they
+    are), and per group (`group_key`) the row counts where its one product took at most `fused_margin` of its
+    members' best forms (none measured without `fused_margin`).
 
-    layers = [m for m in model.modules() if thin_linear_candidate(m) and packed_linear_supported(m.weight)
-              and getattr(m, "_hf_hook", None) is None]  # an offloaded layer's weight is streamed in per forward
-    if input_device(model).type != "cpu" or not layers:
-        return {}, {}, None
+    Each form is timed as a forward meets its layers: one pass over a few decoder blocks in the model's order (each
+    form over blocks of its own, `cold_weights`), every product timed alone and summed per shape. Timed shape by
+    shape instead, eight products of one shape back to back, the forms compared differently from a forward: on an
+    AMD EPYC the packed form of SmolLM2's down projection at one row took 0.77-0.86 of `F.linear`'s time there and
+    0.68 in a forward's order. Measured there: 2-3x faster for the LM head from 1 row, about 2x for the layers over
+    2-8 rows, and one q/k/v product at 0.53 of the three apart at one row."""
+
+    named = [(name, m) for name, m in model.named_modules() if thin_linear_candidate(m)
+             and packed_linear_supported(m.weight) and getattr(m, "_hf_hook", None) is None]
+    if input_device(model).type != "cpu" or not named:
+        return {}, {}, None, {}
     timer = timer or wall_timer(torch.device("cpu"))
+    layers = [m for _, m in named]
     shapes = Counter(tuple(m.weight.shape) for m in layers)
-    by_shape_layers: dict[tuple, list[torch.nn.Linear]] = {}
-    for m in layers:
-        by_shape_layers.setdefault(tuple(m.weight.shape), []).append(m)
-    cells = {}
+    present = {id(m) for m in layers}
+    groups = [g for g in linear_groups([model]) if all(id(m) in present for m in g)] if fused_margin else []
+    kinds = ("packed", "chosen", "fused") if groups else ("packed", "chosen")
+    block = {id(m): _block_index(name) for name, m in named}
+    blocks = sorted({b for b in block.values() if b is not None})
+    # The packed and the chosen form each over blocks of their own; the one product of each group over the packed
+    # form's blocks, the others there packed too, as a call would run them (the chosen form's pass between the two
+    # reads more than a CPU's caches hold, so those weights come from memory again), the LM head left out.
+    own = cold_weights(blocks, 2) if blocks else [[], []]
+    sequences = {kind: [m for m in layers if block[id(m)] is None or block[id(m)] in own[k]]
+                 for k, kind in enumerate(kinds[:2])}
+    if groups:
+        sequences["fused"] = [m for m in sequences["packed"] if block[id(m)] is not None or not blocks]
+    grouped = {id(m): g for g in groups for m in g}
+    cells: dict[tuple[str, int], list[tuple[object, object]]] = {}
     with torch.no_grad():
-        for shape in shapes:
-            packed_layers, other_layers = cold_weights(by_shape_layers[shape], 2)
-            # The model's own layers, packed as a call packs them (`_packed_weights` keeps the copies, so a call that
-            # then packs this shape does not pack them again; `clear_packed_weights` drops those it does not use).
-            copies = _packed_weights(packed_layers)
-            packed = [copies[id(m)] for m in packed_layers] if copies else [
-                pack_linear_weight(m.weight) for m in packed_layers]
-            others = [m.weight.detach() for m in other_layers]
-            table = forms.get(shape, [])
-            for r in rows:
-                x = torch.randn(r, shape[1], dtype=others[0].dtype)
-                thin = r < len(table) and table[r]
-                cells["packed", "packed", r, shape] = lambda ps=packed, x=x: [packed_linear(x, p, None) for p in ps]
-                cells["packed", "chosen", r, shape] = (
-                    (lambda ws=others, x=x: [(w @ x.t()).t().contiguous() for w in ws]) if thin else
-                    (lambda ws=others, x=x: [F.linear(x, w) for w in ws]))
+        # The model's own layers, packed as a call packs them (`_packed_weights` keeps the copies, so a call that then
+        # packs this shape does not pack them again; those of shapes no call packs are dropped below).
+        copies = _packed_weights(sequences["packed"])
+        in_fused = {id(m) for m in sequences.get("fused", [])}
+        fused_copies = _fused_weights([g for g in groups if id(g[0]) in in_fused])
+        where = {id(m): i for i, m in enumerate(sequences["packed"])}
+        for r in rows:
+            inputs = {width: torch.randn(r, width, dtype=layers[0].weight.dtype)
+                      for width in {m.in_features for m in layers}}
+            packed = [(tuple(m.weight.shape), _product(m, PACKED, inputs[m.in_features], copies.get(id(m))))
+                      for m in sequences["packed"]]
+            cells["packed", r] = packed
+            cells["chosen", r] = [(tuple(m.weight.shape), _product(m, _chosen_form(forms, m, r), inputs[m.in_features]))
+                                  for m in sequences["chosen"]]
+            if groups:
+                fused = []
+                for m in sequences["fused"]:  # each group's one product where its first member stands
+                    g = grouped.get(id(m))
+                    if g is None:
+                        fused.append(packed[where[id(m)]])
+                    elif m is g[0] and id(m) in fused_copies:
+                        fused.append((group_key(g), _product(m, PACKED, inputs[m.in_features],
+                                                             fused_copies[id(m)][0])))
+                cells["fused", r] = fused
+        counts = {(kind, r, what): n for (kind, r), items in cells.items()
+                  for what, n in Counter(what for what, _ in items).items()}
+        group_keys = {group_key(g): g for g in groups}
 
         def run_round(i: int) -> dict[tuple, float]:
-            keys = list(cells)
-            if i % 2:  # each pair side by side, and each form first in every other round
-                keys = [keys[j ^ 1] for j in range(len(keys))]
-            times = timed_round({key: cells[key] for key in keys}, timer)
-            return {("packed", "packed / chosen", r, shape): times["packed", "packed", r, shape]
-                    / times["packed", "chosen", r, shape] for r in rows for shape in shapes}
+            totals: dict[tuple, float] = {}
+            for r in rows:  # each form's pass side by side with the others', the order turned every other round
+                for kind in (kinds if i % 2 == 0 else kinds[::-1]):  # the chosen form's pass always in the middle
+                    for position, (what, fn) in enumerate(cells[kind, r]):
+                        t = timer(("packed", kind, r, what, position), fn)
+                        totals[kind, r, what] = totals.get((kind, r, what), 0.0) + t
+            each = {key: t / counts[key] for key, t in totals.items()}  # per product
+            ratios = {("packed", "packed / chosen", r, shape): each["packed", r, shape] / each["chosen", r, shape]
+                      for r in rows for shape in shapes if ("chosen", r, shape) in each and ("packed", r, shape) in each}
+            for key, g in group_keys.items():
+                for r in rows:
+                    if ("fused", r, key) in each:
+                        apart = sum(min(each.get(("packed", r, s), float("inf")), each.get(("chosen", r, s), float(
+                            "inf"))) for s in (tuple(m.weight.shape) for m in g))
+                        ratios["packed", "fused / apart", r, key] = each["fused", r, key] / apart
+            return ratios
 
-        chosen: dict[tuple, bool] = {}
+        chosen_rows: dict[tuple, bool] = {}
 
         def same_choice(samples):  # a row count is chosen where every middle round chose it
-            chosen.clear()
-            chosen.update({key[2:]: middle(ratios)[1] <= margin for key, ratios in samples.items()})
+            chosen_rows.clear()
+            chosen_rows.update({key[1:]: middle(ratios)[1] <= (margin if key[1] == "packed / chosen" else fused_margin)
+                                for key, ratios in samples.items()})
             return None
 
-        timed_round(cells, lambda key, fn: fn())  # warm-up
+        for items in cells.values():  # warm-up
+            for _, fn in items:
+                fn()
         measurement = measure_repeated(run_round, repeats, None, attempts, agree=same_choice)
-    by_shape = {shape: tuple(r for r in rows if chosen.get((r, shape), False)) for shape in shapes}
-    for shape, chosen_rows in by_shape.items():  # copies made for timing a shape no call packs: freed now
-        if not chosen_rows or measurement.problem is not None:
-            for m in by_shape_layers[shape]:
-                _PACKED.pop(m, None)
+    trusted = measurement.problem is None
+    by_shape = {shape: tuple(r for r in rows if trusted and chosen_rows.get(("packed / chosen", r, shape), False))
+                for shape in shapes}
+    by_group = {key: tuple(r for r in rows if trusted and chosen_rows.get(("fused / apart", r, key), False))
+                for key in group_keys}
+    for shape, chosen_at in by_shape.items():  # copies made for timing a shape no call packs: freed now
+        if not chosen_at:
+            for m in layers:
+                if tuple(m.weight.shape) == shape:
+                    _PACKED.pop(m, None)
+    for key, chosen_at in by_group.items():
+        if not chosen_at:
+            for g in groups:
+                if group_key(g) == key:
+                    _FUSED.pop(g[0], None)
     details = {"linear_packed_over_chosen_by_shape": {
         "x".join(map(str, shape)): {str(r): round(measurement.medians["packed", "packed / chosen", r, shape], 3)
-                                    for r in rows} for shape in shapes}}
-    return by_shape, details, measurement.problem
+                                    for r in rows if ("packed", "packed / chosen", r, shape) in measurement.medians}
+        for shape in shapes}}
+    if group_keys:
+        details["linear_fused_over_apart_by_group"] = {
+            key: {str(r): round(measurement.medians["packed", "fused / apart", r, key], 3) for r in rows
+                  if ("packed", "fused / apart", r, key) in measurement.medians} for key in group_keys}
+    return by_shape, details, measurement.problem, by_group
+
+
+def _chosen_form(forms: dict, m: torch.nn.Linear, rows: int) -> int:
+    table = forms.get(tuple(m.weight.shape), [])
+    return THIN if rows < len(table) and table[rows] else STOCK
+
+
+def _product(m: torch.nn.Linear, form: int, x: torch.Tensor, packed: torch.Tensor | None = None):
+    """A timing's product of `x` by `m`'s weight in `form` (PACKED: by `packed`, or packed on each call without)."""
+    w = m.weight.detach()
+    if form == PACKED:
+        if packed is None:
+            return lambda: packed_linear(x, pack_linear_weight(w), None)
+        return lambda: packed_linear(x, packed, None)
+    if form == THIN:
+        return lambda: (w @ x.t()).t().contiguous()
+    return lambda: F.linear(x, w)
+
+
+def _block_index(name: str) -> int | None:
+    """The decoder block a module belongs to, by the first number in its qualified name (`model.layers.12.mlp` ->
+    12); None outside any (an LM head)."""
+    for part in name.split("."):
+        if part.isdigit():
+            return int(part)
+    return None
 
 
 COLD_PRODUCTS = 8  # products per timing of one weight shape and form: one alone is too short to time well
@@ -235,6 +310,9 @@ LINEAR_MARGIN = 0.8  # `(W @ x.T).T` must take at most this fraction of F.linear
 
 
 PACKED_MARGIN = 0.85  # the packed form must take at most this fraction of the other form's time to be used
+
+
+FUSED_MARGIN = 0.9  # a group's one product must take at most this fraction of its members' apart to be used
 
 
 def thin_linear_enabled() -> bool:
@@ -277,63 +355,6 @@ def _thin_forward(linear: torch.nn.Linear, forms: list[int], packed: torch.Tenso
     return forward
 
 
-# Packed weights kept between calls (packing SmolLM2-135M's layers takes about 1.5 s here, longer than many calls):
-# layer -> (what identifies its weight's contents, the packed copy). An in-place change of the weight bumps its
-# version and the layer is packed again.
-_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _weight_identity(weight: torch.Tensor) -> tuple:
-    """What tells a weight's contents apart, cheaply: its data, version, shape, dtype and device. A change made
-    through `weight.data` bumps no version: after one, `clear_packed_weights` (or a new weight tensor)."""
-    return weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, weight.device
-
-
-def clear_packed_weights(model: torch.nn.Module | None = None) -> None:
-    """Drops the packed copies kept for `model`'s layers (every model's with None): their memory is freed and the
-    next call packs again from the weights as they are then."""
-    if model is None:
-        _PACKED.clear()
-        return
-    for m in model.modules():
-        _PACKED.pop(m, None)
-
-
-def _prune_packed(modules) -> None:
-    """Drops kept copies that no longer stand for their layer's weight (replaced, changed in place, cast, moved), so
-    they do not hold memory."""
-    for root in modules:
-        for m in root.modules():
-            entry = _PACKED.get(m)
-            if entry is not None and (not isinstance(getattr(m, "weight", None), torch.Tensor)
-                                      or entry[0] != _weight_identity(m.weight)):
-                del _PACKED[m]
-
-
-def _packed_weights(layers: list[torch.nn.Linear]) -> dict[int, torch.Tensor]:
-    """The packed copy of each layer's weight (`id(layer)` -> copy), packing those not kept yet (layers sharing one
-    weight share one copy), unless the copies would take more than half the memory available now (then none: a
-    warning says so and the layers keep the other forms)."""
-    missing = [m for m in layers if m not in _PACKED or _PACKED[m][0] != _weight_identity(m.weight)]
-    kept = {entry[0]: entry[1] for entry in _PACKED.values()}
-    distinct = {_weight_identity(m.weight): m.weight for m in missing if _weight_identity(m.weight) not in kept}
-    need = sum(w.numel() * w.element_size() for w in distinct.values())
-    if need:
-        import psutil
-
-        available = psutil.virtual_memory().available
-        if need > available / 2:
-            logger.warning(f"linear layers keep their unpacked forms: packing their weights needs {need / 2**30:.1f} "
-                           f"GiB, more than half the {available / 2**30:.1f} GiB available now")
-            return {}
-    for m in missing:
-        identity = _weight_identity(m.weight)
-        if identity not in kept:
-            kept[identity] = pack_linear_weight(m.weight)
-        _PACKED[m] = (identity, kept[identity])
-    return {id(m): _PACKED[m][1] for m in layers}
-
-
 def thin_row_table(rows, measured=None) -> list[bool]:
     """`table[n]`: whether an input of n rows takes the thin form. Without `measured`, exactly the counts in `rows`;
     with it (the counts timed, `rows` those where thin won), a count between two measured ones takes the choice made
@@ -349,13 +370,9 @@ def thin_row_table(rows, measured=None) -> list[bool]:
     return table
 
 
-def shape_key(weight_shape) -> str:
-    """A linear weight's shape as profiles name it: `"out x in"`."""
-    return "x".join(str(int(n)) for n in weight_shape)
-
-
 @contextmanager
-def thin_linear(modules, rows, measured=None, shapes: dict | None = None, packed: dict | None = None):
+def thin_linear(modules, rows, measured=None, shapes: dict | None = None, packed: dict | None = None,
+                fused: dict | None = None):
     """Within the block, every plain `torch.nn.Linear` (full-precision weight, computed on the CPU) inside `modules`
     computes inputs of `rows` rows as `(W @ x.T).T` (with `measured`, the row counts timed: counts between them as
     `thin_row_table` says); restored on exit. Quantized or wrapped layers are left alone. A layer under an accelerate
@@ -363,7 +380,9 @@ def thin_linear(modules, rows, measured=None, shapes: dict | None = None, packed
     streams in are the ones multiplied. With `shapes` (`"out x in"` -> row counts), a layer whose weight's shape is
     named takes that shape's counts instead (`rows` stay for the others). With `packed` (the same mapping), a float32
     layer of a named shape, not under a hook, computes those row counts with its weight packed for oneDNN
-    (`packed_linear`, the copy kept between blocks), before any thin choice."""
+    (`packed_linear`, the copy kept between blocks), before any thin choice. With `fused` (group key, `group_key`
+    -> row counts), each group of sibling layers (`linear_groups`) of a named key computes those row counts as one
+    packed product (`_FusedGroup`), before any other choice."""
     tables = {}
 
     thins = {}
@@ -403,6 +422,20 @@ def thin_linear(modules, rows, measured=None, shapes: dict | None = None, packed
                 continue
             patched.append((module, name, vars(module).get(name)))
             setattr(module, name, _thin_forward(module, forms, weights.get(id(module)), thin))
+        if fused:
+            ours = {id(module) for module, _, _ in patched}
+            groups = [g for g in linear_groups(modules) if any(fused.get(group_key(g), ()))
+                      and not any("forward" in vars(m) and id(m) not in ours for m in g)]
+            copies = _fused_weights(groups)
+            for g in groups:
+                if id(g[0]) not in copies:
+                    continue
+                group = _FusedGroup(g, thin_row_table(fused[group_key(g)], measured), *copies[id(g[0])])
+                for index, module in enumerate(g):
+                    own = vars(module).get("forward") or (lambda x, m=module: F.linear(x, m.weight, m.bias))
+                    if id(module) not in ours:
+                        patched.append((module, "forward", None))
+                    module.forward = group.forward(index, own)
         yield
     finally:
         for module, name, original in patched:

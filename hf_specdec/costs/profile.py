@@ -20,8 +20,8 @@ from .step_cost import StepCost, check_step_cost
 logger = logging.getLogger("hf_specdec")
 
 # 2: timed as timing.py says; 3: linear rows up to 64; 4: the linear form chosen per weight shape; 5: the packed
-# form
-FORMAT, VERSION = "hf_specdec-calibration", 5
+# form; 6: the packed form timed in a forward's order, and sibling layers as one product
+FORMAT, VERSION = "hf_specdec-calibration", 6
 
 
 # After a measurement found this host's timing unsteady, calls that calibrate on their own (`hf-specdec run`, `serve`,
@@ -44,8 +44,11 @@ class Profile:
             thin never won), which is what applies to layers of those shapes: an LM head's weight and the layers'
             may want different forms. A layer of a shape not measured (a draft model's) takes `thin_linear_rows`.
         packed_linear_shapes: per weight shape, the row counts (between measured ones as for thin) at which the
-            weight packed once for oneDNN (`linear_forms.packed_linear`) beat the form chosen above; it takes precedence
+            weight packed once for oneDNN (`linear_weights.packed_linear`) beat the form chosen above; it takes precedence
             there. Float32 CPU layers only; a shape not named never takes it.
+        fused_linear_groups: per group of sibling layers that read one input (`linear_weights.group_key`: q/k/v,
+            gate/up), the row counts at which computing them as one packed product beat computing them apart; it
+            takes precedence over the forms above there.
         draft_costs: per speculator (`speculator_key`), the cost of one drafted token relative to a plain step.
         details: what was measured, for people (timings, seconds taken).
     """
@@ -58,6 +61,7 @@ class Profile:
     linear_rows: tuple[int, ...] = ()
     thin_linear_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     packed_linear_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    fused_linear_groups: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "key": self.key,
@@ -66,6 +70,7 @@ class Profile:
                 "thin_linear_rows": list(self.thin_linear_rows), "linear_rows": list(self.linear_rows),
                 "thin_linear_shapes": {k: list(v) for k, v in self.thin_linear_shapes.items()},
                 "packed_linear_shapes": {k: list(v) for k, v in self.packed_linear_shapes.items()},
+                "fused_linear_groups": {k: list(v) for k, v in self.fused_linear_groups.items()},
                 "draft_costs": self.draft_costs,
                 "details": self.details}
 
@@ -89,7 +94,8 @@ class Profile:
         measured = tuple(int(r) for r in data.get("linear_rows", ()))
         shapes = {str(k): tuple(int(r) for r in v) for k, v in data.get("thin_linear_shapes", {}).items()}
         packed = {str(k): tuple(int(r) for r in v) for k, v in data.get("packed_linear_shapes", {}).items()}
-        return cls(key, step_cost, rows, draft_costs, dict(data.get("details", {})), measured, shapes, packed)
+        fused = {str(k): tuple(int(r) for r in v) for k, v in data.get("fused_linear_groups", {}).items()}
+        return cls(key, step_cost, rows, draft_costs, dict(data.get("details", {})), measured, shapes, packed, fused)
 
 
 # Keys -------------------------------------------------------------------------------------------------------------
