@@ -309,7 +309,10 @@ LINEAR_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 LINEAR_MARGIN = 0.8  # `(W @ x.T).T` must take at most this fraction of F.linear's time to be used
 
 
-PACKED_MARGIN = 0.85  # the packed form must take at most this fraction of the other form's time to be used
+# The packed form must take at most this fraction of the other form's time to be used. Timed in a forward's order it
+# still looks less of a gain than it is in one (SmolLM2's down projection at one row on an AMD EPYC: 0.82 timed, 0.69
+# in a decode step under the profiler), and every middle round must pass.
+PACKED_MARGIN = 0.9
 
 
 FUSED_MARGIN = 0.9  # a group's one product must take at most this fraction of its members' apart to be used
