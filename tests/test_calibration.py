@@ -564,16 +564,17 @@ def test_the_packed_form_is_chosen_where_it_beats_the_other_and_taken_before_thi
     key = linear_forms.shape_key(head)
     assert {k: v for k, v in profile.packed_linear_shapes.items() if v} == {key: (2, 3)}
     assert profile.details["linear_packed_over_chosen_by_shape"][key] == {"1": 1.0, "2": 0.5, "3": 0.5}
-    assert f"linear layers of weight {key} packed for oneDNN at 2-3 input rows" in calibration.describe(profile)
+    # Past the last count measured (3) the packed choice made there holds up to four times it.
+    assert f"linear layers of weight {key} packed for oneDNN at 2-12 input rows" in calibration.describe(profile)
     calls = []
     packed = linear_forms.packed_linear
     monkeypatch.setattr(linear_forms, "packed_linear", lambda x, *a: calls.append(x.shape[0]) or packed(x, *a))
     hidden = target.config.hidden_size
     with calibration.host_linear(target), torch.no_grad():  # as in our calls (the packed product has no backward)
-        for rows in (1, 2, 3):
+        for rows in (1, 2, 3, 12, 13):
             x = torch.randn(rows, hidden)
             torch.testing.assert_close(target.lm_head(x), torch.nn.functional.linear(x, target.lm_head.weight))
-    assert calls == [2, 3]
+    assert calls == [2, 3, 12]
     monkeypatch.setenv("HF_SPECDEC_PACKED_LINEAR", "off")
     calls.clear()
     with calibration.host_linear(target):

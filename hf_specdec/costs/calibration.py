@@ -320,9 +320,9 @@ def describe(profile: Profile | None) -> str:
         relative = [float(cost.relative(rows, torch.tensor(float(q)), rows * 128)) for q in (2, 3, 4, 6)]
         lines.append(f"  batch {rows}: a forward of 2 / 3 / 4 / 6 tokens per row costs "
                      f"{' / '.join(f'{r:.2f}' for r in relative)} plain steps (128 cached tokens per row)")
-    def spans(rows) -> str:
+    def spans(rows, beyond: bool = False) -> str:
         out, start = [], None
-        for n, thin in enumerate(thin_row_table(rows, profile.linear_rows or None) + [False]):
+        for n, thin in enumerate(thin_row_table(rows, profile.linear_rows or None, beyond) + [False]):
             if thin and start is None:
                 start = n
             elif not thin and start is not None:
@@ -339,11 +339,11 @@ def describe(profile: Profile | None) -> str:
         lines.append(f"  linear layers as (W @ x.T).T at {spans(profile.thin_linear_rows)} input rows")
     for shape, rows in sorted(profile.packed_linear_shapes.items()):
         if rows:
-            lines.append(f"  linear layers of weight {shape} packed for oneDNN at {spans(rows)} input rows (before "
+            lines.append(f"  linear layers of weight {shape} packed for oneDNN at {spans(rows, True)} input rows (before "
                          "the above)")
     for key, rows in sorted(profile.fused_linear_groups.items()):
         if rows:
-            lines.append(f"  sibling linear layers of weights {key} as one packed product at {spans(rows)} input rows "
+            lines.append(f"  sibling linear layers of weights {key} as one packed product at {spans(rows, True)} input rows "
                          "(before the above)")
     for key, value in profile.draft_costs.items():
         name = profile.details.get(f"draft {key}", {}).get("speculator", key)

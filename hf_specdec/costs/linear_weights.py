@@ -81,6 +81,21 @@ def _prune_packed(modules) -> None:
                 del _FUSED[g[0]]
 
 
+def _room_for(need: int, what: str) -> bool:
+    """Whether copies of `need` bytes take at most half the memory available now; if not, a warning says `what`
+    (e.g. "linear layers keep their unpacked forms: packing their weights") needs more."""
+    if not need:
+        return True
+    import psutil
+
+    available = psutil.virtual_memory().available
+    if need > available / 2:
+        logger.warning(f"{what} needs {need / 2**30:.1f} GiB, more than half the {available / 2**30:.1f} GiB "
+                       "available now")
+        return False
+    return True
+
+
 def _packed_weights(layers: list[torch.nn.Linear]) -> dict[int, torch.Tensor]:
     """The packed copy of each layer's weight (`id(layer)` -> copy), packing those not kept yet (layers sharing one
     weight share one copy), unless the copies would take more than half the memory available now (then none: a
@@ -88,15 +103,9 @@ def _packed_weights(layers: list[torch.nn.Linear]) -> dict[int, torch.Tensor]:
     missing = [m for m in layers if m not in _PACKED or _PACKED[m][0] != _weight_identity(m.weight)]
     kept = {entry[0]: entry[1] for entry in _PACKED.values()}
     distinct = {_weight_identity(m.weight): m.weight for m in missing if _weight_identity(m.weight) not in kept}
-    need = sum(w.numel() * w.element_size() for w in distinct.values())
-    if need:
-        import psutil
-
-        available = psutil.virtual_memory().available
-        if need > available / 2:
-            logger.warning(f"linear layers keep their unpacked forms: packing their weights needs {need / 2**30:.1f} "
-                           f"GiB, more than half the {available / 2**30:.1f} GiB available now")
-            return {}
+    if not _room_for(sum(w.numel() * w.element_size() for w in distinct.values()),
+                     "linear layers keep their unpacked forms: packing their weights"):
+        return {}
     for m in missing:
         identity = _weight_identity(m.weight)
         if identity not in kept:
@@ -148,15 +157,9 @@ def _fused_weights(groups) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]
     """Each group's packed copy and stacked bias (`id(first member)` -> both), packing those not kept yet, unless the
     copies would take more than half the memory available now (then none, with a warning)."""
     missing = [g for g in groups if g[0] not in _FUSED or _FUSED[g[0]][0] != _group_identity(g)]
-    need = sum(m.weight.numel() * m.weight.element_size() for g in missing for m in g)
-    if need:
-        import psutil
-
-        available = psutil.virtual_memory().available
-        if need > available / 2:
-            logger.warning(f"sibling linear layers keep their own products: stacking their weights needs "
-                           f"{need / 2**30:.1f} GiB, more than half the {available / 2**30:.1f} GiB available now")
-            return {}
+    if not _room_for(sum(m.weight.numel() * m.weight.element_size() for g in missing for m in g),
+                     "sibling linear layers keep their own products: stacking their weights"):
+        return {}
     with torch.no_grad():
         for g in missing:
             bias = None if g[0].bias is None else torch.cat([m.bias.detach() for m in g])
