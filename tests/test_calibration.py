@@ -766,6 +766,11 @@ def test_a_group_whose_members_do_not_share_their_input_computes_each_its_own():
             v.weight.mul_(-1.0)
             check(v, x)
             check(q, x)
+        with linear_forms.thin_linear([attention], (), tuple(range(1, 65)), None, None, {key: tuple(range(1, 65))}):
+            v.weight.mul_(-1.0)  # changed before the group's first product: the stacked copy no longer stands for it
+            check(q, x)
+            check(k, x)
+            check(v, x)
     with linear_forms.thin_linear([attention], (), tuple(range(1, 65)), None, None, {key: tuple(range(1, 65))}):
         wanted = torch.randn(2, q.in_features, requires_grad=True)
         sum(m(wanted).sum() for m in (q, k, v)).backward()

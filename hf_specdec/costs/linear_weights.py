@@ -119,6 +119,7 @@ def _packed_weights(layers: list[torch.nn.Linear]) -> dict[int, torch.Tensor]:
 # `_FusedGroup` still checks it on every call.
 GROUP_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("query", "key", "value"), ("w1", "w3"))
 
+
 def linear_groups(modules) -> list[tuple[torch.nn.Linear, ...]]:
     """Groups of sibling linear layers (`GROUP_NAMES`) that can run as one packed product: plain float32 CPU layers
     not under an accelerate hook, of one input width, all with a bias or none."""
@@ -133,10 +134,14 @@ def linear_groups(modules) -> list[tuple[torch.nn.Linear, ...]]:
                 members = tuple(children.get(n) for n in names)
                 if all(m is not None and thin_linear_candidate(m) and packed_linear_supported(m.weight)
                        and getattr(m, "_hf_hook", None) is None for m in members) \
-                        and len({m.in_features for m in members}) == 1 and len({m.bias is None for m in members}) == 1 \
-                        and len({m.weight.dtype for m in members}) == 1:
+                        and len({m.in_features for m in members}) == 1 and len({m.bias is None for m in members}) == 1:
                     groups.append(members)
     return groups
+
+
+def shape_key(weight_shape) -> str:
+    """A linear weight's shape as profiles name it: `"out x in"`."""
+    return "x".join(str(int(n)) for n in weight_shape)
 
 
 def group_key(members) -> str:
@@ -203,8 +208,3 @@ class _FusedGroup:
                 return parts[index]
             return own(x)
         return forward
-
-
-def shape_key(weight_shape) -> str:
-    """A linear weight's shape as profiles name it: `"out x in"`."""
-    return "x".join(str(int(n)) for n in weight_shape)
