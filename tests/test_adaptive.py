@@ -91,6 +91,19 @@ def test_measure_times_a_real_model():
     assert cost.per_row >= 0 and all(t > 0 for _, t in cost.points)
 
 
+def test_measure_times_the_tokens_given_per_row_count():
+    """The first call's grid times other token counts at each row count: exactly the cells asked for."""
+    from conftest import make_model
+
+    from hf_specdec.costs.step_cost import measure_step_cost
+
+    cost, measurement = measure_step_cost(make_model("llama", dtype=torch.float32), (1, 3), {1: (1, 2, 4), 3: (1, 2)},
+                                          (8,), 1)
+    assert sorted(measurement.medians) == [("step", 1, 1, 8), ("step", 1, 2, 8), ("step", 1, 4, 8),
+                                           ("step", 3, 1, 8), ("step", 3, 2, 8)]
+    assert [n for n, _ in cost.points] == [1, 2, 3, 4, 6]
+
+
 def test_offered_drafts_cap_the_expected_gain():
     """A row with 1 draft to offer gains nothing from k = 8; rows with none make k = 0."""
     policy = AdaptiveK(num_rows=1, max_k=8, step_cost=LINEAR, priors=(0.9,))

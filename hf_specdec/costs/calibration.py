@@ -82,12 +82,14 @@ def measures_first_call() -> bool:
 
 # What a call uses -------------------------------------------------------------------------------------------------
 # What the first call on a new host, model, dtype and thread count measures before its first step: every linear weight
-# shape over a few row counts in each form, and target forwards of 1 and 4 rows (wider batches are priced by the
-# fitted curve's extrapolation, which runs above what 16 rows measured on the development host: drafting there errs
-# towards less). Four repeats: the check leaves the lowest and the highest out (with three it leaves none, and one slow
-# repeat rejected the step cost on a quiet host). About 4.5 s for SmolLM2-135M on 2 cores (docs/benchmarks.md).
-FIRST_CALL_GRID = dict(rows=(1, 4), tokens=(1, 2, 4), contexts=(64,), repeats=4, linear_rows=(1, 2, 4, 8, 16),
-                       attempts=1, draft_tokens=12)
+# shape over a few row counts in each form, and target forwards of 1 row x 1, 2 and 4 tokens (batch 1's verifies) and
+# of 16 rows x 1 and 2 tokens (wide batches' verifies: priced from forwards of at most 16 tokens, a 16-row verify cost
+# 20-40% more than the curve's extrapolation said, docs/benchmarks.md). The 16-row forwards run over 32 cached tokens
+# a row, which keeps the measuring as short as the grid of 1 and 4 rows was. Four repeats: the check leaves the lowest
+# and the highest out (with three it leaves none, and one slow repeat rejected the step cost on a quiet host). About
+# 4.6 s for SmolLM2-135M on 2 cores (docs/benchmarks.md).
+FIRST_CALL_GRID = dict(rows=(1, 16), tokens={1: (1, 2, 4), 16: (1, 2)}, contexts=(32,), repeats=4,
+                       linear_rows=(1, 2, 4, 8, 16), attempts=1, draft_tokens=12)
 
 
 def ensure_profile(model, speculator=None, use_profile: bool = True) -> Profile | None:
@@ -197,9 +199,9 @@ def _distrust(what: str, problem: str, fallback: str) -> None:
 
 
 def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] = (1, 4, 16),
-              tokens: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12), contexts: tuple[int, ...] = (64, 256),
-              repeats: int = 5, linear_rows: tuple[int, ...] = LINEAR_ROWS, progress=None,
-              timer: Timer | None = None, attempts: int = ATTEMPTS, retry: bool = True,
+              tokens: tuple[int, ...] | dict[int, tuple[int, ...]] = (1, 2, 3, 4, 6, 8, 12),
+              contexts: tuple[int, ...] = (64, 256), repeats: int = 5, linear_rows: tuple[int, ...] = LINEAR_ROWS,
+              progress=None, timer: Timer | None = None, attempts: int = ATTEMPTS, retry: bool = True,
               draft_tokens: int = 24) -> Profile | None:
     """Returns `model`'s profile on this host, measuring what the cache lacks (everything with `force`): the small-row
     linear form, the step cost (with that form in use), and each of `speculators`' draft cost. Each is measured as
@@ -209,7 +211,8 @@ def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] 
     random state is left as it was. `progress`: a function taking a message, called before each measurement;
     `timer`: what times a forward or a product (`timing.Timer`; tests pass made-up timings). With `retry=False`,
     what was found unsteady in the last `UNSTEADY_RETRY_S` is not measured again (`force` measures anyway).
-    `draft_tokens`: the length of the short calls a draft cost is timed over."""
+    `tokens`: the new tokens per row of the forwards timed, at every row count in `rows`, or a dict giving them per row
+    count. `draft_tokens`: the length of the short calls a draft cost is timed over."""
     _measuring.active, outer = True, getattr(_measuring, "active", False)
     try:
         return _calibrate(model, speculators, force, rows, tokens, contexts, repeats, linear_rows, progress, timer,

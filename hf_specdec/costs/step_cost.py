@@ -276,24 +276,25 @@ def check_step_cost(step_cost, rows: tuple[int, ...] = (1, 4, 16), tokens: tuple
 
 
 # The target's step cost ---------------------------------------------------------------------------------------------
-def measure_step_cost(model, rows: tuple[int, ...], tokens: tuple[int, ...], contexts: tuple[int, ...],
-                      repeats: int, timer: Timer | None = None, attempts: int = ATTEMPTS):
+def measure_step_cost(model, rows: tuple[int, ...], tokens: tuple[int, ...] | dict[int, tuple[int, ...]],
+                      contexts: tuple[int, ...], repeats: int, timer: Timer | None = None, attempts: int = ATTEMPTS):
     """Times target forwards through the model's KV cache (paged, or masked: `dense.make_runner`) with random
     token ids, `contexts` tokens cached per row, every (rows, tokens, context) cell once per round, and fits a
-    `StepCost`. Returns `(step cost, Measurement)`; the
-    measurement's `problem` says why the cost is not to be trusted."""
+    `StepCost`. `tokens`: the new tokens per row timed at every row count, or a dict giving them per row count.
+    Returns `(step cost, Measurement)`; the measurement's `problem` says why the cost is not to be trusted."""
 
     vocab = model.config.get_text_config().vocab_size
     device = input_device(model)  # not model.device: `meta` for a model offloaded to disk
     timer = timer or wall_timer(device)
     runners, cells = {}, {}
     with torch.no_grad(), runner_attention(model):
+        per_rows = tokens if isinstance(tokens, dict) else dict.fromkeys(rows, tokens)
         for b, c in ((b, c) for c in contexts for b in rows):
-            runner = runners[b, c] = make_runner(model, num_blocks=b * (c + max(tokens)) // 16 + 2 * b + 1)
+            runner = runners[b, c] = make_runner(model, num_blocks=b * (c + max(per_rows[b])) // 16 + 2 * b + 1)
             for seq in range(b):
                 runner.add_sequence(seq)
             runner.forward(list(range(b)), torch.randint(vocab, (b, c), device=device), [c] * b, 1)
-            for q in tokens:
+            for q in per_rows[b]:
                 ids = torch.randint(vocab, (b, q), device=device)
                 cells["step", b, q, c] = lambda runner=runner, ids=ids, b=b, q=q: runner.forward(
                     list(range(b)), ids, [q] * b, q)
