@@ -177,6 +177,30 @@ def test_generate_takes_a_step_cost_and_refuses_a_wrong_one():
         model.generate(ids, max_new_tokens=4, speculative_step_cost=flat)
 
 
+def test_generate_calibrates_acceptance_by_the_drafts_it_saw_accepted():
+    """`generate`'s policy scales its estimates by accepted over expected drafts (as the serving engine's does): the
+    policy a call binds has the sums, fed by the call's own drafts, and the output is the target's own."""
+    from conftest import make_model
+
+    from hf_specdec import NgramSpeculator
+
+    bound = []
+
+    class Recording(NgramSpeculator):
+        def bind_policy(self, policy):
+            bound.append(policy)
+            super().bind_policy(policy)
+
+    model = make_model("llama")
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
+    expected = model.generate(ids, max_new_tokens=12, do_sample=False)
+    flat = StepCost(per_row=0.0, points=((1, 1.0), (1000, 1.0)))
+    out = model.generate(ids, max_new_tokens=12, do_sample=False, speculator=Recording(), speculative_step_cost=flat)
+    assert torch.equal(out, expected)
+    policy = bound[-1]
+    assert policy.calibrate and policy.expected_accepted > 0
+
+
 def test_a_gain_below_the_margin_does_not_draft():
     """Free verification and 5% acceptance: drafting promises 1.05x, under the 10% margin; without it, it drafts."""
     flat = StepCost(per_row=0.0, points=((1, 1.0), (1000, 1.0)))

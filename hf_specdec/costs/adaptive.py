@@ -53,7 +53,8 @@ class AdaptiveK:
             the serving engine's choice, where k already varies with arrivals. Off, k depends on acceptance alone.
         calibrate (`bool`): scale every draft's expected gain by the drafts accepted over those the estimates
             expected, in the steps so far (`calibration`): the drafts verified are the ones whose estimates came out
-            highest, so the raw estimates overrate them (the serving engine's choice).
+            highest, so the raw estimates overrate them (`generate`'s and the serving engine's choice: it reads
+            outputs only, so seeded calls stay reproducible).
         check_returns (`bool`): correct the extra cost of drafts per band of batch sizes by what the steps that
             verified drafts there really took beyond plain steps, timed whole, against what the model priced
             (`returns`, a `DraftReturns`; the step feeds it). The serving engine's choice.
