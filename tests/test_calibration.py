@@ -421,7 +421,8 @@ def test_load_that_slows_both_forms_of_a_pair_alike_does_not_hide_the_faster_for
     with caplog.at_level(logging.WARNING, logger="hf_specdec"):
         profile = calibrate(target, **GRID, timer=timer)
     assert profile.thin_linear_rows == (2, 3) and profile.details["linear_attempts"] == 1
-    assert profile.details["linear_thin_over_stock"] == {"2": 0.5, "3": 0.5}  # one row: not timed, stock
+    # One row is timed too (as two, `thin_product`): at stock's time here, so it keeps the stock form.
+    assert profile.details["linear_thin_over_stock"] == {"1": 1.0, "2": 0.5, "3": 0.5}
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
@@ -442,7 +443,7 @@ def test_the_linear_form_is_chosen_per_weight_shape(caplog):
         head: (2, 3)}
     assert set(profile.thin_linear_shapes) == {linear_forms.shape_key(m.weight.shape) for m in target.modules()
                                                if isinstance(m, torch.nn.Linear)}  # every shape measured
-    assert profile.details["linear_thin_over_stock_by_shape"][head] == {"2": 0.5, "3": 0.5}
+    assert profile.details["linear_thin_over_stock_by_shape"][head] == {"1": 1.0, "2": 0.5, "3": 0.5}
     assert load_profile(target) == profile
     layers = [m for m in target.modules() if isinstance(m, torch.nn.Linear)]
     with calibration.host_linear(target):
@@ -450,6 +451,40 @@ def test_the_linear_form_is_chosen_per_weight_shape(caplog):
     assert not [m for m in layers if "forward" in vars(m)]
     assert f"linear layers of weight {head} as (W @ x.T).T at 2-3 input rows" in calibration.describe(profile)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_one_row_runs_as_two_where_the_thin_form_won_there(caplog):
+    """Thin chosen at one row (timed as two rows, `thin_product`): a decode step's layers compute their one row in
+    the matrix kernel, the row twice and the first result kept. Each result is the product's (up to the kernel's
+    rounding), and greedy output with the engine stays the target's own."""
+    target = make_model("llama", dtype=torch.float32)
+    weight, x = torch.randn(24, 16), torch.randn(1, 16)
+    assert linear_forms.thin_product(weight, x).shape == (1, 24)
+    torch.testing.assert_close(linear_forms.thin_product(weight, x), torch.nn.functional.linear(x, weight))
+    torch.testing.assert_close(linear_forms.thin_product(weight, x), linear_forms.thin_product(weight, x.repeat(2, 1))[:1],
+                               rtol=0, atol=0)
+
+    def cost(key):
+        return steady(key) / (2 if key[:2] == ("linear", "thin") else 1)
+
+    with caplog.at_level(logging.WARNING, logger="hf_specdec"):
+        profile = calibrate(target, **GRID, timer=fake_timer(cost=cost))
+    assert 1 in profile.thin_linear_rows
+    calls = []
+    original = linear_forms.thin_product
+
+    def counting(weight, x):
+        calls.append(x.shape[0])
+        return original(weight, x)
+
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    expected = target.generate(ids, max_new_tokens=8, do_sample=False)
+    linear_forms.thin_product = counting
+    try:
+        out = target.generate(ids, max_new_tokens=8, do_sample=False, speculator="off")
+    finally:
+        linear_forms.thin_product = original
+    assert torch.equal(out, expected) and 1 in calls
 
 
 def test_a_ratio_on_both_sides_of_the_margin_keeps_the_stock_form_there(caplog):

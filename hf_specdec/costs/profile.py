@@ -20,8 +20,9 @@ from .step_cost import StepCost, check_step_cost
 logger = logging.getLogger("hf_specdec")
 
 # 2: timed as timing.py says; 3: linear rows up to 64; 4: the linear form chosen per weight shape; 5: the packed
-# form; 6: the packed form timed in a forward's order, and sibling layers as one product
-FORMAT, VERSION = "hf_specdec-calibration", 6
+# form; 6: the packed form timed in a forward's order, and sibling layers as one product; 7: one row's thin form
+# computed as two rows (`thin_product`), timed
+FORMAT, VERSION = "hf_specdec-calibration", 7
 
 
 # After a measurement found this host's timing unsteady, calls that calibrate on their own (`hf-specdec run`, `serve`,
