@@ -487,6 +487,20 @@ def test_one_row_runs_as_two_where_the_thin_form_won_there(caplog):
     assert torch.equal(out, expected) and 1 in calls
 
 
+def test_the_thin_form_is_timed_only_at_the_rows_asked_for():
+    """`thin_rows` (the first call leaves out its largest row count): the thin form is timed there only, and where it
+    is not timed the stock form stays, though it would win."""
+    target = make_model("llama", dtype=torch.float32)
+
+    def cost(key):
+        return steady(key) / (2 if key[:2] == ("linear", "thin") else 1)
+
+    profile = calibrate(target, **dict(GRID, thin_rows=(1, 2)), timer=fake_timer(cost=cost))
+    assert set(profile.details["linear_ms"]) == {"1", "2"} and profile.linear_rows == (1, 2, 3)
+    assert profile.thin_linear_rows == (1, 2)
+    assert calibration.thin_row_table(profile.thin_linear_rows, profile.linear_rows) == [False, True, True, False]
+
+
 def test_a_ratio_on_both_sides_of_the_margin_keeps_the_stock_form_there(caplog):
     """Over 2 rows the thin form takes half stock's time in some rounds and all of it in others: no choice there;
     over 3 rows it is steadily twice as fast: chosen. Nothing is untrustworthy about that."""

@@ -88,8 +88,10 @@ def measures_first_call() -> bool:
 # a row, which keeps the measuring as short as the grid of 1 and 4 rows was. Four repeats: the check leaves the lowest
 # and the highest out (with three it leaves none, and one slow repeat rejected the step cost on a quiet host). About
 # 4.6 s for SmolLM2-135M on 2 cores (docs/benchmarks.md).
+# The thin form is not timed at 16 rows (the packed form is, against the stock one): it never won there on the hosts
+# measured, and leaving it out saves about 0.25 s (4.86 against 5.10 s, medians of three, AMD EPYC).
 FIRST_CALL_GRID = dict(rows=(1, 16), tokens={1: (1, 2, 4), 16: (1, 2)}, contexts=(32,), repeats=4,
-                       linear_rows=(1, 2, 4, 8, 16), attempts=1, draft_tokens=12)
+                       linear_rows=(1, 2, 4, 8, 16), thin_rows=(1, 2, 4, 8), attempts=1, draft_tokens=12)
 
 
 def ensure_profile(model, speculator=None, use_profile: bool = True) -> Profile | None:
@@ -202,7 +204,7 @@ def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] 
               tokens: tuple[int, ...] | dict[int, tuple[int, ...]] = (1, 2, 3, 4, 6, 8, 12),
               contexts: tuple[int, ...] = (64, 256), repeats: int = 5, linear_rows: tuple[int, ...] = LINEAR_ROWS,
               progress=None, timer: Timer | None = None, attempts: int = ATTEMPTS, retry: bool = True,
-              draft_tokens: int = 24) -> Profile | None:
+              draft_tokens: int = 24, thin_rows: tuple[int, ...] | None = None) -> Profile | None:
     """Returns `model`'s profile on this host, measuring what the cache lacks (everything with `force`): the small-row
     linear form, the step cost (with that form in use), and each of `speculators`' draft cost. Each is measured as
     `timing.py` says (interleaved, repeated, bounded): a step cost that stays untrustworthy is not cached (None is
@@ -212,11 +214,12 @@ def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] 
     `timer`: what times a forward or a product (`timing.Timer`; tests pass made-up timings). With `retry=False`,
     what was found unsteady in the last `UNSTEADY_RETRY_S` is not measured again (`force` measures anyway).
     `tokens`: the new tokens per row of the forwards timed, at every row count in `rows`, or a dict giving them per row
-    count. `draft_tokens`: the length of the short calls a draft cost is timed over."""
+    count. `draft_tokens`: the length of the short calls a draft cost is timed over. `thin_rows`: the row counts among
+    `linear_rows` the thin form is timed at (default: all; past the last, and where not timed, the stock form)."""
     _measuring.active, outer = True, getattr(_measuring, "active", False)
     try:
         return _calibrate(model, speculators, force, rows, tokens, contexts, repeats, linear_rows, progress, timer,
-                          attempts, retry, draft_tokens)
+                          attempts, retry, draft_tokens, linear_rows if thin_rows is None else thin_rows)
     finally:
         _measuring.active = outer
 
@@ -232,7 +235,7 @@ _measuring = threading.local()  # set while `calibrate` runs: the generate calls
 
 
 def _calibrate(model, speculators, force, rows, tokens, contexts, repeats, linear_rows, progress, timer, attempts,
-               retry, draft_tokens) -> Profile | None:
+               retry, draft_tokens, thin_timed) -> Profile | None:
     say = progress or (lambda message: None)
     profile = None if force else load_profile(model)
 
@@ -256,7 +259,7 @@ def _calibrate(model, speculators, force, rows, tokens, contexts, repeats, linea
                 note_unsteady(model, "step", True)
                 return None
             say(f"measuring linear layers over {', '.join(map(str, linear_rows))} rows")
-            thin_rows, details, problem, by_shape = measure_thin_linear(model, linear_rows, LINEAR_MARGIN, repeats,
+            thin_rows, details, problem, by_shape = measure_thin_linear(model, thin_timed, LINEAR_MARGIN, repeats,
                                                                         timer, attempts)
             if problem is not None:
                 _distrust("the small-row linear timing", problem, "linear layers keep their stock form")
