@@ -102,6 +102,8 @@ def test_measure_times_the_tokens_given_per_row_count():
     assert sorted(measurement.medians) == [("step", 1, 1, 8), ("step", 1, 2, 8), ("step", 1, 4, 8),
                                            ("step", 3, 1, 8), ("step", 3, 2, 8)]
     assert [n for n, _ in cost.points] == [1, 2, 3, 4, 6]
+    with pytest.raises(ValueError, match="row count"):
+        measure_step_cost(make_model("llama", dtype=torch.float32), (1, 3), {1: (1, 2)}, (8,), 1)
 
 
 def test_offered_drafts_cap_the_expected_gain():

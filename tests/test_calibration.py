@@ -499,6 +499,8 @@ def test_the_thin_form_is_timed_only_at_the_rows_asked_for():
     assert set(profile.details["linear_ms"]) == {"1", "2"} and profile.linear_rows == (1, 2, 3)
     assert profile.thin_linear_rows == (1, 2)
     assert calibration.thin_row_table(profile.thin_linear_rows, profile.linear_rows) == [False, True, True, False]
+    with pytest.raises(ValueError, match="thin_rows"):
+        calibrate(target, **dict(GRID, thin_rows=(1, 5)), timer=fake_timer(cost=cost))
 
 
 def test_a_ratio_on_both_sides_of_the_margin_keeps_the_stock_form_there(caplog):

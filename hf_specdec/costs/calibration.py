@@ -86,8 +86,8 @@ def measures_first_call() -> bool:
 # of 16 rows x 1 and 2 tokens (wide batches' verifies: priced from forwards of at most 16 tokens, a 16-row verify cost
 # 20-40% more than the curve's extrapolation said, docs/benchmarks.md). The 16-row forwards run over 32 cached tokens
 # a row, which keeps the measuring as short as the grid of 1 and 4 rows was. Four repeats: the check leaves the lowest
-# and the highest out (with three it leaves none, and one slow repeat rejected the step cost on a quiet host). About
-# 4.6 s for SmolLM2-135M on 2 cores (docs/benchmarks.md).
+# and the highest out (with three it leaves none, and one slow repeat rejected the step cost on a quiet host).
+# 4.6-5.3 s for SmolLM2-135M on 2 cores (docs/benchmarks.md).
 # The thin form is not timed at 16 rows (the packed form is, against the stock one): it never won there on the hosts
 # measured, and leaving it out saves about 0.25 s (4.86 against 5.10 s, medians of three, AMD EPYC).
 FIRST_CALL_GRID = dict(rows=(1, 16), tokens={1: (1, 2, 4), 16: (1, 2)}, contexts=(32,), repeats=4,
@@ -216,6 +216,9 @@ def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] 
     `tokens`: the new tokens per row of the forwards timed, at every row count in `rows`, or a dict giving them per row
     count. `draft_tokens`: the length of the short calls a draft cost is timed over. `thin_rows`: the row counts among
     `linear_rows` the thin form is timed at (default: all; past the last, and where not timed, the stock form)."""
+    if thin_rows is not None and not set(thin_rows) <= set(linear_rows):
+        raise ValueError(f"thin_rows {tuple(thin_rows)} must be among linear_rows {tuple(linear_rows)}, the row counts "
+                         "the linear forms are chosen at; add them to linear_rows or leave them out")
     _measuring.active, outer = True, getattr(_measuring, "active", False)
     try:
         return _calibrate(model, speculators, force, rows, tokens, contexts, repeats, linear_rows, progress, timer,

@@ -289,6 +289,10 @@ def measure_step_cost(model, rows: tuple[int, ...], tokens: tuple[int, ...] | di
     runners, cells = {}, {}
     with torch.no_grad(), runner_attention(model):
         per_rows = tokens if isinstance(tokens, dict) else dict.fromkeys(rows, tokens)
+        if set(per_rows) != set(rows):
+            raise ValueError(f"tokens per row count must name exactly the row counts timed {tuple(rows)}, got "
+                             f"{sorted(per_rows)}; pass one tuple of token counts for every row count, or a dict "
+                             "with one entry per row count")
         for b, c in ((b, c) for c in contexts for b in rows):
             runner = runners[b, c] = make_runner(model, num_blocks=b * (c + max(per_rows[b])) // 16 + 2 * b + 1)
             for seq in range(b):
