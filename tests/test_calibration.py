@@ -453,6 +453,26 @@ def test_the_linear_form_is_chosen_per_weight_shape(caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+def test_a_shape_takes_the_pooled_thin_choice_unless_its_own_ratio_says_thin_is_slower():
+    """Over all layers the thin form takes half stock's time at 2 rows. One small shape's own ratio there sits past
+    the margin yet below 1 (its products are short, its timing wanders): it takes thin with the others. Another's
+    ratio is above 1: it keeps the stock form. At 1 row nothing is faster: stock everywhere."""
+    target = make_model("llama", dtype=torch.float32)
+    shapes = sorted({tuple(m.weight.shape) for m in target.modules() if isinstance(m, torch.nn.Linear)})
+    near, slower = shapes[0], shapes[1]
+
+    def cost(key):
+        if key[:2] != ("linear", "thin") or key[2] == 1:
+            return steady(key)
+        return steady(key) * (0.9 if key[3] == near else 1.2 if key[3] == slower else 0.3)
+
+    profile = calibrate(target, **GRID, timer=fake_timer(cost=cost))
+    assert profile.thin_linear_rows == (2, 3)
+    forms = {tuple(int(n) for n in k.split("x")): v for k, v in profile.thin_linear_shapes.items()}
+    assert forms[near] == (2, 3) and forms[slower] == ()
+    assert all(v == (2, 3) for s, v in forms.items() if s not in (near, slower))
+
+
 def test_one_row_runs_as_two_where_the_thin_form_won_there(caplog):
     """Thin chosen at one row (timed as two rows, `thin_product`): a decode step's layers compute their one row in
     the matrix kernel, the row twice and the first result kept. Each result is the product's (up to the kernel's

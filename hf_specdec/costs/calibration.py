@@ -87,11 +87,14 @@ def measures_first_call() -> bool:
 # 20-40% more than the curve's extrapolation said, docs/benchmarks.md). The 16-row forwards run over 32 cached tokens
 # a row, which keeps the measuring as short as the grid of 1 and 4 rows was. Four repeats: the check leaves the lowest
 # and the highest out (with three it leaves none, and one slow repeat rejected the step cost on a quiet host).
-# 4.6-5.3 s for SmolLM2-135M on 2 cores (docs/benchmarks.md).
-# The thin form is not timed at 16 rows (the packed form is, against the stock one): it never won there on the hosts
-# measured, and leaving it out saves about 0.25 s (4.86 against 5.10 s, medians of three, AMD EPYC).
+# The thin form is timed up to 4 rows only (the packed form at every count, against the stock one where thin was not
+# timed): past 4 rows it never beat the packed form on the hosts measured. Six rows are timed because a count between
+# two timed ones takes the lower one's choice, and a batch-1 verify of 5 drafts feeds 6: with 4 and 8 timed, 6 rows
+# took the thin form there, whose time grows with rows (SmolLM2's 211 products at 6 rows, forward order: 40.1 ms thin,
+# 25.1 ms packed); n-gram on grounded prompts ran 5.7% faster with 6 timed (paired, AMD EPYC, docs/benchmarks.md).
+# Measuring took 4.25-4.49 s (three fresh profiles).
 FIRST_CALL_GRID = dict(rows=(1, 16), tokens={1: (1, 2, 4), 16: (1, 2)}, contexts=(32,), repeats=4,
-                       linear_rows=(1, 2, 4, 8, 16), thin_rows=(1, 2, 4, 8), attempts=1, draft_tokens=12)
+                       linear_rows=(1, 2, 4, 6, 8, 16), thin_rows=(1, 2, 4), attempts=1, draft_tokens=12)
 
 
 def ensure_profile(model, speculator=None, use_profile: bool = True) -> Profile | None:
