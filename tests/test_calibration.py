@@ -654,6 +654,24 @@ def test_the_packed_form_is_chosen_where_it_beats_the_other_and_taken_before_thi
     assert calls == []
 
 
+
+@needs_onednn
+def test_a_count_between_thin_and_packed_choices_takes_the_packed_form(monkeypatch):
+    """Measured at 1, 2, 4, 6 and 8 rows: thin at 1-4, packed at 6 and 8. Five rows lie between a thin and a packed
+    choice: packed (the thin form's time grows with rows, the packed form's hardly); three lie between two thin
+    choices: thin; seven between two packed: packed."""
+    assert linear_forms._packed_above_thin([0, 1, 1, 1, 1, 1, 2, 2, 2], (1, 2, 4, 6, 8)) == [0, 1, 1, 1, 1, 2, 2, 2, 2]
+    assert linear_forms._packed_above_thin([0, 1, 1, 1, 1, 0, 0], (1, 2, 4, 6)) == [0, 1, 1, 1, 1, 0, 0]  # no packed
+    layer = torch.nn.Linear(8, 4)
+    calls = []
+    packed = linear_forms.packed_linear
+    monkeypatch.setattr(linear_forms, "packed_linear", lambda x, *a: calls.append(x.shape[0]) or packed(x, *a))
+    with linear_forms.thin_linear([layer], (1, 2, 4), (1, 2, 4, 6, 8), packed={"4x8": (6, 8)}), torch.no_grad():
+        for rows in (3, 4, 5, 6, 7):
+            x = torch.randn(rows, 8)
+            torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert calls == [5, 6, 7]
+
 @needs_onednn
 def test_packed_linear_follows_plain_generate_and_the_weights(monkeypatch):
     """Every float32 layer packed at every row count: greedy output equals plain `generate` (float32 rounding

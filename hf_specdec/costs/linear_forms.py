@@ -393,6 +393,20 @@ def thin_row_table(rows, measured=None, beyond: bool = False) -> list[bool]:
     return table
 
 
+def _packed_above_thin(forms: list[int], measured) -> list[int]:
+    """`forms` (a `thin_linear` table) with each count between two measured ones, the lower taking the thin form and
+    the upper the packed one, taking the packed form too. The thin form's time grows with its rows (the matrix kernel
+    gets a column per row) while the packed form's hardly does at a few rows, so where packed won at the upper count
+    it wins between: SmolLM2's 211 products on an AMD EPYC, thin / packed, at 4 rows 26.7 / 26.5 ms, at 5 33.7 /
+    27.7, at 6 40.1 / 25.1 (docs/benchmarks.md)."""
+    counts = sorted(m for m in (measured or ()) if m < len(forms))
+    out = list(forms)
+    for low, high in zip(counts, counts[1:]):
+        if forms[low] == THIN and forms[high] == PACKED:
+            out[low + 1:high] = [PACKED] * (high - low - 1)
+    return out
+
+
 @contextmanager
 def thin_linear(modules, rows, measured=None, shapes: dict | None = None, packed: dict | None = None,
                 fused: dict | None = None):
@@ -423,8 +437,9 @@ def thin_linear(modules, rows, measured=None, shapes: dict | None = None, packed
         if (key, pack) not in tables:
             thin = thin_table(module)
             chosen = thin_row_table(packed[key], measured, beyond=True) if pack else []
-            tables[key, pack] = [PACKED if n < len(chosen) and chosen[n] else THIN if n < len(thin) and thin[n]
-                                 else STOCK for n in range(max(len(thin), len(chosen)))]
+            tables[key, pack] = _packed_above_thin(
+                [PACKED if n < len(chosen) and chosen[n] else THIN if n < len(thin) and thin[n] else STOCK
+                 for n in range(max(len(thin), len(chosen)))], measured)
         return tables[key, pack]
 
     patched = []
