@@ -72,7 +72,11 @@ class NgramSpeculator(Speculator):
         windows = padded.unfold(1, n, 1).flip(-1)  # [rows, width, n]: windows[r, e, j] = token at column e - j
         back = (end - 1)[:, None] - torch.arange(n, device=tokens.device)[None, :]  # the suffix, last token first
         suffix = torch.where(back >= first[:, None], tokens.gather(1, back.clamp(min=0)), -2)
-        agree = (windows == suffix[:, None, :]).long().cumprod(-1).sum(-1)  # [rows, width] matched length
+        # [rows, width] matched length: the first disagreement's index (argmax takes the first maximum), n where
+        # none. A cumulative product of the agreements gives the same but took 1.7 ms at 16 rows of 1200 tokens
+        # against 0.3 ms (2-core AMD EPYC), most of a step's lookup.
+        disagree = (windows != suffix[:, None, :]).to(torch.uint8)
+        agree = torch.cat([disagree, disagree.new_ones(rows, width, 1)], -1).argmax(-1)
         # Candidates end strictly before the row's last token (so something follows them) and inside the row.
         valid = inside & (cols[None, :] < (end - 1)[:, None])
         agree = torch.where(valid, agree, 0)
