@@ -110,3 +110,20 @@ def test_lookup_reads_only_the_columns_rows_use():
     assert torch.equal(a.num_tokens, b.num_tokens) and torch.equal(a.confidence, b.confidence)
     assert torch.equal(torch.where(a.token_ids == PAD_ID, -1, a.token_ids), torch.where(b.token_ids == PAD_ID, -1, b.token_ids))
     assert b.num_tokens.tolist()[:2] == [3, 2]
+
+
+def test_free_drafts_default_to_ten_a_step_and_model_drafts_to_five():
+    """Without `num_speculative_tokens`, a speculator whose drafts cost nothing (the lookup) may verify up to 10 a
+    step, a model speculator 5 (`speculative_schedule="constant"` drafts the ceiling every step); output stays the
+    target's own."""
+    from conftest import make_model
+
+    target = make_model("llama", dtype=torch.float32)
+    draft = make_model("llama", dtype=torch.float32)
+    ids = torch.tensor([[3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4, 5]])
+    expected = target.generate(ids, max_new_tokens=24, do_sample=False)
+    for speculator, ceiling in (("ngram", 10), (draft, 5)):
+        out = target.generate(ids, max_new_tokens=24, do_sample=False, speculator=speculator,
+                              speculative_schedule="constant", return_dict_in_generate=True)
+        assert torch.equal(out.sequences, expected)
+        assert max(out.speculative_metrics.k_per_step) == ceiling
