@@ -26,23 +26,19 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .costs.step_cost import StepCost
 from .decode.engine import SpeculativeEngine
+from .decode.speculator import Speculator
 from .metrics import SpeculativeMetrics
 from .runners.support import check_model_supported, exact_context
 from .speculators.grammar import GrammarSpeculator
-from .speculators.off import NoDraftSpeculator
 from .speculators.resolve import resolve_speculator
 from .structured.constraints import RowConstraints
 from .structured.grammar import Grammar, compile_grammars, xgrammar
 from .tokenizers import check_tokenizers_match
 
-DEFAULT_NUM_SPECULATIVE_TOKENS = 5
-# Speculators whose drafts cost nothing to make (n-gram lookup, n-gram + head): adaptive k verifies only as many of
-# them as pay, so a longer ceiling lets a row copying a passage verify more of it per step. N-gram on grounded prompts
-# at batch 1, paired: 1.75x speculation off with 10 against 1.68x with 5; on open chat at batch 4 0.99x against 0.98x
-# (docs/benchmarks.md).
-DEFAULT_FREE_DRAFT_TOKENS = 10
-# speculator="grammar" drafts only tokens the grammar forces, which are always accepted: verify long runs of them.
-DEFAULT_GRAMMAR_TOKENS = 16
+# Without `num_speculative_tokens` each speculator's own default applies (`Speculator.default_num_speculative_tokens`:
+# 5, the lookup's 10, the grammar's 16).
+DEFAULT_NUM_SPECULATIVE_TOKENS = Speculator.default_num_speculative_tokens
+DEFAULT_GRAMMAR_TOKENS = GrammarSpeculator.default_num_speculative_tokens
 MAX_NUM_SPECULATIVE_TOKENS = 64
 MAX_TREE_NODES = 256
 DEFAULT_TREE_BRANCHING = 4
@@ -120,11 +116,8 @@ def _speculative_generate(self, *args, speculator=None, num_speculative_tokens=N
                 g.compile(kwargs.get("tokenizer"), _vocab_size(self), _eos_ids(self, kwargs))
     spec = resolve_speculator(speculator)
     k = _check_num_speculative_tokens(num_speculative_tokens)
-    if isinstance(spec, GrammarSpeculator) and num_speculative_tokens is None:
-        k = DEFAULT_GRAMMAR_TOKENS
-    elif (spec.drafts_are_free and not isinstance(spec, NoDraftSpeculator) and num_speculative_tokens is None
-          and speculative_tree_nodes is None):
-        k = DEFAULT_FREE_DRAFT_TOKENS
+    if num_speculative_tokens is None:
+        k = spec.default_num_speculative_tokens
     tree_nodes, tree_branching = _check_tree(speculative_tree_nodes, speculative_tree_branching,
                                              speculative_schedule)
     schedule = speculative_schedule or ("adaptive" if tree_nodes is None else "constant")

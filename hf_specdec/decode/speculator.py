@@ -35,6 +35,8 @@ class Speculator:
     drafts_row_subsets: bool = False
     #: `propose_tree` is implemented: the engine can verify draft trees (`generate(..., speculative_tree_nodes=N)`).
     supports_trees: bool = False
+    #: The most drafts a row verifies per step when `generate` is not given `num_speculative_tokens`.
+    default_num_speculative_tokens: int = 5
     #: Acceptance assumed for each confidence class (`DraftProposal.confidence`) before a call has any evidence.
     confidence_priors: tuple[float, ...] = (0.6,)
 

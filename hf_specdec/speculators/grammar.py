@@ -12,6 +12,8 @@ class GrammarSpeculator(NoDraftSpeculator):
     decoding; adaptive k weighs those drafts like any speculator's."""
 
     proposes_drafts = True
+    # It drafts only tokens the grammar forces, which are always accepted: verify long runs of them.
+    default_num_speculative_tokens = 16
     needs_constraint = True
 
     def __repr__(self) -> str:

@@ -33,6 +33,7 @@ class HybridSpeculator(Speculator):
     """
 
     drafts_are_free = True
+    default_num_speculative_tokens = 10  # as the lookup's (`NgramSpeculator`)
     needs_hidden_states = True
     joins_in_verify = True
 
