@@ -106,6 +106,60 @@ def test_measure_times_the_tokens_given_per_row_count():
         measure_step_cost(make_model("llama", dtype=torch.float32), (1, 3), {1: (1, 2)}, (8,), 1)
 
 
+def test_a_total_timed_at_fewer_rows_that_costs_more_is_pooled_not_carried_up():
+    """Totals come from different row counts: one row of 3 tokens can cost more than 4 rows of 1. The curve is the
+    nearest non-decreasing one (their mean for both), not a running maximum that would price the 4-row plain step at
+    the 1-row verify's cost and every 4-row verify too cheap against it."""
+    samples = [(1, 1, 0, 33.0), (1, 2, 0, 33.0), (1, 3, 0, 43.0), (4, 4, 0, 41.0), (4, 8, 0, 49.0)]
+    fitted = StepCost.fit(samples)
+    assert [t for _, t in fitted.points] == pytest.approx([33.0, 33.0, 42.0, 42.0, 49.0], abs=1e-2)
+    from hf_specdec.costs.step_cost import _non_decreasing
+
+    assert _non_decreasing([1.0, 3.0, 2.0, 2.0, 5.0]) == pytest.approx([1.0, 7 / 3, 7 / 3, 7 / 3, 5.0])
+    assert _non_decreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+
+
+def test_one_context_length_puts_its_cost_on_the_rows_not_on_every_cached_token():
+    """Timed over one context length per row, cached tokens grow with rows alone: the fit gives what they cost to the
+    rows, so a call with long contexts is not priced as if every cached token cost what a row does."""
+    samples = [(b, b * q, b * 32, 30.0 + 1.0 * b + 5.0 * b * q) for b in (1, 16) for q in (1, 2)]
+    fitted = StepCost.fit(samples)
+    assert fitted.per_context_token == 0.0
+    for b, n, c, t in samples:
+        assert fitted.at(b, n / b, c) == pytest.approx(t, rel=1e-3)
+    assert fitted.at(1, 1.0, 2000) == fitted.at(1, 1.0, 32)
+
+
+def test_verifies_are_timed_ragged_where_steps_go_packed():
+    """Several rows of more than one token a row are timed as verifies come where the model packs ragged steps: the
+    extra tokens on the first half of the rows, as many in all; the context is reserved, not computed."""
+    from conftest import make_model
+
+    from hf_specdec.costs.step_cost import measure_step_cost, verify_counts
+    from hf_specdec.runners.model_runner import ModelRunner
+    from hf_specdec.runners.support import check_model_supported
+
+    assert verify_counts(4, 2, True) == [3, 3, 1, 1] and verify_counts(3, 2, True) == [3, 2, 1]
+    assert verify_counts(16, 3, True) == [5] * 8 + [1] * 8
+    assert verify_counts(4, 2, False) == [2] * 4 and verify_counts(1, 3, True) == [3]
+    fed = []
+    forward = ModelRunner.forward
+
+    def spy(self, seq_ids, input_ids, num_tokens, *args, **kwargs):
+        fed.append((self.packed, tuple(num_tokens), tuple(self.length(s) for s in seq_ids)))
+        return forward(self, seq_ids, input_ids, num_tokens, *args, **kwargs)
+
+    model = make_model("llama", dtype=torch.float32)
+    check_model_supported(model)  # its trial (forwards of its own) finds that the tiny llama packs ragged steps
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ModelRunner, "forward", spy)
+        measure_step_cost(model, (1, 4), {1: (1, 3), 4: (1, 2)}, (8,), 1)
+    assert {(packed, counts) for packed, counts, _ in fed} == {
+        (True, (1,)), (True, (3,)), (True, (1, 1, 1, 1)), (True, (3, 3, 1, 1))}
+    # Every timed forward attends to the 8 tokens reserved before it (rolled back after each), none fed a prefill.
+    assert all(lengths == (8,) * len(counts) for _, counts, lengths in fed)
+
+
 def test_offered_drafts_cap_the_expected_gain():
     """A row with 1 draft to offer gains nothing from k = 8; rows with none make k = 0."""
     policy = AdaptiveK(num_rows=1, max_k=8, step_cost=LINEAR, priors=(0.9,))

@@ -84,9 +84,13 @@ def measures_first_call() -> bool:
 # What the first call on a new host, model, dtype and thread count measures before its first step: every linear weight
 # shape over a few row counts in each form, and target forwards of 1 row x 1, 2 and 3 tokens (batch 1's verifies) and
 # of 16 rows x 1 and 2 tokens (wide batches' verifies: priced from forwards of at most 16 tokens, a 16-row verify cost
-# 20-40% more than the curve's extrapolation said, docs/benchmarks.md). The 16-row forwards run over 32 cached tokens
-# a row, which keeps the measuring as short as the grid of 1 and 4 rows was. Four repeats: the check leaves the lowest
-# and the highest out (with three it leaves none, and one slow repeat rejected the step cost on a quiet host).
+# 20-40% more than the curve's extrapolation said, docs/benchmarks.md), the 16-row verify timed ragged, as verifies
+# come (`step_cost.verify_counts`). The forwards run over 32 cached tokens a row, reserved rather than computed
+# (`step_cost.fill_context`: 0.5 s less). Not timed at 4 rows: the curve is one function of the tokens fed, and 4 rows
+# x 1 token costs no more than 1 row x 3, so the fit pooled the two and priced one row's 2-draft verify at 1.22 plain
+# steps against 1.26 (n-gram on grounded prompts at batch 1 ran 4% slower, paired), while batch 4's verifies came out
+# no faster (docs/benchmarks.md). Four repeats: the check leaves the lowest and the highest out (with three it leaves
+# none, and one slow repeat rejected the step cost on a quiet host).
 # The thin form is timed up to 4 rows only (the packed form at every count, against the stock one where thin was not
 # timed): past 4 rows it never beat the packed form on the hosts measured. Six rows are timed because a count between
 # two timed ones takes the lower one's choice, and a batch-1 verify of 5 drafts feeds 6: with 4 and 8 timed, 6 rows

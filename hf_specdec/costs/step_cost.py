@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache.paged import PagedKVCache
 from ..runners.dense import make_runner, runner_attention
-from ..runners.model_runner import input_device
+from ..runners.model_runner import ModelRunner, input_device
 from .timing import ATTEMPTS, BOUND, FLOOR, Timer, measure_repeated, name, out_of_bounds, timed_round, wall_timer
 
 
@@ -96,12 +97,17 @@ class StepCost:
     @classmethod
     def fit(cls, samples: list[tuple[int, int, int, float]]) -> StepCost:
         """Fits a `StepCost` to `(rows, total new tokens, total cached tokens, time)` samples by least squares
-        (`time = per_row * rows + per_context_token * cached + curve[total]`), then makes the curve non-decreasing."""
+        (`time = per_row * rows + per_context_token * cached + curve[total]`), then makes the curve non-decreasing
+        (`_non_decreasing`)."""
         totals = sorted({n for _, n, _, _ in samples})
         a = torch.zeros(len(samples), 2 + len(totals), dtype=torch.float64)
         y = torch.tensor([t for *_, t in samples], dtype=torch.float64)
+        # Timed over one context length per row, cached tokens grow with rows alone: the two costs cannot be told
+        # apart, and the split a least-squares fit makes would price every cached token of a long call by what rows
+        # cost. The rows then carry it, and a cached token costs nothing more.
+        one_context = len({c / b for b, _, c, _ in samples}) == 1
         for i, (b, n, c, _) in enumerate(samples):
-            a[i, 0], a[i, 1] = b, c
+            a[i, 0], a[i, 1] = b, 0.0 if one_context else c
             a[i, 2 + totals.index(n)] = 1.0
         # A light pull of the per-row and per-context costs towards 0 keeps the system solvable when no total was
         # timed at two batch sizes or two context lengths.
@@ -110,10 +116,27 @@ class StepCost:
         solution = torch.linalg.lstsq(torch.cat([a, ridge]), torch.cat([y, torch.zeros(2, dtype=torch.float64)]))
         per_row = max(0.0, float(solution.solution[0]))
         per_context_token = max(0.0, float(solution.solution[1]))
-        curve = torch.cummax(solution.solution[2:].clamp(min=1e-6), 0).values.tolist()
+        curve = _non_decreasing(solution.solution[2:].clamp(min=1e-6).tolist())
         if len(totals) == 1:
             totals, curve = totals + [totals[0] + 1], curve + curve
         return cls(per_row=per_row, points=tuple(zip(map(float, totals), curve)), per_context_token=per_context_token)
+
+
+def _non_decreasing(values: list[float]) -> list[float]:
+    """The non-decreasing sequence nearest `values` in least squares (pooling adjacent violators: a run of values
+    that falls is replaced by its mean). Totals are timed at different row counts, and a total timed at one row can
+    cost as much as or more than a larger one timed at more rows (SmolLM2-135M on a 2-core AMD EPYC over 32 cached
+    tokens: 1 row x 3 tokens 42.5 ms, 4 rows x 1 token 41.9 ms): raising the later value to the earlier one, as a
+    running maximum does, prices the 4-row plain step at the 1-row verify's cost, and every 4-row verify too cheap
+    against it."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for value in values:
+        blocks.append([value, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
 
 
 class MeasuredStepCost:
@@ -279,10 +302,14 @@ def check_step_cost(step_cost, rows: tuple[int, ...] = (1, 4, 16), tokens: tuple
 def measure_step_cost(model, rows: tuple[int, ...], tokens: tuple[int, ...] | dict[int, tuple[int, ...]],
                       contexts: tuple[int, ...], repeats: int, timer: Timer | None = None, attempts: int = ATTEMPTS):
     """Times target forwards through the model's KV cache (paged, or masked: `dense.make_runner`) with random
-    token ids, `contexts` tokens cached per row, every (rows, tokens, context) cell once per round, and fits a
-    `StepCost`. `tokens`: the new tokens per row timed at every row count, or a dict giving them per row count.
+    token ids, `contexts` tokens cached per row (`fill_context`), every (rows, tokens, context) cell once per round,
+    and fits a `StepCost`. Each cell's rows sit in regions of the pool, as `generate` places them, and several rows of
+    more than one token a row are fed as verifies come where the model packs ragged steps (`verify_counts`). `tokens`: the new tokens per row timed at every row count, or a dict giving them per row count.
     Returns `(step cost, Measurement)`; the measurement's `problem` says why the cost is not to be trusted."""
 
+    from ..runners.support import check_model_supported
+
+    check_model_supported(model)  # its trial decides whether ragged steps go packed (once per model)
     vocab = model.config.get_text_config().vocab_size
     device = input_device(model)  # not model.device: `meta` for a model offloaded to disk
     timer = timer or wall_timer(device)
@@ -294,14 +321,18 @@ def measure_step_cost(model, rows: tuple[int, ...], tokens: tuple[int, ...] | di
                              f"{sorted(per_rows)}; pass one tuple of token counts for every row count, or a dict "
                              "with one entry per row count")
         for b, c in ((b, c) for c in contexts for b in rows):
-            runner = runners[b, c] = make_runner(model, num_blocks=b * (c + max(per_rows[b])) // 16 + 2 * b + 1)
+            width = max(max(verify_counts(b, q, True)) for q in per_rows[b])  # the widest row, packed or not
+            runner = runners[b, c] = make_runner(model, num_blocks=b * (c + width) // 16 + 2 * b + 1)
             for seq in range(b):
                 runner.add_sequence(seq)
-            runner.forward(list(range(b)), torch.randint(vocab, (b, c), device=device), [c] * b, 1)
+            if hasattr(runner, "give_regions"):  # as `generate` places its rows: regions of the pool, read in place
+                runner.give_regions(list(range(b)), -(-(c + width) // 16) * 16)
+            fill_context(runner, b, c, vocab, device)
             for q in per_rows[b]:
-                ids = torch.randint(vocab, (b, q), device=device)
-                cells["step", b, q, c] = lambda runner=runner, ids=ids, b=b, q=q: runner.forward(
-                    list(range(b)), ids, [q] * b, q)
+                counts = verify_counts(b, q, getattr(runner, "packed", False))
+                ids = torch.randint(vocab, (b, max(counts)), device=device)
+                cells["step", b, q, c] = lambda runner=runner, ids=ids, b=b, counts=counts: runner.forward(
+                    list(range(b)), ids, counts, max(counts), logit_counts=counts)
 
         def rollback(key):
             _, b, _, c = key
@@ -316,3 +347,28 @@ def measure_step_cost(model, rows: tuple[int, ...], tokens: tuple[int, ...] | di
     if measurement.problem is None:
         measurement.problem = check_step_cost(step_cost, rows)
     return step_cost, measurement
+
+
+def verify_counts(rows: int, tokens: int, packed: bool) -> list[int]:
+    """The tokens each row feeds in a timed forward of `rows x tokens` tokens in all. Where ragged steps go packed,
+    a forward of several rows and more than one token a row is timed as verifies come: the extra tokens on the first
+    half of the rows, the others feeding one (3, 3, 1, 1 for 4 x 2). A packed ragged step costs more than a uniform one
+    of as many tokens (its attention runs per group of rows of one width): on a 2-core AMD EPYC, SmolLM2-135M at 4 rows
+    over 32 cached tokens, 51.6 ms against 48.0 for 2 each and 44.4 for 1 each; a batch-4 decode's verifies cost 1.20
+    plain steps where a curve through uniform forwards priced 1.10 (docs/benchmarks.md)."""
+    if not packed or rows == 1 or tokens == 1:
+        return [tokens] * rows
+    half = (rows + 1) // 2
+    extra, spare = divmod(rows * (tokens - 1), half)
+    return [1 + extra + (i < spare) for i in range(half)] + [1] * (rows - half)
+
+
+def fill_context(runner, rows: int, context: int, vocab: int, device) -> None:
+    """Gives rows `0 .. rows - 1` of a fresh runner `context` cached tokens each. A forward's time depends on how many
+    tokens it attends to, not on what they hold, so a paged cache only reserves them (its keys and values stay zero)
+    instead of computing a prefill of `rows x context` tokens (16 x 32 tokens: 0.6 s of a first call's 5 s on a
+    2-core CPU); other caches (recurrent layers, LongRoPE's per-row rotation, a dense runner) are filled by a forward."""
+    if isinstance(runner, ModelRunner) and type(runner.cache) is PagedKVCache and runner.rope is None:
+        runner.cache.reserve(list(range(rows)), [context] * rows)
+        return
+    runner.forward(list(range(rows)), torch.randint(vocab, (rows, context), device=device), [context] * rows, 1)
