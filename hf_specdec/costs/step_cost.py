@@ -304,8 +304,8 @@ def measure_step_cost(model, rows: tuple[int, ...], tokens: tuple[int, ...] | di
     """Times target forwards through the model's KV cache (paged, or masked: `dense.make_runner`) with random
     token ids, `contexts` tokens cached per row (`fill_context`), every (rows, tokens, context) cell once per round,
     and fits a `StepCost`. Each cell's rows sit in regions of the pool, as `generate` places them, and several rows of
-    more than one token a row are fed as verifies come where the model packs ragged steps (`verify_counts`). `tokens`: the new tokens per row timed at every row count, or a dict giving them per row count.
-    Returns `(step cost, Measurement)`; the measurement's `problem` says why the cost is not to be trusted."""
+    more than one token a row are fed as verifies come where the model packs ragged steps (`verify_counts`).
+    `tokens`: the new tokens per row timed at every row count, or a dict giving them per row count. Returns `(step cost, Measurement)`; the measurement's `problem` says why the cost is not to be trusted."""
 
     from ..runners.support import check_model_supported
 
@@ -367,7 +367,8 @@ def fill_context(runner, rows: int, context: int, vocab: int, device) -> None:
     """Gives rows `0 .. rows - 1` of a fresh runner `context` cached tokens each. A forward's time depends on how many
     tokens it attends to, not on what they hold, so a paged cache only reserves them (its keys and values stay zero)
     instead of computing a prefill of `rows x context` tokens (16 x 32 tokens: 0.6 s of a first call's 5 s on a
-    2-core CPU); other caches (recurrent layers, LongRoPE's per-row rotation, a dense runner) are filled by a forward."""
+    2-core CPU); other caches (recurrent layers, LongRoPE's per-row rotation, a dense runner) are filled by a
+    forward."""
     if isinstance(runner, ModelRunner) and type(runner.cache) is PagedKVCache and runner.rope is None:
         runner.cache.reserve(list(range(rows)), [context] * rows)
         return
