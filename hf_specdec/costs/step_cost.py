@@ -305,7 +305,8 @@ def measure_step_cost(model, rows: tuple[int, ...], tokens: tuple[int, ...] | di
     token ids, `contexts` tokens cached per row (`fill_context`), every (rows, tokens, context) cell once per round,
     and fits a `StepCost`. Each cell's rows sit in regions of the pool, as `generate` places them, and several rows of
     more than one token a row are fed as verifies come where the model packs ragged steps (`verify_counts`).
-    `tokens`: the new tokens per row timed at every row count, or a dict giving them per row count. Returns `(step cost, Measurement)`; the measurement's `problem` says why the cost is not to be trusted."""
+    `tokens`: the new tokens per row timed at every row count, or a dict giving them per row count. Returns
+    `(step cost, Measurement)`; the measurement's `problem` says why the cost is not to be trusted."""
 
     from ..runners.support import check_model_supported
 
