@@ -10,6 +10,7 @@ import torch
 from ..cache.paged import PagedKVCache
 from ..runners.dense import make_runner, runner_attention
 from ..runners.model_runner import ModelRunner, input_device
+from ..runners.support import check_model_supported
 from .timing import ATTEMPTS, BOUND, FLOOR, Timer, measure_repeated, name, out_of_bounds, timed_round, wall_timer
 
 
@@ -307,8 +308,6 @@ def measure_step_cost(model, rows: tuple[int, ...], tokens: tuple[int, ...] | di
     more than one token a row are fed as verifies come where the model packs ragged steps (`verify_counts`).
     `tokens`: the new tokens per row timed at every row count, or a dict giving them per row count. Returns
     `(step cost, Measurement)`; the measurement's `problem` says why the cost is not to be trusted."""
-
-    from ..runners.support import check_model_supported
 
     check_model_supported(model)  # its trial decides whether ragged steps go packed (once per model)
     vocab = model.config.get_text_config().vocab_size
