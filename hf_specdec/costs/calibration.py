@@ -96,10 +96,11 @@ def measures_first_call() -> bool:
 # two timed ones takes the lower one's choice, and a batch-1 verify of 5 drafts feeds 6: with 4 and 8 timed, 6 rows
 # took the thin form there, whose time grows with rows (SmolLM2's 211 products at 6 rows, forward order: 40.1 ms thin,
 # 25.1 ms packed); n-gram on grounded prompts ran 5.7% faster with 6 timed (paired, AMD EPYC, docs/benchmarks.md).
-# Measuring took 4.25-4.96 s (five fresh profiles). One row's verifies are timed at 3 tokens rather than 4: on an AMD
-# EPYC a forward's cost steps up from 2 tokens to 3 and hardly moves from 3 to 6 (35.1, 43.7, 44.2 and 48.0 ms for 2,
-# 3, 5 and 6 tokens in a decode), so a curve through 2 and 4 priced 3 tokens at 1.10 plain steps against 1.24 and
-# verified two drafts where one paid more; the head on open chat ran 3.7% faster with 3 timed (paired).
+# Measuring took 3.9-4.1 s (four fresh profiles; 4.4-4.9 s with the contexts prefilled). One row's verifies are timed
+# at 3 tokens rather than 4: on an AMD EPYC a forward's cost steps up from 2 tokens to 3 and hardly moves from 3 to 6
+# (35.1, 43.7, 44.2 and 48.0 ms for 2, 3, 5 and 6 tokens in a decode), so a curve through 2 and 4 priced 3 tokens at
+# 1.10 plain steps against 1.24 and verified two drafts where one paid more; the head on open chat ran 3.7% faster
+# with 3 timed (paired).
 FIRST_CALL_GRID = dict(rows=(1, 16), tokens={1: (1, 2, 3), 16: (1, 2)}, contexts=(32,), repeats=4,
                        linear_rows=(1, 2, 4, 6, 8, 16), thin_rows=(1, 2, 4), attempts=1, draft_tokens=12)
 
