@@ -164,6 +164,23 @@ def test_steps_with_nothing_to_draft_are_not_reported_as_declined():
     assert paying.idle_explanation(min_steps=4) is None and min(paying.chosen) > 0
 
 
+def test_a_call_that_drafts_by_its_end_is_not_explained_as_idle():
+    """Declined in most steps while acceptance was low, then drafting once it rose: the sentence would read its
+    reasons off the end's estimates, which say drafting pays, so nothing is said."""
+    from hf_specdec.costs.adaptive import AdaptiveK
+
+    # A draft costs 0.3 of a step: it pays at high acceptance only.
+    policy = AdaptiveK(1, 4, StepCost(per_row=0.0, points=((1, 10.0), (2, 13.0), (5, 22.0))), priors=(0.1,))
+    for _ in range(9):
+        policy.choose([0])
+    assert policy.chosen == [0] * 9 and "kept drafting off" in policy.idle_explanation(min_steps=4)
+    for _ in range(4):  # the text turns to copying: every draft tried is accepted
+        policy.update([0], [4], [4])
+    assert policy.choose([0]) > 0
+    assert sum(k == 0 for k in policy.chosen) > len(policy.chosen) / 2
+    assert policy.idle_explanation(min_steps=4) is None
+
+
 def test_profile_key_separates_models_dtypes_and_threads():
     target = make_model("llama", dtype=torch.float32)
     save_profile(target, _profile(target, FLAT))

@@ -362,11 +362,15 @@ class AdaptiveK:
         sentence saying why: what verifying and drafting cost and the acceptance estimated at the end; otherwise
         None. Steps where no row had anything to draft (an n-gram lookup with no match) do not count as declined. A
         short answer says too little about acceptance to report on (a few steps of evidence barely move the
-        estimate off its prior)."""
+        estimate off its prior). Nor does a call whose estimates at its end say drafting pays (it declined while
+        they were lower, and drafted once they rose): the reasons, read from those estimates, would contradict
+        the sentence ("acceptance 0.67, so drafting was not expected to pay")."""
         idle = self.num_declined
         if self.max_k == 0 or len(self.chosen) < min_steps or 2 * idle <= len(self.chosen):
             return None
         rows, context = self._last
+        if self._pays_now(rows, context):
+            return None
         verify = self._relative(rows, torch.tensor([2.0, self.max_k + 1.0], dtype=torch.float64), context)
         pooled = self.pooled()
         return (f"adaptive k kept drafting off in {idle} of {len(self.chosen)} steps: at batch {rows} a verify of 1 "
@@ -374,6 +378,16 @@ class AdaptiveK:
                 f"{float(verify[1]):.2f}, a drafted token {self.draft_cost_per_token:.2f}, and the acceptance "
                 f"estimated from this call is {', '.join(f'{p:.2f}' for p in pooled.tolist())}, so drafting was "
                 f"not expected to beat plain decoding by {self.min_gain - 1:.0%}")
+
+    def _pays_now(self, rows: int, context: float) -> bool:
+        """Whether a step of `rows` rows, each drafting at the best class's pooled estimate (calibrated), would draft
+        by the call's estimates as they stand."""
+        rate = float(self.pooled().max())
+        ks = torch.arange(self.max_k + 1, dtype=torch.float64)
+        gains = torch.where(ks > 0, (rate ** ks * self.calibration).clamp(max=1.0), torch.zeros_like(ks))
+        cost = self._relative(rows, ks + 1, context) + self.draft_cost_per_token * ks
+        value = (1 + gains.cumsum(0)) / cost
+        return float(value[1:].max()) >= self.min_gain * float(value[0])
 
     def update(self, rows: list[int], num_drafted: list[int], num_accepted: list[int],
                classes: list[int] | None = None) -> None:
