@@ -100,9 +100,11 @@ def measures_first_call() -> bool:
 # at 3 tokens rather than 4: on an AMD EPYC a forward's cost steps up from 2 tokens to 3 and hardly moves from 3 to 6
 # (35.1, 43.7, 44.2 and 48.0 ms for 2, 3, 5 and 6 tokens in a decode), so a curve through 2 and 4 priced 3 tokens at
 # 1.10 plain steps against 1.24 and verified two drafts where one paid more; the head on open chat ran 3.7% faster
-# with 3 timed (paired).
+# with 3 timed (paired). A model speculator's draft cost is timed over calls of 6 new tokens (the head's first call:
+# 1.3 s of measuring against 2.3-2.6 s over 12; it priced a drafted token at 0.079-0.082 plain steps against
+# 0.076-0.077, three pairs, docs/benchmarks.md).
 FIRST_CALL_GRID = dict(rows=(1, 16), tokens={1: (1, 2, 3), 16: (1, 2)}, contexts=(32,), repeats=4,
-                       linear_rows=(1, 2, 4, 6, 8, 16), thin_rows=(1, 2, 4), attempts=1, draft_tokens=12)
+                       linear_rows=(1, 2, 4, 6, 8, 16), thin_rows=(1, 2, 4), attempts=1, draft_tokens=6)
 
 
 def ensure_profile(model, speculator=None, use_profile: bool = True) -> Profile | None:
