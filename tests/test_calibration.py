@@ -179,6 +179,13 @@ def test_a_call_that_drafts_by_its_end_is_not_explained_as_idle():
     assert policy.choose([0]) > 0
     assert sum(k == 0 for k in policy.chosen) > len(policy.chosen) / 2
     assert policy.idle_explanation(min_steps=4) is None
+    # Estimates discounted by calibration (drafts accepted less often than their estimates said) are named as such.
+    doubted = AdaptiveK(1, 4, DEAR, calibrate=True)
+    for _ in range(9):
+        doubted.update([0], [4], [0])
+        doubted.choose([0])
+    message = doubted.idle_explanation(min_steps=4)
+    assert "times as often as their estimates said" in message and "kept drafting off in 9 of 9 steps" in message
 
 
 def test_profile_key_separates_models_dtypes_and_threads():

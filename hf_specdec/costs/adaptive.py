@@ -376,8 +376,17 @@ class AdaptiveK:
         return (f"adaptive k kept drafting off in {idle} of {len(self.chosen)} steps: at batch {rows} a verify of 1 "
                 f"draft costs {float(verify[0]):.2f} plain steps and one of {self.max_k} drafts "
                 f"{float(verify[1]):.2f}, a drafted token {self.draft_cost_per_token:.2f}, and the acceptance "
-                f"estimated from this call is {', '.join(f'{p:.2f}' for p in pooled.tolist())}, so drafting was "
-                f"not expected to beat plain decoding by {self.min_gain - 1:.0%}")
+                f"estimated from this call is {', '.join(f'{p:.2f}' for p in pooled.tolist())}{self._calibrated()}, "
+                f"so drafting was not expected to beat plain decoding by {self.min_gain - 1:.0%}")
+
+    def _calibrated(self) -> str:
+        """What the sentence adds where calibration discounts the estimates (the drafts verified fared worse than
+        their estimates said): without it, an estimate that pays on its face reads as a contradiction."""
+        ratio = self.calibration
+        if ratio >= 0.95:
+            return ""
+        return (f" (the drafts verified were accepted {ratio:.2f} times as often as their estimates said, which "
+                "discounts them)")
 
     def _pays_now(self, rows: int, context: float) -> bool:
         """Whether a step of `rows` rows, each drafting at the best class's pooled estimate (calibrated), would draft
