@@ -305,6 +305,11 @@ class AdaptiveK:
             return cost
         return 1.0 + self.returns.scale(rows) * (cost - 1.0).clamp(min=0.0)
 
+    def _step_price(self, rows: int, tokens: torch.Tensor, drafted: torch.Tensor, context: float) -> torch.Tensor:
+        """What steps of `rows` rows feeding `tokens` each, whose speculator drafted `drafted` positions, cost in
+        plain steps: the forward and the drafting, corrected by `returns` where it is on."""
+        return self._corrected(rows, self._relative(rows, tokens, context) + self.draft_cost_per_token * drafted)
+
     def _relative(self, rows: int, tokens: torch.Tensor, context: float) -> torch.Tensor:
         if self.measured is not None and self.measured.ready:
             return self.measured.relative(rows, tokens, context)
@@ -351,9 +356,7 @@ class AdaptiveK:
             tokens = (1 + torch.minimum(ks[None, :], offered)).mean(0)
         # The backlog is read once, whatever k: fed with the drafts (so a step's fixed extra is counted once).
         tokens = tokens + (ks > 0) * (unread / self.read_horizon / len(rows))
-        cost = self._relative(len(rows), tokens, context) + self.draft_cost_per_token * ks
-        cost = self._corrected(len(rows), cost)
-        value = expected / cost
+        value = expected / self._step_price(len(rows), tokens, ks, context)
         best = int(torch.argmax(value))
         return best if value[best] >= self.min_gain * value[0] else 0
 
@@ -394,8 +397,7 @@ class AdaptiveK:
         rate = float(self.pooled().max())
         ks = torch.arange(self.max_k + 1, dtype=torch.float64)
         gains = torch.where(ks > 0, (rate ** ks * self.calibration).clamp(max=1.0), torch.zeros_like(ks))
-        cost = self._relative(rows, ks + 1, context) + self.draft_cost_per_token * ks
-        value = (1 + gains.cumsum(0)) / cost
+        value = (1 + gains.cumsum(0)) / self._step_price(rows, ks + 1, ks, context)
         return float(value[1:].max()) >= self.min_gain * float(value[0])
 
     def update(self, rows: list[int], num_drafted: list[int], num_accepted: list[int],

@@ -22,8 +22,8 @@ logger = logging.getLogger("hf_specdec")
 # 2: timed as timing.py says; 3: linear rows up to 64; 4: the linear form chosen per weight shape; 5: the packed
 # form; 6: the packed form timed in a forward's order, and sibling layers as one product; 7: one row's thin form
 # computed as two rows (`thin_product`), timed; 8: a shape takes the pooled thin choice unless its own ratio is above 1,
-# and the first call times 6 rows; 9: several rows' verifies timed ragged, in regions of the pool, the first call at
-# 4 rows too, and the curve the nearest non-decreasing one
+# and the first call times 6 rows; 9: several rows' verifies timed ragged, in regions of the pool, the curve the nearest
+# non-decreasing one, and a cost per cached token only where contexts varied
 FORMAT, VERSION = "hf_specdec-calibration", 9
 
 
