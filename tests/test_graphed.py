@@ -382,3 +382,85 @@ def test_a_draft_on_another_kind_of_device_follows_that_devices_switches(monkeyp
 class GenerationConfigLike:
     disable_compile = True
     compile_config = None
+
+
+@pytest.mark.parametrize("speculator", ["off", "ngram"])
+def test_cpu_steps_compile_with_their_weights_frozen_and_stay_exact(forced, monkeypatch, tmp_path, speculator):
+    """Switched on without a compile_config of the user's, a CPU's compiled steps freeze the weights into the graph
+    (inductor's C++ GEMM template packs them; `graphed.CPU_OPTIONS`), take every linear layer as `F.linear` (a
+    profile's forms left out, though this one chooses them everywhere), and give plain greedy output."""
+    from hf_specdec.costs import linear_forms
+    from hf_specdec.costs.profile import Profile, profile_key, save_profile
+    from hf_specdec.costs.step_cost import StepCost
+
+    monkeypatch.setenv("HF_SPECDEC_CALIBRATION", "cached")
+    monkeypatch.setenv("HF_SPECDEC_CACHE", str(tmp_path))
+    model = make_model("llama", dtype=torch.float32)
+    settings = graph_settings(model, torch.device("cpu"))
+    assert settings.frozen and settings.options["options"] == graphed.CPU_OPTIONS
+    every = {linear_forms.shape_key(m.weight.shape): tuple(range(1, 17)) for m in model.modules()
+             if isinstance(m, torch.nn.Linear)}
+    flat = StepCost(per_row=0.0, points=((1, 10.0), (256, 10.0)))
+    save_profile(model, Profile(profile_key(model), flat, tuple(range(1, 17)), {}, every, tuple(range(1, 17)), {}))
+    switched = []
+    thin_forward = linear_forms._thin_forward
+    monkeypatch.setattr(linear_forms, "_thin_forward", lambda *a, **k: switched.append(1) or thin_forward(*a, **k))
+    input_ids, mask = ragged_batch(rows=2, width=12)
+    input_ids[:, 7:] = input_ids[:, 1:6]  # a repeat, so n-gram drafts
+    expected = model.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    options = {"speculative_schedule": "constant", "num_speculative_tokens": 3} if speculator == "ngram" else {}
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False, speculator=speculator,
+                         **options)
+    assert torch.equal(out, expected)
+    (entry,) = compiled_entries(model)
+    assert "failed" not in entry and entry["steps"] > 0 and entry["trusted"]
+    assert not switched  # no layer took a profile's form: the frozen graph has its own
+    eager = model.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False, speculator=speculator,
+                           disable_compile=True, **options)
+    assert switched and torch.equal(eager, expected)  # eager steps still take the profile's forms
+
+
+def test_weights_changed_after_freezing_are_not_missed(forced, caplog):
+    """A frozen graph holds the weights it was compiled with: changed in place since, the steps run eagerly, say so,
+    and give the new weights' output."""
+    model = make_model("llama", dtype=torch.float32)
+    input_ids, mask = ragged_batch(rows=2, width=10)
+    first = model.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False, speculator="off")
+    assert torch.equal(first, model.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)  # every greedy choice moves
+    expected = model.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert not torch.equal(expected, first)
+    with caplog.at_level(logging.INFO, logger="hf_specdec"):
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False, speculator="off")
+    assert torch.equal(out, expected)
+    assert [r for r in caplog.records if "weights changed since" in r.getMessage()]
+
+
+def test_a_compiled_steps_first_run_is_not_timed_for_the_cost_model(forced, monkeypatch):
+    """A shape's first compiled step (its compile and its eager twin's check) is not a step's usual time: the cost
+    model that prices drafts by the steps' timings (on for frozen steps) never sees it."""
+    from hf_specdec.costs.step_cost import MeasuredStepCost
+    from hf_specdec.decode.step import Step
+
+    seen = []
+    observe = MeasuredStepCost.observe
+    monkeypatch.setattr(MeasuredStepCost, "observe", lambda self, *a: seen.append(a[-1]) or observe(self, *a))
+    trials = []
+    run = graphed.GraphedSteps.run
+
+    def counted(self, *a, **k):
+        out = run(self, *a, **k)
+        trials.append(self.trial)
+        return out
+
+    monkeypatch.setattr(graphed.GraphedSteps, "run", counted)
+    steps = []
+    call = Step.__call__
+    monkeypatch.setattr(Step, "__call__", lambda self, *a: steps.append(1) or call(self, *a))
+    model = make_model("llama", dtype=torch.float32)
+    input_ids, mask = ragged_batch(rows=1, width=12)
+    input_ids[:, 7:] = input_ids[:, 1:6]
+    model.generate(input_ids, attention_mask=mask, max_new_tokens=20, do_sample=False, speculator="ngram")
+    assert any(trials) and not all(trials) and seen
+    assert len(seen) <= len(steps) - trials.count(True)  # no step whose compiled code ran for the first time

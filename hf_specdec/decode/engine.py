@@ -39,9 +39,13 @@ def compile_steps(model, target, speculator: Speculator, generation_config=None)
     speculator.graph_settings, speculator.graph_switches = graphs, (target.device.type, generation_config)
 
 
-def compiled(target) -> bool:
-    """Whether the target runner's steps run compiled (`compile_steps` turned them on)."""
-    return getattr(target, "graphs", None) is not None
+def compiled(target) -> str | None:
+    """How the target runner's steps run compiled (`compile_steps` turned them on): `"frozen"` where the graph holds
+    the weights (`GraphSettings.frozen`), `"compiled"` otherwise, None where they run eagerly."""
+    graphs = getattr(target, "graphs", None)
+    if graphs is None:
+        return None
+    return "frozen" if graphs.settings.frozen else "compiled"
 
 
 class SpeculativeEngine:
@@ -124,9 +128,12 @@ class SpeculativeEngine:
             # Calibrated acceptance (the drafts verified are those whose estimates came out highest, so those
             # estimates overrate them): it depends on outputs only, so seeded calls still choose the same k. Without
             # it n-gram ran at 0.93-0.97x speculation off on open chat at batch 4 (docs/benchmarks.md).
+            # Steps compiled with their weights frozen cost what no eager profile says (1-4 tokens at the price of
+            # one on a CPU, then dearer per token than eager ones): the policy prices drafts by the steps' own
+            # timings once it has seen a few (`MeasuredStepCost`).
             self._policy = AdaptiveK(len(batch.lengths), self.k, cost, draft_cost,
                                      priors=self.speculator.confidence_priors, packed=target.packed,
-                                     calibrate=True)
+                                     calibrate=True, measure_steps=compiled(target) == "frozen")
         stop = StopRules(stopping_criteria, eos_token_ids)
         if self.tree_nodes is not None and not getattr(target, "supports_trees", True):
             raise ValueError(f"{type(self.model).__name__} runs on hf_specdec's masked cache (it does not use "

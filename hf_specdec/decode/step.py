@@ -102,6 +102,8 @@ class Step:
         # them only where a row needs them.
         out = target.forward(rows, input_ids, num_fed, num_logits=k + 1, logit_counts=[n + 1 for n in counts],
                              output_hidden_states=self._hidden_layers(wants_states), packed_states=wants_states)
+        if getattr(getattr(target, "graphs", None), "trial", False):  # compiled just now: not a step's usual time
+            self.timed = False
         logits = out.logits
         masked = constrained.mask(logits) if constrained is not None else logits
         history = end[:, None] + torch.arange(k + 1, device=end.device)  # [rows, k + 1] history length per position

@@ -17,6 +17,7 @@ is checked on its first calls), runs eagerly and says so once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -44,6 +45,16 @@ TRIAL_TOLERANCE_LOW = 1e-2  # half precision
 # first calls: one where the compiled code runs as traced; three where CUDA graphs are recorded (a warm-up run, the
 # recording, then the first replay).
 TRIALS, TRIALS_GRAPHED = 1, 3
+# Inductor's options for compiled steps on a CPU (when switched on without a `compile_config` of the user's own):
+# the weights frozen into the graph (each linear layer's weight packed once into its own blocked layout, a copy the
+# size of the weights) and every product autotuned between inductor's C++ GEMM template and oneDNN. The template's
+# micro-kernels keep a product of 1-4 rows at the price of one: SmolLM2-135M's forward over 400 cached tokens on a
+# 2-core AMD EPYC took 23.4 / 22.5 / 23.7 / 22.8 ms at 1-4 tokens against the eager step's 34.6 / 34.8 / 43.6 / 40.9
+# with this host's linear forms (docs/benchmarks.md, "Compiled steps on a CPU"). Without freezing inductor keeps the
+# stock product and compiled steps run no faster than eager ones. Its price: compiling takes minutes, in every
+# process (graphs with frozen weights are not cached on disk), and weights changed in place after it are not seen
+# (`GraphedSteps` then runs eagerly).
+CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 # Device memory running short for a step's graph (recording one, or a bigger bucket) is a moment's, not the model's:
 # that step runs eagerly and later ones try again; only this many in one process turn compiling off for the model.
 OUT_OF_MEMORY_LIMIT = 3
@@ -112,6 +123,13 @@ class GraphSettings:
     def key(self) -> tuple:
         return tuple(sorted((k, repr(v)) for k, v in self.options.items())) + (self.bucket,)
 
+    @property
+    def frozen(self) -> bool:
+        """Whether the compiled graph holds the weights as constants (inductor's `freezing`): the steps then take
+        each linear layer as `F.linear` (the graph packs its weights itself), and a weight changed later is not
+        seen."""
+        return bool((self.options.get("options") or {}).get("freezing"))
+
 
 def graph_settings(model, device: torch.device, generation_config=None) -> GraphSettings | None:
     """Whether (and how) the steps of a `generate(speculator=...)` call on `model` (its inputs on `device`) are
@@ -141,6 +159,8 @@ def requested_settings(device: torch.device, generation_config=None) -> GraphSet
         options = {"dynamic": True, "fullgraph": False}
         if device.type == "cuda":
             options["mode"] = "reduce-overhead"
+        elif device.type == "cpu":
+            options["options"] = dict(CPU_OPTIONS)
     # Shapes bucketed wherever inductor records CUDA graphs: these modes, or its `triton.cudagraphs` option
     graphs = options.get("mode") in ("reduce-overhead", "max-autotune") or bool(
         (options.get("options") or {}).get("triton.cudagraphs"))
@@ -207,6 +227,12 @@ class GraphedSteps:
         if settings.key not in compiled:
             compiled[settings.key] = {"fn": None, "trusted": set(), "steps": 0, "trials": {}}
         self._entry = compiled[settings.key]
+        if settings.frozen:  # the graph holds the weights it was compiled with: changed since, it is not used
+            weights = weight_identity(model)
+            if self._entry.setdefault("weights", weights) != weights and "failed" not in self._entry:
+                self._give_up("its weights changed since its compiled steps froze them (inductor's freezing); "
+                              "a fresh model object compiles anew")
+        self.trial = False  # whether the latest step was one of its shape's first (compiled, checked)
         self._marked = None  # the pools last marked as static addresses (CUDA graphs)
         if self._entry["fn"] is None and "failed" not in self._entry:
             try:  # options torch.compile refuses, or a Python it cannot compile on: eager, said once
@@ -224,6 +250,15 @@ class GraphedSteps:
         else:
             self._entry["failed"] = error
             say_once(self.model, f"hf_specdec runs {type(self.model).__name__}'s steps eagerly: {error}")
+
+    def _tracing_config(self):
+        """What the call is traced under: inductor's `freezing` decides already while dynamo traces (whether the
+        weights enter the graph as constants), before `torch.compile`'s `options` apply, so a frozen step's call
+        sets it too."""
+        if not self.settings.frozen:
+            return contextlib.nullcontext()
+        from torch._inductor import config as inductor_config
+        return inductor_config.patch(freezing=True)
 
     @property
     def active(self) -> bool:
@@ -244,6 +279,7 @@ class GraphedSteps:
         it returns it), or None where it cannot (the caller then runs it eagerly: the same keys and values land in
         the same slots, so nothing is lost). `num_context`: the longest row's context after the step (known on the
         host). `eager()` runs the same step eagerly, for the first step's trial."""
+        self.trial = False
         layers = sorted(cache.key_pools)
         if layers != list(range(len(layers))):
             return None  # layers without pools of their own (shared KV): not graphed
@@ -284,7 +320,8 @@ class GraphedSteps:
         try:
             if bucket:  # a new step of CUDA graphs: earlier replays' outputs may be reused
                 torch.compiler.cudagraph_mark_step_begin()
-            logits, states = self._entry["fn"](*args)
+            with self._tracing_config():
+                logits, states = self._entry["fn"](*args)
         except torch.OutOfMemoryError as error:  # this step eagerly; later steps try again (`OUT_OF_MEMORY_LIMIT`)
             self._entry["out_of_memory"] = self._entry.get("out_of_memory", 0) + 1
             if self._entry["out_of_memory"] >= OUT_OF_MEMORY_LIMIT:
@@ -303,7 +340,9 @@ class GraphedSteps:
             states = None if states is None else tuple(h.clone() for h in states)
         shape = (padded_rows, q, hidden, kernel)
         trials = self._entry["trials"]
-        if trials.get(shape, 0) < (TRIALS_GRAPHED if bucket else TRIALS):
+        # A shape's first calls compiled it (seconds to minutes) and ran its eager twin: not what a step costs.
+        self.trial = trials.get(shape, 0) < (TRIALS_GRAPHED if bucket else TRIALS)
+        if self.trial:
             trials[shape] = trials.get(shape, 0) + 1
             reference = eager()
             self._entry["returns_tensor"] = isinstance(reference, torch.Tensor)  # a draft head's own output
@@ -319,6 +358,12 @@ class GraphedSteps:
         if self._entry["returns_tensor"]:
             return logits
         return CausalLMOutputWithPast(logits=logits, hidden_states=states)
+
+
+def weight_identity(model) -> tuple:
+    """What tells `model`'s weights apart, cheaply: each parameter's and buffer's storage and version (an in-place
+    change bumps the version; one through `.data` does not, like every cache of weights keyed so)."""
+    return tuple((t.data_ptr(), t._version) for t in (*model.parameters(), *model.buffers()))
 
 
 def _agree(compiled: torch.Tensor, eager: torch.Tensor) -> bool:
