@@ -6,13 +6,16 @@ each row's context slots and the KV pools themselves. Inside it the model sees `
 row's context) and our attention (`cache/attention.py`) takes the `GRAPHED` plan: masked SDPA by a mask built from
 the positions. Nothing in it reads a Python value that changes from step to step, so one compilation (shapes
 symbolic) serves every step, and on CUDA each bucket of rows and context becomes one CUDA graph (inductor's
-`mode="reduce-overhead"`). Prefill, draft trees and the models the check below refuses stay eager.
+`mode="reduce-overhead"`). On a CPU the weights are frozen into the graph (`CPU_OPTIONS`), where inductor's C++
+GEMM template computes a few rows' product at about the price of one. Prefill, draft trees and the models the check
+below refuses stay eager.
 
 Switches follow transformers' own compile knobs: on by default on CUDA (as `generate` compiles a static cache's
-decode there), off on CPUs (the bench decides: docs/benchmarks.md); `generation_config.disable_compile=True` turns it
-off, a `compile_config` turns it on (with its options) on any device, and `HF_SPECDEC_COMPILE=0`/`1` overrides both
-defaults. A model that fails to compile, or whose compiled steps disagree with their eager twins (each new step shape
-is checked on its first calls), runs eagerly and says so once.
+decode there), off on CPUs, where compiling takes minutes in every process (docs/benchmarks.md, "Compiled steps
+on a CPU"); `generation_config.disable_compile=True` turns it off, a `compile_config` turns it on (with its options)
+on any device, and `HF_SPECDEC_COMPILE=0`/`1` overrides both defaults. A model that fails to compile, or whose
+compiled steps disagree with their eager twins (each new step shape is checked on its first calls), runs eagerly and
+says so once.
 """
 
 from __future__ import annotations
@@ -235,6 +238,12 @@ class GraphedSteps:
         self.trial = False  # whether the latest step was one of its shape's first (compiled, checked)
         self._marked = None  # the pools last marked as static addresses (CUDA graphs)
         if self._entry["fn"] is None and "failed" not in self._entry:
+            if settings.frozen:
+                size = sum(t.numel() * t.element_size() for t in model.parameters()) / 2 ** 30
+                logger.info(f"hf_specdec compiles {type(model).__name__}'s steps with their weights frozen into the "
+                            f"graph: minutes of compiling at this process's first steps of each shape, and a packed "
+                            f"copy of the weights ({size:.2f} GiB); disable_compile=True or HF_SPECDEC_COMPILE=0 "
+                            "keeps them eager")
             try:  # options torch.compile refuses, or a Python it cannot compile on: eager, said once
                 self._entry["fn"] = torch.compile(step, **settings.options)
             except Exception as error:  # noqa: BLE001
