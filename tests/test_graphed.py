@@ -464,3 +464,23 @@ def test_a_compiled_steps_first_run_is_not_timed_for_the_cost_model(forced, monk
     model.generate(input_ids, attention_mask=mask, max_new_tokens=20, do_sample=False, speculator="ngram")
     assert any(trials) and not all(trials) and seen
     assert len(seen) <= len(steps) - trials.count(True)  # no step whose compiled code ran for the first time
+
+
+def test_adaptive_k_prices_compiled_steps_as_padded(forced, monkeypatch):
+    """A compiled step feeds every row the widest row's tokens (one graph per width), so adaptive k prices one k for
+    all rows there, as for padded steps; eager steps stay packed (each row its own drafts)."""
+    from hf_specdec.costs import adaptive
+
+    policies = []
+    init = adaptive.AdaptiveK.__init__
+    monkeypatch.setattr(adaptive.AdaptiveK, "__init__",
+                        lambda self, *a, **k: policies.append(self) or init(self, *a, **k))
+    model = make_model("llama", dtype=torch.float32)
+    input_ids, mask = ragged_batch(rows=2, width=12)
+    input_ids[:, 7:] = input_ids[:, 1:6]
+    expected = model.generate(input_ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    for disable in (False, True):
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=10, do_sample=False, speculator="ngram",
+                             disable_compile=disable)
+        assert torch.equal(out, expected)
+    assert [p.packed for p in policies] == [False, True]

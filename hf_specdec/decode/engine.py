@@ -131,8 +131,10 @@ class SpeculativeEngine:
             # Steps compiled with their weights frozen cost what no eager profile says (1-4 tokens at the price of
             # one on a CPU, then dearer per token than eager ones): the policy prices drafts by the steps' own
             # timings once it has seen a few (`MeasuredStepCost`).
+            # Compiled steps feed every row the widest row's tokens (one shape per width): priced as padded.
             self._policy = AdaptiveK(len(batch.lengths), self.k, cost, draft_cost,
-                                     priors=self.speculator.confidence_priors, packed=target.packed,
+                                     priors=self.speculator.confidence_priors,
+                                     packed=target.packed and compiled(target) is None,
                                      calibrate=True, measure_steps=compiled(target) == "frozen")
         stop = StopRules(stopping_criteria, eos_token_ids)
         if self.tree_nodes is not None and not getattr(target, "supports_trees", True):

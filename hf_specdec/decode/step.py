@@ -157,14 +157,15 @@ class Step:
         if self.policy is not None and self.drafting:
             self.policy.update(rows, num_drafted, num_accepted, classes)
             if self.policy.measured is not None and self.timed:  # the serving policy prices drafts by these timings
-                # A packed target fed each row its own tokens; a padded one fed every row the widest row's.
-                fed, drafts = ((sum(num_fed), sum(counts)) if target.packed else
+                # A packed step fed each row its own tokens; a padded one (or a compiled one) every row the widest
+                # row's.
+                fed, drafts = ((sum(num_fed), sum(counts)) if self.policy.packed else
                                (len(rows) * max(num_fed), len(rows) * max(counts)))
                 self.policy.measured.observe(len(rows), fed, self.policy.context, drafts, verified_s)
             # A decode step (every row fed its pending token and its drafts: no prompt tokens) without a grammar.
             if (self.policy.returns is not None and self.timed and constrained is None
                     and sum(num_fed) - sum(counts) == len(rows)):
-                self._observe_returns(rows, counts, num_accepted, target.packed, time.perf_counter() - t0)
+                self._observe_returns(rows, counts, num_accepted, self.policy.packed, time.perf_counter() - t0)
         return num_emit, [r for r, done in zip(rows, finished) if done]
 
     def _observe_returns(self, rows, counts, num_accepted, packed, seconds) -> None:
