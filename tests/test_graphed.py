@@ -484,3 +484,24 @@ def test_adaptive_k_prices_compiled_steps_as_padded(forced, monkeypatch):
                              disable_compile=disable)
         assert torch.equal(out, expected)
     assert [p.packed for p in policies] == [False, True]
+
+
+def test_weights_are_not_frozen_where_their_copy_would_not_fit(forced, monkeypatch, caplog):
+    """Freezing packs a copy of the weights; with less than twice their size available the steps compile unfrozen
+    (and say so), still exact."""
+    import psutil
+
+    real = psutil.virtual_memory()
+    model = make_model("llama", dtype=torch.float32)
+    size = sum(t.numel() * t.element_size() for t in model.parameters())
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=size))
+    with caplog.at_level(logging.INFO, logger="hf_specdec"):
+        settings = graph_settings(model, torch.device("cpu"))
+        assert settings is not None and not settings.frozen
+        input_ids, mask = ragged_batch(rows=2, width=10)
+        expected = model.generate(input_ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=8, do_sample=False, speculator="off")
+    assert torch.equal(out, expected)
+    assert [r for r in caplog.records if "without freezing the weights" in r.getMessage()]
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=4 * size))
+    assert graph_settings(make_model("llama", dtype=torch.float32), torch.device("cpu")).frozen

@@ -178,6 +178,17 @@ def for_model(settings: GraphSettings | None, model) -> GraphSettings | None:
     if why is not None:
         say_once(model, f"hf_specdec runs {type(model).__name__}'s steps eagerly: {why}")
         return None
+    if settings.frozen:  # the frozen graph packs a copy of the weights: only where it leaves room
+        import psutil
+
+        need = sum(t.numel() * t.element_size() for t in model.parameters())
+        available = psutil.virtual_memory().available
+        if need > available / 2:
+            say_once(model, f"hf_specdec compiles {type(model).__name__}'s steps without freezing the weights: the "
+                            f"frozen graph's packed copy of them ({need / 2**30:.1f} GiB) would take more than half "
+                            f"the {available / 2**30:.1f} GiB of memory available now")
+            options = {k: v for k, v in settings.options.items() if k != "options"}
+            return GraphSettings(options, settings.bucket)
     return settings
 
 
