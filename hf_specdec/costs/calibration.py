@@ -187,13 +187,13 @@ def report_idle(policy, model, speculator, cost_source: str) -> None:
 
 
 @contextmanager
-def host_linear(model, speculator=None, use_profile: bool = True, compiled: bool | str | None = False):
+def host_linear(model, speculator=None, use_profile: bool = True, compiled: str | None = None):
     """For the duration, `model`'s and the speculator's linear layers run as `(W @ x.T).T`, or with their weight
     packed for oneDNN, for the input row counts where the cached profile found that faster (`thin_linear`); nothing
-    changes without a profile. `compiled`: steps run compiled (`runners/graphed.py`), which cannot take the packed
-    copy (an opaque oneDNN tensor inductor does not lower), so the packed form is left out; `"frozen"`: the compiled
-    graph holds the weights and chooses each product's kernel itself (`graphed.CPU_OPTIONS`), so every layer stays
-    `F.linear`."""
+    changes without a profile. `compiled` (as `decode.engine.compiled` says): `"compiled"`, steps run compiled
+    (`runners/graphed.py`), which cannot take the packed copy (an opaque oneDNN tensor inductor does not lower), so
+    the packed form is left out; `"frozen"`, the compiled graph holds the weights and chooses each product's kernel
+    itself (`graphed.CPU_OPTIONS`), so every layer stays `F.linear`."""
     profile = (load_profile(model) if use_profile and enabled() and thin_linear_enabled() and compiled != "frozen"
                else None)
     packing = profile is not None and packed_linear_enabled() and not compiled

@@ -48,6 +48,12 @@ def compiled(target) -> str | None:
     return "frozen" if graphs.settings.frozen else "compiled"
 
 
+def steps_packed(target) -> bool:
+    """Whether the target's verify steps feed each row only its own drafts (a packed runner's eager steps), as
+    adaptive k prices them; compiled steps feed every row the widest row's tokens (one graph per width)."""
+    return target.packed and compiled(target) is None
+
+
 class SpeculativeEngine:
     """Runs one batched speculative `generate` call.
 
@@ -131,10 +137,8 @@ class SpeculativeEngine:
             # Steps compiled with their weights frozen cost what no eager profile says (1-4 tokens at the price of
             # one on a CPU, then dearer per token than eager ones): the policy prices drafts by the steps' own
             # timings once it has seen a few (`MeasuredStepCost`).
-            # Compiled steps feed every row the widest row's tokens (one shape per width): priced as padded.
             self._policy = AdaptiveK(len(batch.lengths), self.k, cost, draft_cost,
-                                     priors=self.speculator.confidence_priors,
-                                     packed=target.packed and compiled(target) is None,
+                                     priors=self.speculator.confidence_priors, packed=steps_packed(target),
                                      calibrate=True, measure_steps=compiled(target) == "frozen")
         stop = StopRules(stopping_criteria, eos_token_ids)
         if self.tree_nodes is not None and not getattr(target, "supports_trees", True):

@@ -181,7 +181,7 @@ def for_model(settings: GraphSettings | None, model) -> GraphSettings | None:
     if settings.frozen:  # the frozen graph packs a copy of the weights: only where it leaves room
         import psutil
 
-        need = sum(t.numel() * t.element_size() for t in model.parameters())
+        need = weight_bytes(model)
         available = psutil.virtual_memory().available
         if need > available / 2:
             say_once(model, f"hf_specdec compiles {type(model).__name__}'s steps without freezing the weights: the "
@@ -250,7 +250,7 @@ class GraphedSteps:
         self._marked = None  # the pools last marked as static addresses (CUDA graphs)
         if self._entry["fn"] is None and "failed" not in self._entry:
             if settings.frozen:
-                size = sum(t.numel() * t.element_size() for t in model.parameters()) / 2 ** 30
+                size = weight_bytes(model) / 2 ** 30
                 logger.info(f"hf_specdec compiles {type(model).__name__}'s steps with their weights frozen into the "
                             f"graph: minutes of compiling at this process's first steps of each shape, and a packed "
                             f"copy of the weights ({size:.2f} GiB); disable_compile=True or HF_SPECDEC_COMPILE=0 "
@@ -378,6 +378,11 @@ class GraphedSteps:
         if self._entry["returns_tensor"]:
             return logits
         return CausalLMOutputWithPast(logits=logits, hidden_states=states)
+
+
+def weight_bytes(model) -> int:
+    """The bytes `model`'s parameters take: what a frozen graph's packed copy of them takes again."""
+    return sum(t.numel() * t.element_size() for t in model.parameters())
 
 
 def weight_identity(model) -> tuple:

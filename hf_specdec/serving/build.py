@@ -10,6 +10,7 @@ from ..cache.paged import PagedKVCache
 from ..cache.prefix import PrefixCache
 from ..costs.adaptive import AdaptiveK
 from ..costs.calibration import adaptive_costs
+from ..decode.engine import steps_packed
 from ..decode.row_sampling import RowSampling
 from ..metrics import logger
 from ..runners.distributed import tp_group
@@ -75,9 +76,7 @@ def adaptive_policy(model, speculator, target, slots: int, k: int, calibration: 
     # And it checks them per batch size: what whole steps with drafts took beyond plain ones, against what
     # it priced (`returns.DraftReturns`). A model speculator's backlog (states or tokens of steps without
     # drafts, newcomers' prompts), read before it drafts again, is priced with the drafts (`price_reading`).
-    # Compiled steps feed every row the widest row's tokens: priced as padded.
-    packed = target.packed and getattr(target, "graphs", None) is None
-    return AdaptiveK(slots, k, cost, draft_cost, priors=speculator.confidence_priors, packed=packed,
+    return AdaptiveK(slots, k, cost, draft_cost, priors=speculator.confidence_priors, packed=steps_packed(target),
                      measure_steps=True, calibrate=True, check_returns=True, price_reading=True)
 
 
