@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import make_model, ragged_batch, repetitive_prompt
 from test_generate_sampling import SAMPLES, VOCAB, exact_joint, peaky_model, tv
+from torch._dynamo.utils import counters
 from transformers import CompileConfig, LogitsProcessorList
 
 import hf_specdec
@@ -464,6 +465,38 @@ def test_a_compiled_steps_first_run_is_not_timed_for_the_cost_model(forced, monk
     model.generate(input_ids, attention_mask=mask, max_new_tokens=20, do_sample=False, speculator="ngram")
     assert any(trials) and not all(trials) and seen
     assert len(seen) <= len(steps) - trials.count(True)  # no step whose compiled code ran for the first time
+
+
+def test_a_frozen_steps_graph_for_several_tokens_is_compiled_at_the_tune_width(forced, monkeypatch):
+    """Inductor tunes a frozen graph's products for the call that compiles it, and the graph for several tokens a row
+    serves every width: a first verify wider than `TUNE_WIDTH` compiles it with a step of that width first (its
+    keys and values sent to the scratch slot), and the output stays plain greedy."""
+    widths = []
+    compile_ = torch.compile
+
+    def recording(fn, **options):
+        compiled = compile_(fn, **options)
+
+        def call(*args):
+            widths.append(args[3].shape[1])  # graphed_forward's input_ids, after (hidden, extra, block_size)
+            return compiled(*args)
+        return call
+
+    monkeypatch.setattr(torch, "compile", recording)
+    model = make_model("llama", dtype=torch.float32)
+    input_ids, mask = ragged_batch(rows=1, width=12)
+    input_ids[:, 7:] = input_ids[:, 1:6]  # a repeat, so n-gram drafts
+    expected = model.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    counters.clear()
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False, speculator="ngram",
+                         speculative_schedule="constant", num_speculative_tokens=4)
+    assert torch.equal(out, expected)
+    several = [w for w in widths if w > 1]
+    assert several[0] == graphed.TUNE_WIDTH and max(several) > graphed.TUNE_WIDTH
+    assert widths.count(graphed.TUNE_WIDTH) == 1  # only the tuning call: n-gram's verifies here are 5 tokens wide
+    assert counters["stats"]["unique_graphs"] == 2  # one token, several: the wider steps reuse the tuned graph
+    (entry,) = compiled_entries(model)
+    assert "failed" not in entry and entry["tuned"] == {(True, False, False)}
 
 
 def test_adaptive_k_prices_compiled_steps_as_padded(forced, monkeypatch):
