@@ -483,9 +483,6 @@ def test_a_frozen_steps_graph_for_several_tokens_is_compiled_at_the_tune_width(f
         return call
 
     monkeypatch.setattr(torch, "compile", recording)
-    # Every model's steps share one code object, whose compiled variants dynamo caps: run after this file's other
-    # tests, their variants reached the cap and this model's steps ran eagerly (no graph compiled).
-    torch._dynamo.reset()
     model = make_model("llama", dtype=torch.float32)
     input_ids, mask = ragged_batch(rows=1, width=12)
     input_ids[:, 7:] = input_ids[:, 1:6]  # a repeat, so n-gram drafts
@@ -500,6 +497,24 @@ def test_a_frozen_steps_graph_for_several_tokens_is_compiled_at_the_tune_width(f
     assert counters["stats"]["unique_graphs"] == 2  # one token, several: the wider steps reuse the tuned graph
     (entry,) = compiled_entries(model)
     assert "failed" not in entry and entry["tuned"] == {(True, False, False)}
+
+
+def test_each_models_steps_compile_apart_from_other_models(forced, monkeypatch):
+    """Dynamo counts compiled variants per code object: each model's steps have their own, so other models' graphs
+    never use up a model's (here with limits of one variant per object and two per code object, a third model
+    would otherwise run eagerly)."""
+    monkeypatch.setattr(graphed, "RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    monkeypatch.setattr(torch._dynamo.config, "accumulated_recompile_limit", 2)
+    torch._dynamo.reset()
+    input_ids, mask = ragged_batch(rows=1, width=10)
+    models = [make_model("llama", dtype=torch.float32) for _ in range(3)]
+    for model in models:
+        counters.clear()
+        expected = model.generate(input_ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=6, do_sample=False, speculator="off")
+        assert torch.equal(out, expected)
+        assert counters["stats"]["unique_graphs"] == 1  # its one-token step, compiled for it
 
 
 def test_adaptive_k_prices_compiled_steps_as_padded(forced, monkeypatch):

@@ -244,6 +244,12 @@ class GraphedSteps:
         def step(*args, _model=model, _kwarg=cache_kwarg):
             return graphed_forward(_model, _kwarg, *args)
 
+        # A code object of its own: dynamo keeps compiled variants, and counts them against its limits, per code
+        # object, so other models' steps (or a freed model's, whose objects a new one may reuse the addresses of)
+        # neither use up this model's variants nor stand in for them. Sharing one, a process's later models met
+        # dynamo's limit and ran eagerly with only dynamo's log line saying so.
+        step.__code__ = step.__code__.replace()
+
         if settings.key not in compiled:
             compiled[settings.key] = {"fn": None, "trusted": set(), "steps": 0, "trials": {}}
         self._entry = compiled[settings.key]
