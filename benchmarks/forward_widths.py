@@ -18,23 +18,19 @@ import time
 
 import _common  # benchmarks/, this script's folder
 import torch
+from _forwards import filled_runner
 
 from hf_specdec.costs.calibration import ensure_profile, host_linear
 from hf_specdec.runners.dense import runner_attention
 from hf_specdec.runners.graphed import for_model, requested_settings
-from hf_specdec.runners.model_runner import ModelRunner
 
 
 def timed(model, rows: int, context: int, widths: list[int], repeats: int, compiled: bool) -> dict[int, float]:
     """Median milliseconds of one forward per width."""
-    runner = ModelRunner(model, num_blocks=rows * (context + max(widths) + 16) // 16 + 8, packed=True)
-    seqs = list(range(rows))
-    for seq in seqs:
-        runner.add_sequence(seq)
     # A real prefill, not `fill_context`'s reserved (zero) keys and values: over those the compiled step's logits
     # differed from the eager step's by up to 1e-4 of their largest (2e-6 after a prefill), and its trial could fail.
-    runner.forward(seqs, torch.randint(model.config.vocab_size, (rows, context), device=model.device),
-                   [context] * rows, 1)
+    runner = filled_runner(model, rows, context)
+    seqs = list(range(rows))
     mode = None
     if compiled:
         settings = for_model(requested_settings(model.device), model)
@@ -46,7 +42,7 @@ def timed(model, rows: int, context: int, widths: list[int], repeats: int, compi
     with host_linear(model, compiled=mode):
         for repeat in range(repeats + 1):  # the first round compiles (or warms up) each width
             for q in (widths if repeat % 2 else widths[::-1]):
-                ids = torch.randint(model.config.vocab_size, (rows, q), device=model.device)
+                ids = torch.randint(model.config.vocab_size, (rows, q))
                 start = time.perf_counter()
                 runner.forward(seqs, ids, [q] * rows, q, logit_counts=[q] * rows)
                 elapsed = time.perf_counter() - start
@@ -69,6 +65,8 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="time the eager forwards only")
     args = parser.parse_args()
     widths = sorted({int(w) for w in args.widths.split(",")})
+    if not 1 <= widths[0] <= widths[-1] <= 64:  # `filled_runner` leaves 64 slots a row past the context
+        parser.error(f"--widths must be between 1 and 64 tokens, got {args.widths}")
     model, _ = _common.load(args)
     results = {}
     with torch.no_grad(), runner_attention(model):

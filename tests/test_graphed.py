@@ -544,7 +544,7 @@ def test_weights_are_not_frozen_where_their_copy_would_not_fit(forced, monkeypat
 
     real = psutil.virtual_memory()
     model = make_model("llama", dtype=torch.float32)
-    size = sum(t.numel() * t.element_size() for t in model.parameters())
+    size = graphed.weight_bytes(model)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=size))
     with caplog.at_level(logging.INFO, logger="hf_specdec"):
         settings = graph_settings(model, torch.device("cpu"))

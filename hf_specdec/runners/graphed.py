@@ -405,13 +405,13 @@ class GraphedSteps:
         tuned.add(family)
         if q <= TUNE_WIDTH:
             return
-        hidden_, extra, block_size, input_ids, positions, writes, slots, *pools = args
+        _, extra, block_size, input_ids, positions, writes, slots, *pools = args
         width = TUNE_WIDTH
         # Copies, not views: dynamo guards a view on its base, which the steps' own inputs do not have (another
         # compile, tuned at the step's own width, would follow).
         narrow = {name: v[:, :width].clone() if isinstance(v, torch.Tensor) else v for name, v in extra.items()}
         scratch = writes.new_full((input_ids.shape[0] * width,), SCRATCH_SLOT)
-        self._entry["fn"](hidden_, narrow, block_size, input_ids[:, :width].clone(), positions[:, :width].clone(),
+        self._entry["fn"](hidden, narrow, block_size, input_ids[:, :width].clone(), positions[:, :width].clone(),
                           scratch, slots, *pools)
 
 
