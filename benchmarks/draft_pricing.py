@@ -23,6 +23,7 @@ import argparse
 import statistics
 
 import _common  # benchmarks/, this script's folder
+import numpy as np
 import torch
 from _forwards import filled_runner, timed_forwards
 from serve_replay import replay
@@ -80,7 +81,7 @@ def controlled(model, policy, rows_list=(4, 12, 24), drafts_list=(2, 8), context
     """Whole forwards through the paged runner at `rows` rows of `context` cached tokens each, plain and with
     `drafts` draft tokens (2 per row on the first rows), timed interleaved (medians), against what `policy` (an
     `AdaptiveK`, or a `StepCost`) says such a step costs relative to a plain one."""
-    price = policy._relative if hasattr(policy, "_relative") else policy.relative
+    price = policy._relative if hasattr(policy, "_relative") else policy.relative_costs
     from hf_specdec.runners.model_runner import paged_attention
 
     with torch.no_grad(), paged_attention(model):
@@ -93,7 +94,7 @@ def controlled(model, policy, rows_list=(4, 12, 24), drafts_list=(2, 8), context
             plain = statistics.median(times[0])
             cells = []
             for d in drafts_list:
-                believed = float(price(rows, torch.tensor(1 + d / rows, dtype=torch.float64), float(rows * context)))
+                believed = float(price(rows, np.float64(1 + d / rows), float(rows * context)))
                 cells.append(f"{d} drafts x{statistics.median(times[d]) / plain:.3f} (priced x{believed:.3f})")
             print(f"  rows {rows}, {context} cached each: plain {1e3 * plain:.0f} ms; " + "; ".join(cells))
 

@@ -21,10 +21,16 @@ and stay reproducible, and no step waits on the device: they come from this host
 hand. The serving engine, whose batches change with every arrival anyway, also corrects them from its own steps'
 wall times (`MeasuredStepCost`): a profile measured on an idle host, at other batch sizes, misprices a loaded
 server's drafts. `chosen` keeps each step's k, and `idle_explanation` says why drafting stayed off when it mostly did.
+
+The arithmetic runs in numpy on the host: a choice is a few dozen operations on arrays of a few hundred numbers,
+where each torch operation's dispatch costs more than its work (a step's choice at 32 rows: 0.32 ms in torch).
+The counts are also readable as torch tensors sharing the arrays' memory (`accepted`, `tried`, `priors`,
+`weights`), and `acceptance` and `pooled` answer in tensors.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .returns import DraftReturns
@@ -85,20 +91,23 @@ class AdaptiveK:
         self.draft_subsets = draft_subsets
         # Drafting one token, relative to a one-token target step. A static estimate, like the step cost.
         self.draft_cost_per_token = draft_cost_per_token
-        self.priors = torch.tensor(priors, dtype=torch.float64)
+        self._priors = np.array(priors, dtype=np.float64)
+        self.priors = torch.from_numpy(self._priors)  # the same memory: writes to either show in both
         self.strength = strength
         self.decay = decay
         self.min_gain = min_gain
         classes = len(priors)
         # Host tensors: the policy never touches the device.
-        self.accepted = torch.zeros(num_rows, classes, dtype=torch.float64)
-        self.tried = torch.zeros(num_rows, classes, dtype=torch.float64)
+        self._accepted = np.zeros((num_rows, classes))
+        self._tried = np.zeros((num_rows, classes))
+        self.accepted, self.tried = torch.from_numpy(self._accepted), torch.from_numpy(self._tried)
         self.chosen: list[int] = []  # the k chosen at each step
         # Tokens in the rows' KV caches, summed, at the step being planned (set by the step before it proposes, for
         # speculators that ask `drafting_pays` while drafting).
         self.context = 0.0
         # What a token of each row is worth, 1 for every row unless `weigh` says otherwise (see there).
-        self.weights = torch.ones(num_rows, dtype=torch.float64)
+        self._weights = np.ones(num_rows)
+        self.weights = torch.from_numpy(self._weights)
         self.num_declined = 0  # steps where drafts were on offer and k was 0
         # Accepted drafts and what the estimates expected of the same drafts, decayed per step (`calibrate`).
         self.calibrate = calibrate
@@ -107,19 +116,24 @@ class AdaptiveK:
 
     def acceptance(self, rows: list[int], classes: list[int] | None = None) -> torch.Tensor:
         """`[len(rows)]` each row's estimated chance that a draft of the given class is accepted."""
-        cls = torch.tensor(classes if classes is not None else [0] * len(rows), dtype=torch.long)
-        pooled = self.pooled()
-        r = torch.tensor(rows, dtype=torch.long)
-        own_accepted, own_tried = self.accepted[r, cls], self.tried[r, cls]
-        return (own_accepted + self.strength * pooled[cls]) / (own_tried + self.strength)
+        return torch.from_numpy(self._rates(rows, classes))
 
     def pooled(self) -> torch.Tensor:
         """`[classes]` the call's acceptance per class: its counts over every row, shrunk towards the class's prior
         times the ratio of drafts accepted to those the priors expected over all classes."""
-        accepted, tried = self.accepted.sum(0), self.tried.sum(0)
-        expected = (tried * self.priors).sum()
-        scale = (accepted.sum() + self.strength) / (expected + self.strength)
-        prior = (self.priors * scale).clamp(max=_MAX_RATE)
+        return torch.from_numpy(self._pooled())
+
+    def _rates(self, rows: list[int], classes: list[int] | None) -> np.ndarray:
+        cls = np.zeros(len(rows), dtype=np.intp) if classes is None else np.asarray(classes, dtype=np.intp)
+        r = np.asarray(rows, dtype=np.intp)
+        pooled = self._pooled()
+        return (self._accepted[r, cls] + self.strength * pooled[cls]) / (self._tried[r, cls] + self.strength)
+
+    def _pooled(self) -> np.ndarray:
+        accepted, tried = self._accepted.sum(0), self._tried.sum(0)
+        expected = float((tried * self._priors).sum())
+        scale = (float(accepted.sum()) + self.strength) / (expected + self.strength)
+        prior = np.minimum(self._priors * scale, _MAX_RATE)
         return (accepted + self.strength * prior) / (tried + self.strength)
 
     @property
@@ -190,31 +204,32 @@ class AdaptiveK:
         counts = [0] * n
         offered = [self.max_k] * n if available is None else [max(0, min(a, self.max_k)) for a in available]
         if self.max_k and rows and any(offered):
-            backlog = torch.tensor(unread if unread is not None else [0.0] * n, dtype=torch.float64)
-            plain = float(self.weights[torch.tensor(rows, dtype=torch.long)].sum())  # expected tokens, cost 1
+            backlog = np.asarray(unread if unread is not None else [0.0] * n, dtype=np.float64)
+            plain = float(self._weights[np.asarray(rows, dtype=np.intp)].sum())  # expected tokens, cost 1
             if unread is not None and float(backlog.max()) > 0:
                 # A row's drafts raise the step's value only where their gain beats the plain tokens times what
                 # its backlog adds to the step's cost.
-                depth = torch.arange(1, self.max_k + 1, dtype=torch.float64)
-                gains = self._gains(rows, None, depth).masked_fill(
-                    depth[None, :] > torch.tensor(offered, dtype=torch.float64)[:, None], 0.0).sum(1)
+                depth = np.arange(1, self.max_k + 1, dtype=np.float64)
+                gains = np.where(depth[None, :] > np.asarray(offered, dtype=np.float64)[:, None], 0.0,
+                                 self._gains(rows, None, depth)).sum(1)
                 extra = self._relative(n, 1 + backlog / self.read_horizon / n, context) - 1
                 offered = [0 if g < self.min_gain * plain * e else a
                            for a, g, e in zip(offered, gains.tolist(), extra.tolist())]
             # The drafts of highest weighed gain, then the head's depth: each row's first `d` of them for every d,
             # the head's forwards (`d`) and the chosen rows' backlog priced, in one evaluation over d.
-            ks = torch.tensor(self._choose_rows(rows, offered, None, context)[0], dtype=torch.long)
+            ks = np.asarray(self._choose_rows(rows, offered, None, context)[0], dtype=np.intp)
             most = int(ks.max())
             if most:
-                d = torch.arange(1, most + 1)
-                capped = torch.minimum(ks[None, :], d[:, None])  # [depths, rows]
-                gained = self._gains(rows, None, d.double()).cumsum(1).T  # [depths, rows]: first j drafts' gain
-                expected = plain + gained.gather(0, (capped - 1).clamp(min=0)).masked_fill(capped == 0, 0.0).sum(1)
+                d = np.arange(1, most + 1)
+                capped = np.minimum(ks[None, :], d[:, None])  # [depths, rows]
+                gained = self._gains(rows, None, d.astype(np.float64)).cumsum(1).T  # [depths, rows]: first j drafts'
+                first = np.take_along_axis(gained, np.maximum(capped - 1, 0), axis=0)
+                expected = plain + np.where(capped == 0, 0.0, first).sum(1)
                 read = float(backlog[ks > 0].sum()) / self.read_horizon / n
-                tokens = 1 + capped.sum(1).double() / n + read
-                cost = self._relative(n, tokens, context) + self.draft_cost_per_token * d.double()
+                tokens = 1 + capped.sum(1) / n + read
+                cost = self._relative(n, tokens, context) + self.draft_cost_per_token * d
                 value = expected / self._corrected(n, cost)
-                best = int(torch.argmax(value))
+                best = int(np.argmax(value))
                 if float(value[best]) > self.min_gain * plain:
                     counts = capped[best].tolist()
         self.chosen.append(max(counts, default=0))
@@ -238,9 +253,8 @@ class AdaptiveK:
         if not any(ks):
             return False
         tokens += unread / self.read_horizon / len(rows)  # the head's backlog, fed with the drafts
-        cost = float(self._relative(len(rows), torch.tensor(tokens, dtype=torch.float64), context))
-        cost = torch.tensor(cost + self.draft_cost_per_token * drafted, dtype=torch.float64)
-        return expected / float(self._corrected(len(rows), cost)) > base
+        cost = float(self._relative(len(rows), np.float64(tokens), context)) + self.draft_cost_per_token * drafted
+        return expected / float(self._corrected(len(rows), np.float64(cost))) > base
 
     def weigh(self, rows: list[int], remaining: list[int] | None) -> None:
         """How much a token of each row is worth this step. `None`: every row alike (the batch's tokens per unit of
@@ -249,11 +263,11 @@ class AdaptiveK:
         its longest row does, and an accepted draft there saves a whole step at the end while one in a row about to
         finish saves next to nothing; so drafts go where they shorten the run."""
         if remaining is None or not rows:
-            self.weights[rows] = 1.0
+            self._weights[rows] = 1.0
             return
         longest = max(max(remaining), 1)
-        share = torch.tensor(remaining, dtype=torch.float64).clamp(min=0) / longest
-        self.weights[rows] = share ** self.WEIGHT_POWER
+        share = np.maximum(np.asarray(remaining, dtype=np.float64), 0.0) / longest
+        self._weights[rows] = share ** self.WEIGHT_POWER
 
     # Weights are (work left / the most any row has left) ** WEIGHT_POWER: a higher power sends an accepted draft's
     # value to the rows the run waits for. It stays 1 (and `draft_subsets` off) because sharper weights, with drafts for
@@ -279,13 +293,13 @@ class AdaptiveK:
         prior = self.CALIBRATION_PRIOR
         return min(1.5, (self.actual_accepted + prior) / (self.expected_accepted + prior))
 
-    def _gains(self, rows: list[int], classes, ks: torch.Tensor) -> torch.Tensor:
+    def _gains(self, rows: list[int], classes, ks: np.ndarray) -> np.ndarray:
         """`[rows, len(ks)]` the expected tokens of each row's draft at each depth in `ks` (a row's j-th draft is
         accepted with chance p^j), weighed and calibrated, at most 1 token each (at most the weight)."""
-        rates = self.acceptance(rows, classes)
-        weights = self.weights[torch.tensor(rows, dtype=torch.long)]
+        rates = self._rates(rows, classes)
+        weights = self._weights[np.asarray(rows, dtype=np.intp)]
         gains = rates[:, None] ** ks[None, :]
-        gains = torch.where(ks[None, :] > 0, (gains * self.calibration).clamp(max=1.0), gains)
+        gains = np.where(ks[None, :] > 0, np.minimum(gains * self.calibration, 1.0), gains)
         return weights[:, None] * gains
 
     def priced_extra(self, rows: int, tokens_per_row: float, drafted: int, context: float,
@@ -295,69 +309,68 @@ class AdaptiveK:
         `drafted` draft positions (a model speculator's forwards; 0 for drafts that cost nothing to make) after
         reading `unread` target tokens' worth of backlog (the whole of it, read in that step, whether the choice
         priced it or not: priced as that many more tokens fed over the rows)."""
-        tokens = torch.tensor([tokens_per_row + unread / rows], dtype=torch.float64)
-        cost = float(self._relative(rows, tokens, context)[0])
+        cost = float(self._relative(rows, np.float64(tokens_per_row + unread / rows), context))
         return cost - 1.0 + self.draft_cost_per_token * drafted
 
-    def _corrected(self, rows: int, cost: torch.Tensor) -> torch.Tensor:
+    def _corrected(self, rows: int, cost: np.ndarray) -> np.ndarray:
         """Relative step costs with their extra over a plain step scaled by `returns` for this batch size."""
         if self.returns is None:
             return cost
-        return 1.0 + self.returns.scale(rows) * (cost - 1.0).clamp(min=0.0)
+        return 1.0 + self.returns.scale(rows) * np.maximum(cost - 1.0, 0.0)
 
-    def _step_price(self, rows: int, tokens: torch.Tensor, drafted: torch.Tensor, context: float) -> torch.Tensor:
+    def _step_price(self, rows: int, tokens: np.ndarray, drafted: np.ndarray, context: float) -> np.ndarray:
         """What steps of `rows` rows feeding `tokens` each, whose speculator drafted `drafted` positions, cost in
         plain steps: the forward and the drafting, corrected by `returns` where it is on."""
         return self._corrected(rows, self._relative(rows, tokens, context) + self.draft_cost_per_token * drafted)
 
-    def _relative(self, rows: int, tokens: torch.Tensor, context: float) -> torch.Tensor:
+    def _relative(self, rows: int, tokens: np.ndarray, context: float) -> np.ndarray:
         if self.measured is not None and self.measured.ready:
-            return self.measured.relative(rows, tokens, context)
-        return self.step_cost.relative(rows, tokens, context)
+            return self.measured.relative_costs(rows, tokens, context)
+        return self.step_cost.relative_costs(rows, tokens, context)
 
     def _choose_rows(self, rows, available, classes, context) -> tuple[list[int], float, float, float]:
         """Drafts per row, the step's expected tokens per unit of cost with them, its expected tokens and the tokens
         fed per row on average."""
-        weights = self.weights[torch.tensor(rows, dtype=torch.long)]
-        j = torch.arange(1, self.max_k + 1, dtype=torch.float64)
+        weights = self._weights[np.asarray(rows, dtype=np.intp)]
+        j = np.arange(1, self.max_k + 1, dtype=np.float64)
         gains = self._gains(rows, classes, j)  # [rows, max_k]: the j-th draft's expected tokens
-        offered = torch.tensor(available, dtype=torch.float64)[:, None]
-        gains = gains.masked_fill(j[None, :] > offered, -1.0)
-        order = torch.sort(gains.flatten(), descending=True, stable=True)
-        usable = int((order.values >= 0).sum())
+        offered = np.asarray(available, dtype=np.float64)[:, None]
+        gains = np.where(j[None, :] > offered, -1.0, gains).ravel()
+        order = np.argsort(-gains, kind="stable")  # descending, equal gains in row order
+        values = gains[order]
+        usable = int((values >= 0).sum())
         b = len(rows)
-        gained = torch.cat([torch.zeros(1, dtype=torch.float64), order.values[:usable].cumsum(0)])
+        gained = np.concatenate([[0.0], values[:usable].cumsum()])
         expected = float(weights.sum()) + gained
-        tokens = 1 + torch.arange(usable + 1, dtype=torch.float64) / b  # tokens fed per row, on average
+        tokens = 1 + np.arange(usable + 1, dtype=np.float64) / b  # tokens fed per row, on average
         cost = self._corrected(b, self._relative(b, tokens, context))
         value = expected / cost
         # The size is chosen with every draft's gain discounted by the margin, so a draft joins only where it beats
         # its own cost by the margin too (at a large batch a row's draft adds little against what its width costs,
         # and one that only breaks even by the model is a loss when the model errs); the set as a whole must beat
         # plain decoding by the margin as before.
-        best = int(torch.argmax((expected[0] + gained / self.min_gain) / cost))
+        best = int(np.argmax((expected[0] + gained / self.min_gain) / cost))
         if best == 0 or value[best] < self.min_gain * value[0]:
             return [0] * b, float(value[0]), float(expected[0]), 1.0
         # Per row, its drafts among the best `best` (a row's gains fall with j, so they are its first ones).
-        picked = torch.zeros(b * self.max_k, dtype=torch.long)
-        picked[order.indices[:best]] = 1
-        return picked.view(b, self.max_k).sum(1).tolist(), float(value[best]), float(expected[best]), float(tokens[best])
+        counts = np.bincount(order[:best] // self.max_k, minlength=b)
+        return counts.tolist(), float(value[best]), float(expected[best]), float(tokens[best])
 
     def _choose(self, rows, available, classes, context, unread: float = 0.0) -> int:
-        ks = torch.arange(self.max_k + 1, dtype=torch.float64)
+        ks = np.arange(self.max_k + 1, dtype=np.float64)
         # Expected emitted tokens summed over rows for each k: sum over j = 0..min(k, available) of rate^j.
         terms = self._gains(rows, classes, ks)
         if available is not None:
-            terms = terms.masked_fill(ks[None, :] > torch.tensor(available, dtype=torch.float64)[:, None], 0.0)
-        expected = terms.cumsum(dim=1).sum(0)  # [max_k + 1]
+            terms = np.where(ks[None, :] > np.asarray(available, dtype=np.float64)[:, None], 0.0, terms)
+        expected = terms.cumsum(axis=1).sum(0)  # [max_k + 1]
         tokens = ks + 1  # per row, padded to k
         if self.packed and available is not None:  # each row feeds min(k, what it offers) drafts
-            offered = torch.tensor(available, dtype=torch.float64)[:, None]
-            tokens = (1 + torch.minimum(ks[None, :], offered)).mean(0)
+            offered = np.asarray(available, dtype=np.float64)[:, None]
+            tokens = (1 + np.minimum(ks[None, :], offered)).mean(0)
         # The backlog is read once, whatever k: fed with the drafts (so a step's fixed extra is counted once).
         tokens = tokens + (ks > 0) * (unread / self.read_horizon / len(rows))
         value = expected / self._step_price(len(rows), tokens, ks, context)
-        best = int(torch.argmax(value))
+        best = int(np.argmax(value))
         return best if value[best] >= self.min_gain * value[0] else 0
 
     def idle_explanation(self, min_steps: int = 32) -> str | None:
@@ -374,8 +387,8 @@ class AdaptiveK:
         rows, context = self._last
         if self._pays_now(rows, context):
             return None
-        verify = self._relative(rows, torch.tensor([2.0, self.max_k + 1.0], dtype=torch.float64), context)
-        pooled = self.pooled()
+        verify = self._relative(rows, np.array([2.0, self.max_k + 1.0]), context)
+        pooled = self._pooled()
         return (f"adaptive k kept drafting off in {idle} of {len(self.chosen)} steps: at batch {rows} a verify of 1 "
                 f"draft costs {float(verify[0]):.2f} plain steps and one of {self.max_k} drafts "
                 f"{float(verify[1]):.2f}, a drafted token {self.draft_cost_per_token:.2f}, and the acceptance "
@@ -394,9 +407,9 @@ class AdaptiveK:
     def _pays_now(self, rows: int, context: float) -> bool:
         """Whether a step of `rows` rows, each drafting at the best class's pooled estimate (calibrated), would draft
         by the call's estimates as they stand."""
-        rate = float(self.pooled().max())
-        ks = torch.arange(self.max_k + 1, dtype=torch.float64)
-        gains = torch.where(ks > 0, (rate ** ks * self.calibration).clamp(max=1.0), torch.zeros_like(ks))
+        rate = float(self._pooled().max())
+        ks = np.arange(self.max_k + 1, dtype=np.float64)
+        gains = np.where(ks > 0, np.minimum(rate ** ks * self.calibration, 1.0), 0.0)
         value = (1 + gains.cumsum(0)) / self._step_price(rows, ks + 1, ks, context)
         return float(value[1:].max()) >= self.min_gain * float(value[0])
 
@@ -410,19 +423,19 @@ class AdaptiveK:
             self.actual_accepted *= self.CALIBRATION_DECAY
             if any(num_drafted):
                 # What the estimates, as they stood when these drafts were chosen, expected of them: sum of p^j.
-                rates = self.acceptance(rows, classes)
-                depth = torch.arange(1, max(num_drafted) + 1, dtype=torch.float64)
-                drafted_t = torch.tensor(num_drafted, dtype=torch.float64)
-                expected = (rates[:, None] ** depth[None, :]).masked_fill(depth[None, :] > drafted_t[:, None], 0.0)
+                rates = self._rates(rows, classes)
+                depth = np.arange(1, max(num_drafted) + 1, dtype=np.float64)
+                drafted = np.asarray(num_drafted, dtype=np.float64)
+                expected = np.where(depth[None, :] > drafted[:, None], 0.0, rates[:, None] ** depth[None, :])
                 self.expected_accepted += float(expected.sum())
                 self.actual_accepted += float(sum(num_accepted))
-        self.accepted.mul_(self.decay)
-        self.tried.mul_(self.decay)
-        drafted = torch.tensor(num_drafted, dtype=torch.float64)
-        accepted = torch.tensor(num_accepted, dtype=torch.float64)
+        self._accepted *= self.decay
+        self._tried *= self.decay
+        drafted = np.asarray(num_drafted, dtype=np.float64)
+        accepted = np.asarray(num_accepted, dtype=np.float64)
         # Tokens tried: every accepted one, plus the rejected one when a row stopped before its last draft.
-        tried = accepted + (accepted < drafted).double()
-        r = torch.tensor(rows, dtype=torch.long)
-        cls = torch.tensor(classes if classes is not None else [0] * len(rows), dtype=torch.long)
-        self.accepted.index_put_((r, cls), accepted, accumulate=True)
-        self.tried.index_put_((r, cls), tried, accumulate=True)
+        tried = accepted + (accepted < drafted)
+        r = np.asarray(rows, dtype=np.intp)
+        cls = np.zeros(len(rows), dtype=np.intp) if classes is None else np.asarray(classes, dtype=np.intp)
+        self._accepted[r, cls] += accepted  # a step's rows are distinct
+        self._tried[r, cls] += tried

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..cache.paged import PagedKVCache
@@ -38,11 +39,11 @@ class StepCost:
         if len(self.points) < 2 or tokens != sorted(set(tokens)) or times != sorted(times) or times[0] <= 0:
             raise ValueError(f"StepCost needs at least two (tokens, time) points with tokens ascending and times "
                              f"positive and not decreasing, got {self.points!r}")
-        # Tuples (`at` bisects them), and the points as tensors, built once: the policy prices several steps per
+        # Tuples (`at` bisects them), and the points as arrays, built once: the policy prices several steps per
         # decode step.
         object.__setattr__(self, "points", tuple((float(n), float(t)) for n, t in self.points))
-        object.__setattr__(self, "_xs", torch.tensor(tokens, dtype=torch.float64))
-        object.__setattr__(self, "_ys", torch.tensor(times, dtype=torch.float64))
+        object.__setattr__(self, "_xs", np.array(tokens, dtype=np.float64))
+        object.__setattr__(self, "_ys", np.array(times, dtype=np.float64))
 
     def pessimistic(self, factor: float = 2.0) -> StepCost:
         """The same cost with every token past a forward's first costing `factor` times as much: what a host that
@@ -53,14 +54,17 @@ class StepCost:
                         self.per_context_token)
 
     def __call__(self, rows: int, tokens: torch.Tensor, context: float = 0.0) -> torch.Tensor:
-        n = rows * tokens.double()
+        return torch.as_tensor(self.costs(rows, _array(tokens), context))
+
+    def costs(self, rows: int, tokens: np.ndarray, context: float = 0.0) -> np.ndarray:
+        """`self(rows, tokens, context)` over a numpy array of tokens per row (what adaptive k computes with)."""
         xs, ys = self._xs, self._ys
-        n = n.clamp(min=float(self.points[0][0]))
-        i = (torch.searchsorted(xs, n) - 1).clamp(0, len(xs) - 2)
+        n = np.maximum(rows * tokens, xs[0])
+        i = np.clip(np.searchsorted(xs, n) - 1, 0, len(xs) - 2)
         inside = ys[i] + (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i]) * (n - xs[i])
         # Past the last point, time grows at the curve's average rate (its last segment may be flat).
         beyond = ys[-1] + (ys[-1] - ys[0]) / (xs[-1] - xs[0]) * (n - xs[-1])
-        return self.per_row * rows + self.per_context_token * context + torch.where(n > xs[-1], beyond, inside)
+        return self.per_row * rows + self.per_context_token * context + np.where(n > xs[-1], beyond, inside)
 
     def at(self, rows: int, tokens: float, context: float = 0.0) -> float:
         """`self(rows, tokens, context)` for one number of tokens per row, in plain floats (no tensor ops)."""
@@ -78,7 +82,11 @@ class StepCost:
     def relative(self, rows: int, tokens: torch.Tensor, context: float = 0.0) -> torch.Tensor:
         """Cost of forwards of `tokens` per row relative to a plain decode step (1 token per row), over `context`
         cached tokens in all."""
-        return self(rows, tokens, context) / self.at(rows, 1.0, context)
+        return torch.as_tensor(self.relative_costs(rows, _array(tokens), context))
+
+    def relative_costs(self, rows: int, tokens: np.ndarray, context: float = 0.0) -> np.ndarray:
+        """`relative` over a numpy array."""
+        return self.costs(rows, tokens, context) / self.at(rows, 1.0, context)
 
     @classmethod
     def measure(cls, model, rows: tuple[int, ...] = (1, 4, 16), tokens: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16),
@@ -254,11 +262,21 @@ class MeasuredStepCost:
     def relative(self, rows: int, tokens: torch.Tensor, context: float = 0.0) -> torch.Tensor:
         """The cost of a step whose rows feed `tokens` each on average, every one past the first a draft, relative
         to a plain step."""
+        return torch.as_tensor(self.relative_costs(rows, _array(tokens), context))
+
+    def relative_costs(self, rows: int, tokens: np.ndarray, context: float = 0.0) -> np.ndarray:
+        """`relative` over a numpy array."""
         s, _, w, o = self.params
-        tokens = torch.as_tensor(tokens, dtype=torch.float64)
         plain = s * self.base.at(rows, 1.0, context)
-        drafts = (tokens - 1).clamp(min=0) * rows
-        return (plain + w * drafts + o * (drafts > 0).double()) / plain
+        drafts = np.maximum(tokens - 1, 0.0) * rows
+        return (plain + w * drafts + o * (drafts > 0)) / plain
+
+
+def _array(tokens) -> np.ndarray:
+    """Tokens per row (a tensor, a number or a sequence) as a float64 numpy array."""
+    if isinstance(tokens, torch.Tensor):
+        return tokens.detach().to("cpu", torch.float64).numpy()
+    return np.asarray(tokens, dtype=np.float64)
 
 
 # Measured with `StepCost.measure` on the development machine (2-core x86-64 CPU, SmolLM2-135M in float32, batch
