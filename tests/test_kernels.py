@@ -17,7 +17,7 @@ from hf_specdec.kernels._backend import ENV_VAR, interpreting, resolve_backend
 from hf_specdec.kernels.paged_attention import TreeMask, paged_attention, paged_attention_reference
 from hf_specdec.kernels.paged_attention import reference
 from hf_specdec.kernels.paged_attention.triton_kernel import paged_attention_triton
-from hf_specdec.kernels.rejection_sample import rejection_sample, rejection_sample_reference
+from hf_specdec.kernels.rejection_sample import greedy_accept, rejection_sample, rejection_sample_reference
 from hf_specdec.kernels.rejection_sample.triton_kernel import rejection_sample_triton
 from hf_specdec.kernels.sampling import apply_sampling_params, apply_sampling_params_reference
 from hf_specdec.kernels.sampling.triton_kernel import apply_sampling_params_triton
@@ -169,6 +169,27 @@ def test_rejection_kernel_matches_reference(inputs):
     drafts, num_drafts, target, draft_probs, is_greedy, uniforms, noise = inputs
     expected = rejection_sample_reference(drafts, num_drafts, target, draft_probs, is_greedy, uniforms, noise)
     got = rejection_sample_triton(drafts, num_drafts, target, draft_probs, is_greedy, uniforms, noise=noise)
+    assert got[0].tolist() == expected[0].tolist()
+    assert got[1].tolist() == expected[1].tolist()
+
+
+@FEW
+@given(rejection_inputs(), st.sampled_from(["pad", "argmax", "random"]))
+def test_greedy_rule_matches_the_reference(inputs, past_count):
+    """`greedy_accept`, the rule an all-greedy batch takes, against the reference's greedy rows: with drafts past a
+    row's count left as -1, set to the target's argmax (which only the count keeps out) or to any ids (past the
+    vocabulary too), and drafts past the vocabulary within it."""
+    drafts, num_drafts, target, *_ = inputs
+    batch, k = drafts.shape
+    vocab = target.shape[-1]
+    g = torch.Generator().manual_seed(batch * 31 + k)
+    fill = {"pad": drafts, "argmax": target[:, :k].float().argmax(-1),
+            "random": torch.randint(0, vocab + 3, (batch, k), generator=g)}[past_count]
+    drafts = torch.where(drafts < 0, fill, drafts)
+    drafts = torch.where(torch.rand(batch, k, generator=g) < 0.1, vocab + 1, drafts)  # never the target's
+    drafts, num_drafts, target = drafts.to(DEVICE), num_drafts.to(DEVICE), target.to(DEVICE)
+    expected = rejection_sample_reference(drafts, num_drafts, target, None, True, None, None)
+    got = greedy_accept(drafts, num_drafts, target)
     assert got[0].tolist() == expected[0].tolist()
     assert got[1].tolist() == expected[1].tolist()
 
