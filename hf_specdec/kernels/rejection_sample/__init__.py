@@ -39,9 +39,9 @@ def rejection_sample(
             `torch.manual_seed` makes runs reproducible).
         backend: `"auto"` (triton on CUDA, torch elsewhere, unless `HF_SPECDEC_KERNEL_BACKEND` says otherwise),
             `"torch"` or `"triton"`. A batch known to be all greedy (`is_greedy=True`) takes the PyTorch greedy rule
-            (`greedy_accept`) on every backend: its argmax is one parallel reduction there, while the kernel scans each row's positions
-            in one program (on an H200, batch 256, k 5, vocab 128256: 0.45 ms against the kernel's 0.72;
-            docs/kernels.md).
+            (`greedy_accept`) on every backend: its argmax is one parallel reduction there, while the kernel scans
+            each row's positions in one program (on an H200, batch 256, k 5, vocab 128256: 0.45 ms against the
+            kernel's 0.72; docs/kernels.md).
 
     Returns:
         `(output_token_ids, num_accepted)`: `[batch, k + 1]` int64 (accepted drafts, then the recovered or bonus
