@@ -6,7 +6,9 @@ graphs remove). `--rows` prompts repeating a short phrase (so n-gram drafts), `-
 `generate`, then hf_specdec with speculation off and with n-gram (adaptive k), each eager and with compiled steps
 (`HF_SPECDEC_COMPILE=1`, compiled once before timing), medians of `--repeats` calls, one thread, no calibration.
 "Outside the forward" is the step's time less the target forward's own (the model's call, eager or compiled, timed
-around it): what stays on the host when the forward is a CUDA graph replayed on a GPU.
+around it): what stays on the host when the forward is a CUDA graph replayed on a GPU. "Ops outside the forward"
+counts the tensor operations a step dispatches there, views left out, in one more call: on a GPU each is a kernel
+launch or a host-side tensor op, some microseconds of host time however small the tensors.
 
     python benchmarks/host_time.py [--rows 32] [--max-new-tokens 128] [--repeats 5] [--no-compile]
 """
@@ -17,6 +19,7 @@ import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_specdec  # noqa: F401  (registers generate(speculator=...))
@@ -24,6 +27,7 @@ from hf_specdec.runners.graphed import GraphedSteps
 from hf_specdec.runners.model_runner import ModelRunner
 
 FORWARD_S = [0.0]  # seconds spent inside target forwards (eager `_call` or compiled `GraphedSteps.run`)
+INSIDE = [0]  # forwards under way (their operations are not counted)
 
 
 def timed_forwards() -> None:
@@ -33,11 +37,27 @@ def timed_forwards() -> None:
 
         def timed(*args, _inner=inner, **kwargs):
             start = time.perf_counter()
+            INSIDE[0] += 1
             try:
                 return _inner(*args, **kwargs)
             finally:
+                INSIDE[0] -= 1
                 FORWARD_S[0] += time.perf_counter() - start
         setattr(owner, name, timed)
+
+
+class OpsOutside(TorchDispatchMode):
+    """Counts the tensor operations dispatched outside target forwards, views and Python numbers wrapped as tensors
+    (`torch.where(mask, x, -1)`'s -1: neither launches anything) left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not INSIDE[0] and not func.is_view and func is not torch.ops.aten.scalar_tensor.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def tiny_model() -> LlamaForCausalLM:
@@ -69,8 +89,9 @@ def main() -> None:
             configs.append((f"hf_specdec {name}" + (" compiled" if compiled else ""), {"speculator": name},
                             "1" if compiled else "0"))
     print(f"{args.rows} rows, {args.max_new_tokens} new tokens, 1 thread; ms per step = call time / target forwards")
-    print("| configuration | call ms | steps | ms per step | ms per step outside the forward | ms per token of a row |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| configuration | call ms | steps | ms per step | ms per step outside the forward | ops outside the forward "
+          "per step | ms per token of a row |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, kwargs, compile_switch in configs:
         if compile_switch is not None:
             os.environ["HF_SPECDEC_COMPILE"] = compile_switch
@@ -89,8 +110,13 @@ def main() -> None:
         call()  # warm-up (and, compiled, the compile)
         samples = [call() for _ in range(args.repeats)]
         seconds, steps = statistics.median(s[0] for s in samples), samples[0][1]
-        outside = "-" if samples[0][2] is None else f"{1000 * statistics.median(s[2] for s in samples) / steps:.2f}"
-        print(f"| {name} | {1000 * seconds:.1f} | {steps} | {1000 * seconds / steps:.2f} | {outside} | "
+        outside = ops = "-"
+        if samples[0][2] is not None:
+            outside = f"{1000 * statistics.median(s[2] for s in samples) / steps:.2f}"
+            with OpsOutside() as counted:
+                call()
+            ops = f"{counted.count / steps:.0f}"
+        print(f"| {name} | {1000 * seconds:.1f} | {steps} | {1000 * seconds / steps:.2f} | {outside} | {ops} | "
               f"{1000 * seconds / args.max_new_tokens:.2f} |", flush=True)
 
 

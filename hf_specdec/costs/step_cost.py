@@ -186,8 +186,9 @@ class MeasuredStepCost:
         # The curve's average price of one more token, end to end: the prior's price of a draft token.
         (x0, y0), (x1, y1) = base.points[0], base.points[-1]
         self.token_price = (y1 - y0) / (x1 - x0)
-        self.gram = torch.zeros(4, 4, dtype=torch.float64)
-        self.moment = torch.zeros(4, dtype=torch.float64)
+        # numpy on the host, as adaptive k's arithmetic: a step's update is a few operations on 4x4 numbers.
+        self.gram = np.zeros((4, 4))
+        self.moment = np.zeros(4)
         self.weight = 0.0  # observations, decayed
         self.steps = 0  # observations, all
         self.skipped = 0  # steps not fitted (prefills)
@@ -206,19 +207,19 @@ class MeasuredStepCost:
             return
         plain = self.base.at(rows, 1.0, context)
         other = self.base.at(rows, (tokens_fed - draft_tokens) / rows, context) - plain
-        x = torch.tensor([plain, other, float(draft_tokens), float(draft_tokens > 0)], dtype=torch.float64)
+        x = np.array([plain, other, float(draft_tokens), float(draft_tokens > 0)])
         y = seconds * 1e3
         weight = 1.0
         if self.ready:
             # A step far off the fit (a pause of the host, a collection) counts less, in proportion: a few drafts
             # weigh as much as the whole prior on their price, so one such step would set it for a hundred steps.
-            predicted = float(x @ torch.tensor(self.params, dtype=torch.float64))
+            predicted = float(x @ np.array(self.params))
             error = abs(y - predicted) / max(predicted, 1e-9)
             limit = max(self.OUTLIER_FLOOR, self.OUTLIER * self.typical_error)
             weight = min(1.0, limit / max(error, 1e-12))
             self.typical_error = 0.95 * self.typical_error + 0.05 * min(error, limit)
-        self.gram.mul_(self.decay).add_(torch.outer(x, x), alpha=weight)
-        self.moment.mul_(self.decay).add_(x * y, alpha=weight)
+        self.gram = self.gram * self.decay + weight * np.outer(x, x)
+        self.moment = self.moment * self.decay + weight * (x * y)
         self.weight = self.weight * self.decay + weight
         self.steps += 1
         self._stale = True
@@ -241,7 +242,7 @@ class MeasuredStepCost:
         # The prior in the data's own units: a quarter of a plain step's base cost for `m`, steps of 4 drafts for
         # `w` (below), 1 ms for `o`.
         ref = 0.0625 * float(self.gram[0, 0]) / self.weight
-        prior = torch.zeros(4, 4, dtype=torch.float64)
+        prior = np.zeros((4, 4))
         prior[0, 0] = prior[1, 1] = self.prior_steps * ref
         prior[0, 1] = prior[1, 0] = -self.prior_steps * ref  # (m - s)^2
         # (w - price * s)^2, weighed like `prior_steps` steps of 4 drafts each (least squares counts a step's drafts
@@ -252,8 +253,8 @@ class MeasuredStepCost:
         prior[0, 2] = prior[2, 0] = -drafts * price
         prior[3, 3] = self.prior_steps
         try:
-            s, m, w, o = torch.linalg.solve(self.gram + prior, self.moment).tolist()
-        except RuntimeError:  # singular: nothing informative seen yet
+            s, m, w, o = np.linalg.solve(self.gram + prior, self.moment).tolist()
+        except np.linalg.LinAlgError:  # singular: nothing informative seen yet
             return None
         if not s > 0:
             return None
