@@ -1,4 +1,5 @@
-"""What a target forward costs on this host: the fitted curve adaptive k prices a verify with, its static defaults, and measuring it."""
+"""What a target forward costs on this host: the fitted curve adaptive k prices a verify with, its static defaults,
+and measuring it."""
 
 from __future__ import annotations
 
