@@ -206,15 +206,20 @@ class PagedKVCache(Cache):
         is_token = offset >= 0
         query_positions = starts_t[:, None] + offset.clamp(min=0)
 
-        write_slots = torch.where(is_token, slots_of(block_tables, query_positions, bs), SCRATCH_SLOT)
         backend = resolve_backend(self.kernel_backend, device)
         slots = view = None
         if backend == "torch":
             num_context = int(max(s + n for s, n in zip(starts, num_tokens)))
             slots = context_slots(block_tables, context_lens, num_context, bs, pad_slot=SCRATCH_SLOT)
+            # A query's slot is its position's among the context's (every query lies inside its row's context; the
+            # clamp keeps a row feeding nothing, all padding, inside the table).
+            write_slots = torch.where(is_token, slots.gather(1, query_positions.clamp(max=num_context - 1)),
+                                      SCRATCH_SLOT)
             run = self.manager.contiguous_run(seq_ids)
             if run is not None and num_context <= run[1] * bs:
                 view = (run[0] * bs, run[1] * bs)
+        else:
+            write_slots = torch.where(is_token, slots_of(block_tables, query_positions, bs), SCRATCH_SLOT)
         if tree is None:
             # The attention groups serve the gather-then-SDPA path only (the kernel reads each row's queries in place);
             # so do token rows, which need the gather (rows read in place keep their groups).

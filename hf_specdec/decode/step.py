@@ -86,8 +86,9 @@ class Step:
         t1 = time.perf_counter()
         k = draft.k
         end = batch.end_cols(rows)  # [rows] first column after each row's committed tokens
-        batch.token_ids[rows_t[:, None], end[:, None] + torch.arange(k, device=end.device)] = torch.where(
-            draft.token_ids == PAD_ID, pad_token_id, draft.token_ids)
+        if k:
+            batch.token_ids[rows_t[:, None], end[:, None] + torch.arange(k, device=end.device)] = torch.where(
+                draft.token_ids == PAD_ID, pad_token_id, draft.token_ids)
 
         # Each row feeds its pending tokens and its own drafts only: a row that drafts nothing feeds one token beside
         # a row verifying k (the runner packs such a step into one stream of real tokens).
@@ -106,9 +107,12 @@ class Step:
             self.timed = False
         logits = out.logits
         masked = constrained.mask(logits) if constrained is not None else logits
-        history = end[:, None] + torch.arange(k + 1, device=end.device)  # [rows, k + 1] history length per position
-        scores = batch.processing(batch.token_ids, rows_t.repeat_interleave(k + 1), history.reshape(-1),
-                                  masked.reshape(-1, logits.shape[-1])).view(logits.shape)
+        if batch.processing:
+            history = end[:, None] + torch.arange(k + 1, device=end.device)  # [rows, k + 1] history length per position
+            scores = batch.processing(batch.token_ids, rows_t.repeat_interleave(k + 1), history.reshape(-1),
+                                      masked.reshape(-1, logits.shape[-1])).view(logits.shape)
+        else:  # no processors: the logits as they are (in float32, as processing returns them)
+            scores = masked.float()
         sampling = _row_sampling(batch, rows, k)
         if constrained is not None and batch.do_sample:
             if "seeded" in sampling:  # a seeded row samples the target itself at a forbidden draft's position
@@ -325,23 +329,24 @@ class Step:
         """This step's drafts, each row's confidence class when adaptive k used one, and each row's number of
         drafts (on the host)."""
         # Never draft past a row's length budget: the last token a row may emit is always the target's own.
-        limits = torch.tensor([max(0, b - 1) for b in budget], device=batch.device)
+        limits = [max(0, b - 1) for b in budget]
         classes = None
         context = sum(batch.lengths[r] for r in batch.active)  # cached tokens, for the step-cost model
         if self.policy is not None:
             self.policy.context = context  # speculators that ask the policy while drafting read it there
         self._draft_forwards, self._draft_unread = 0, 0.0
         if not self.drafting:  # rows joining a running batch feed their prompts; speculators still track them
-            return self._no_drafts(batch, limits), None, [0] * len(budget)
+            return self._no_drafts(batch, len(limits)), None, [0] * len(budget)
         if self.policy is not None and self.speculator.drafts_are_free:
             # Proposals first, then k from what each row offers and how confident its proposal is.
             draft = self.speculator.propose(batch, max(0, min(self.k, max(budget) - 1)))
             # A lookup's drafts cost no forwards; a hybrid's head says how many it ran, and what it read first.
             self._draft_forwards = getattr(self.speculator, "draft_forwards", 0)
             self._draft_unread = getattr(self.speculator, "draft_unread", 0.0)
-            offered = torch.minimum(draft.num_tokens, limits)
-            confidence = draft.confidence if draft.confidence is not None else torch.zeros_like(offered)
-            offered, classes = torch.stack([offered, confidence.to(offered.dtype)]).tolist()  # one small transfer
+            confidence = draft.confidence if draft.confidence is not None else torch.zeros_like(draft.num_tokens)
+            # One small transfer; each row's budget is then applied on the host.
+            offered, classes = torch.stack([draft.num_tokens, confidence.to(draft.num_tokens.dtype)]).tolist()
+            offered = [min(o, limit) for o, limit in zip(offered, limits)]
             if self.policy.packed:  # each row feeds only its own drafts: each verifies as many as pay
                 counts = self.policy.choose_rows(batch.active, offered, classes, context)
             else:  # rows are padded to the widest: one k for all
@@ -376,7 +381,8 @@ class Step:
             # The draft positions the speculator ran (a model's forwards), before any trimming below.
             self._draft_forwards = 0 if self.speculator.drafts_are_free else depth
             self._draft_unread = unread if self._draft_forwards else 0.0
-            num_tokens = torch.minimum(draft.num_tokens, limits.clamp(max=k))
+            num_tokens = torch.minimum(draft.num_tokens, torch.tensor([min(limit, k) for limit in limits],
+                                                                      device=batch.device))
             if wanted is not None and depth:
                 num_tokens = torch.minimum(num_tokens, torch.tensor(wanted, device=num_tokens.device))
             # Each row's count must be known on the host to build the forward, hence one small transfer; draft
@@ -398,9 +404,9 @@ class Step:
         # Only the entries the speculator reads come back (a packed step's stay its stream: `packed_states`).
         return tuple(self.speculator.hidden_state_layers) if wants_states else False
 
-    def _no_drafts(self, batch, limits) -> DraftProposal:
+    def _no_drafts(self, batch, rows: int) -> DraftProposal:
         draft = self.speculator.propose(batch, 0)
-        return DraftProposal(draft.token_ids[:, :0], torch.zeros_like(limits), None)
+        return DraftProposal(draft.token_ids[:, :0], torch.zeros(rows, dtype=torch.long, device=batch.device), None)
 
 
 def emitted_logprobs(logits: torch.Tensor, output: torch.Tensor, rows: list[int], num_emit: list[int],
