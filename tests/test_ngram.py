@@ -96,6 +96,19 @@ def test_matches_the_per_row_spec(rows, k, min_ngram, extra):
             assert confidence == min(length, len(spec.confidence_priors) - 1)
 
 
+def test_a_match_late_in_a_long_row_is_found():
+    """Columns are ranked by match length times the row's width plus the column: in rows of thousands of tokens that
+    rank must not overflow (a 16-bit rank wrapped past 32767 and picked a column with a shorter match)."""
+    g = torch.Generator().manual_seed(0)
+    filler = torch.randint(10, 1000, (6000,), generator=g).tolist()
+    phrase = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    # The phrase's first six tokens early (a shorter match), the whole phrase near the end, then its start again.
+    row = phrase[:5] + [99] + filler[:3000] + phrase + filler[3000:] + phrase[:8]
+    (tokens, confidence), = proposals(NgramSpeculator(1, 16), [row], 3)
+    assert tokens == [9] + filler[3000:3002]
+    assert confidence == 8
+
+
 def test_lookup_reads_only_the_columns_rows_use():
     """A server's buffer is as wide as the model's context; the lookup reads up to the rows' longest end only, and
     proposes the same as over a buffer cut there. Stale tokens past a row's end (an earlier, longer request's) are

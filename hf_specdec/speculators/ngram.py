@@ -69,21 +69,20 @@ class NgramSpeculator(Speculator):
         rows, width = tokens.shape
         n = self.max_ngram
         cols = torch.arange(width, device=tokens.device)
-        inside = cols[None, :] >= first[:, None]
-        # Tokens outside the row never match: -1 in the windows, -2 in the suffix.
-        masked = torch.where(inside, tokens, -1)
-        padded = torch.nn.functional.pad(masked, (n - 1, 0), value=-1)
-        windows = padded.unfold(1, n, 1).flip(-1)  # [rows, width, n]: windows[r, e, j] = token at column e - j
-        back = (end - 1)[:, None] - torch.arange(n, device=tokens.device)[None, :]  # the suffix, last token first
+        # Candidates end inside the row and strictly before its last token (so something follows them). Every other
+        # column holds -1 in the windows and the suffix's columns outside the row -2: neither matches anything, so a
+        # match never reaches past a row's start and a column that is no candidate matches nothing.
+        valid = (cols[None, :] >= first[:, None]) & (cols[None, :] < (end - 1)[:, None])
+        padded = torch.nn.functional.pad(torch.where(valid, tokens, -1), (n - 1, 0), value=-1)
+        windows = padded.unfold(1, n, 1)  # [rows, width, n]: windows[r, e, i] = token at column e - n + 1 + i
+        back = (end - n)[:, None] + torch.arange(n, device=tokens.device)[None, :]  # the row's last n columns
         suffix = torch.where(back >= first[:, None], tokens.gather(1, back.clamp(min=0)), -2)
-        # [rows, width] matched length: the first disagreement's index (argmax takes the first maximum), n where
-        # none. A cumulative product of the agreements gives the same but took 1.7 ms at 16 rows of 1200 tokens
-        # against 0.3 ms (2-core AMD EPYC), most of a step's lookup.
-        disagree = (windows != suffix[:, None, :]).to(torch.uint8)
-        agree = torch.cat([disagree, disagree.new_ones(rows, width, 1)], -1).argmax(-1)
-        # Candidates end strictly before the row's last token (so something follows them) and inside the row.
-        valid = inside & (cols[None, :] < (end - 1)[:, None])
-        agree = torch.where(valid, agree, 0)
+        # [rows, width] matched length: n less one plus the index of the last disagreement (0 where there is none),
+        # found as the largest of the disagreements weighted 1 .. n. 0.25 ms at 32 rows of 200 tokens and 0.56 ms at
+        # 16 of 1200 on one thread of a 2-core AMD EPYC, against 0.34 and 0.87 ms for the first disagreement from
+        # the end through flipped windows and an argmax, and 1.7 ms at 16 x 1200 for a cumulative product.
+        weights = torch.arange(1, n + 1, device=tokens.device, dtype=torch.int16 if n < 2 ** 15 else torch.int32)
+        agree = n - ((windows != suffix[:, None, :]) * weights).amax(-1).long()  # int64: the rank below is large
         # Longest first, then latest.
         best = (agree * width + cols[None, :]).argmax(-1)
         return best, agree.gather(1, best[:, None]).squeeze(1)
