@@ -7,7 +7,7 @@ every draft is accepted. output = accepted + (recovered or bonus).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -131,13 +131,21 @@ class SequenceBatch:
     processing: object
     target_vocab_size: int
     sampling: object = None
+    # The last `active_tensor` and `end_cols` answers, by what they were built from: a step asks for them, and so do
+    # speculators, several times over the same rows and lengths (each a host-to-device copy on a GPU). Callers treat
+    # the tensors as read-only.
+    _cached: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def device(self) -> torch.device:
         return self.token_ids.device
 
     def active_tensor(self) -> torch.Tensor:
-        return torch.tensor(self.active, dtype=torch.long, device=self.device)
+        key = tuple(self.active)
+        hit = self._cached.get("active")
+        if hit is None or hit[0] != key:
+            hit = self._cached["active"] = (key, torch.tensor(self.active, dtype=torch.long, device=self.device))
+        return hit[1]
 
     def lengths_tensor(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor([self.lengths[r] for r in rows], dtype=torch.long, device=self.device)
@@ -149,8 +157,13 @@ class SequenceBatch:
 
     def end_cols(self, rows: list[int]) -> torch.Tensor:
         """`[rows]` column just past each row's last real token."""
-        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
-        return self.first_col[idx] + self.lengths_tensor(rows)
+        # `first_col`'s version counter moves with every write to it (a slot taken by a new request).
+        key = (tuple(rows), tuple(self.lengths[r] for r in rows), self.first_col._version)
+        hit = self._cached.get("end")
+        if hit is None or hit[0] != key:
+            idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+            hit = self._cached["end"] = (key, self.first_col[idx] + self.lengths_tensor(rows))
+        return hit[1]
 
 
 def gather_right_aligned(token_ids: torch.Tensor, rows: torch.Tensor, start_cols: torch.Tensor,
