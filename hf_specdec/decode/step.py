@@ -381,7 +381,7 @@ class Step:
             # The draft positions the speculator ran (a model's forwards), before any trimming below.
             self._draft_forwards = 0 if self.speculator.drafts_are_free else depth
             self._draft_unread = unread if self._draft_forwards else 0.0
-            if not depth:  # nothing to verify (speculation off, or k = 0 chosen): no counts to read back
+            if not depth or draft.k == 0:  # nothing to verify (k = 0 chosen, or none offered): nothing to read back
                 return self._none_of(draft, batch), None, [0] * len(budget)
             num_tokens = torch.minimum(draft.num_tokens, torch.tensor([min(limit, k) for limit in limits],
                                                                       device=batch.device))

@@ -357,11 +357,11 @@ def _packed_logit_index(num_tokens: list[int], logit_counts: list[int], num_logi
     """For a packed stream of rows holding `num_tokens` each: the stream positions of each row's last
     `logit_counts[i]` tokens (row by row), and for each entry of a left-aligned `[rows, num_logits]` the index of
     the kept position it shows (past a row's own, its last). Host tensors, from host lists: nothing waits."""
-    fed = torch.tensor(num_tokens, dtype=torch.long)
-    want = torch.tensor(logit_counts, dtype=torch.long)
-    if bool((want < 1).any()) or bool((want > torch.clamp(fed, max=num_logits)).any()):
+    if any(not 1 <= w <= min(f, num_logits) for f, w in zip(num_tokens, logit_counts)):
         raise ValueError(f"logit_counts must be between 1 and each row's tokens (at most num_logits={num_logits}), "
                          f"got {logit_counts} for {num_tokens}")
+    fed = torch.tensor(num_tokens, dtype=torch.long)
+    want = torch.tensor(logit_counts, dtype=torch.long)
     row_of, within = _ragged(want, int(sum(logit_counts)))
     keep = fed.cumsum(0)[row_of] - want[row_of] + within
     first = want.cumsum(0) - want
