@@ -94,8 +94,9 @@ class Step:
         # a row verifying k (the runner packs such a step into one stream of real tokens).
         cached = [target.length(r) for r in rows]
         num_fed = [batch.lengths[r] - c + n for r, c, n in zip(rows, cached, counts)]
-        start_cols = batch.first_col[rows_t] + torch.tensor(cached, device=batch.device)
-        counts_fed = torch.tensor(num_fed, device=batch.device)
+        # The step's per-row numbers from the host in one copy (each a copy of its own on a GPU).
+        cached_t, counts_fed, budget_t = torch.tensor([cached, num_fed, budget], device=batch.device).unbind(0)
+        start_cols = batch.first_col[rows_t] + cached_t
         input_ids = gather_right_aligned(batch.token_ids, rows_t, start_cols, counts_fed, max(num_fed))
         wants_states = self.speculator.needs_hidden_states
         # Logits `[rows, k + 1, vocab]`, each row's from column 0: after its last pending token, then after each of
@@ -124,7 +125,7 @@ class Step:
         batch.token_ids[rows_t[:, None], end[:, None] + torch.arange(k + 1, device=end.device)] = torch.where(
             output == PAD_ID, pad_token_id, output)
         num_emit, finished = stop.apply(batch.token_ids, rows_t, end, output, result.num_accepted + 1,
-                                        torch.tensor(budget, device=end.device), scores)
+                                        budget_t, scores)
         # NaN/inf logits would silently turn into arbitrary tokens; check them in the step's one host transfer.
         broken = non_finite_rows(logits)
         if draft.probs is not None:
