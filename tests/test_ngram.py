@@ -33,7 +33,8 @@ def brute_force(row: list[int], k: int, min_ngram: int, max_ngram: int) -> tuple
             best, best_len = e, m
     if best is None or best_len < min_ngram:
         return [], 0
-    return row[best + 1: best + 1 + k], best_len
+    follows = row[best + 1:]  # copied on past the end: the proposal repeats with the match's distance as period
+    return [follows[i % len(follows)] for i in range(k)], best_len
 
 
 def proposals(spec, rows, k):
@@ -122,7 +123,18 @@ def test_lookup_reads_only_the_columns_rows_use():
     a, b = ngram.propose(narrow, 3), ngram.propose(wide, 3)
     assert torch.equal(a.num_tokens, b.num_tokens) and torch.equal(a.confidence, b.confidence)
     assert torch.equal(torch.where(a.token_ids == PAD_ID, -1, a.token_ids), torch.where(b.token_ids == PAD_ID, -1, b.token_ids))
-    assert b.num_tokens.tolist()[:2] == [3, 2]
+    assert b.num_tokens.tolist()[:2] == [3, 3]
+    assert b.token_ids[1].tolist() == [8, 9, 8]  # the match 2 back, copied on with period 2
+
+
+def test_text_repeating_itself_gets_k_drafts():
+    """The latest match in a run of one token lies just before the row's end; its continuation is copied on past
+    the end (period 1), so the row gets all k drafts, not the one token that followed the match."""
+    (tokens, confidence), = proposals(NgramSpeculator(1, 16), [[3, 7] + [5] * 12], 6)
+    assert tokens == [5] * 6
+    assert confidence == 8
+    (tokens, _), = proposals(NgramSpeculator(1, 16), [[1, 2, 3, 1, 2, 3, 1]], 5)
+    assert tokens == [2, 3, 1, 2, 3]
 
 
 def test_free_drafts_default_to_ten_a_step_and_model_drafts_to_five():

@@ -16,8 +16,9 @@ class NgramSpeculator(Speculator):
 
     For each row, compares its last `max_ngram` tokens with the tokens before every earlier position of the row
     (prompt and generated tokens) and takes the position whose preceding context matches the longest (the latest
-    among equals), if that match is at least `min_ngram` tokens long. It proposes up to `k` of the tokens that
-    followed. Rows without such a match propose nothing. Drafts are deterministic (point masses).
+    among equals), if that match is at least `min_ngram` tokens long. It proposes the `k` tokens that followed, the
+    row's own tokens past its end included as they are being written (a match d tokens back repeats with period d,
+    as an LZ77 copy does). Rows without such a match propose nothing. Drafts are deterministic (point masses).
 
     The match length is the proposal's confidence class: a row copying a passage matches many tokens and its drafts
     are usually accepted, a two-token coincidence rarely is. Adaptive k keeps acceptance per class and verifies
@@ -56,9 +57,14 @@ class NgramSpeculator(Speculator):
         position, length = self._longest_match(tokens, first, end)
         found = length >= self.min_ngram
         start = position + 1  # the proposal continues after the matched position
-        num_tokens = torch.where(found, (end - start).clamp(min=0, max=k), 0)
+        # What followed the match, copied on past the row's end as an LZ77 copy does: a match `d` tokens back
+        # (d = end - start) continues with period d. The latest match in text repeating itself lies just before
+        # the end ("the the the": d = 1), and stopping at the end would offer a single draft where the text
+        # says k.
+        period = (end - start).clamp(min=1)
+        num_tokens = torch.where(found, k, 0)
         offsets = torch.arange(k, device=tokens.device)[None, :]
-        token_ids = tokens.gather(1, (start[:, None] + offsets).clamp(max=tokens.shape[1] - 1))
+        token_ids = tokens.gather(1, (start[:, None] + offsets % period[:, None]).clamp(max=tokens.shape[1] - 1))
         confidence = torch.where(found, length.clamp(max=len(self.confidence_priors) - 1), 0)
         return DraftProposal(torch.where(offsets < num_tokens[:, None], token_ids, PAD_ID), num_tokens,
                              confidence=confidence)
