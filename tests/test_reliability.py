@@ -51,7 +51,8 @@ def brute_force_ngram(seq, k, lo, hi):
         suffix = seq[-n:]
         for start in range(len(seq) - n - 1, -1, -1):  # latest earlier occurrence first
             if seq[start:start + n] == suffix:
-                return seq[start + n:start + n + k]
+                follows = seq[start + n:]  # copied on past the end: it repeats with the match's distance as period
+                return [follows[i % len(follows)] for i in range(k)]
     return []
 
 
