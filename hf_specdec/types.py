@@ -140,12 +140,16 @@ class SequenceBatch:
     def device(self) -> torch.device:
         return self.token_ids.device
 
-    def active_tensor(self) -> torch.Tensor:
-        key = tuple(self.active)
-        hit = self._cached.get("active")
+    def _remembered(self, name: str, key: tuple, build) -> torch.Tensor:
+        """`build()`, or what it returned last time under `name` if `key` is unchanged since."""
+        hit = self._cached.get(name)
         if hit is None or hit[0] != key:
-            hit = self._cached["active"] = (key, torch.tensor(self.active, dtype=torch.long, device=self.device))
+            hit = self._cached[name] = (key, build())
         return hit[1]
+
+    def active_tensor(self) -> torch.Tensor:
+        return self._remembered("active", tuple(self.active),
+                                lambda: torch.tensor(self.active, dtype=torch.long, device=self.device))
 
     def lengths_tensor(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor([self.lengths[r] for r in rows], dtype=torch.long, device=self.device)
@@ -159,11 +163,8 @@ class SequenceBatch:
         """`[rows]` column just past each row's last real token."""
         # `first_col`'s version counter moves with every write to it (a slot taken by a new request).
         key = (tuple(rows), tuple(self.lengths[r] for r in rows), self.first_col._version)
-        hit = self._cached.get("end")
-        if hit is None or hit[0] != key:
-            idx = torch.tensor(rows, dtype=torch.long, device=self.device)
-            hit = self._cached["end"] = (key, self.first_col[idx] + self.lengths_tensor(rows))
-        return hit[1]
+        return self._remembered("end", key, lambda: self.first_col[torch.tensor(rows, device=self.device)]
+                                + self.lengths_tensor(rows))
 
 
 def gather_right_aligned(token_ids: torch.Tensor, rows: torch.Tensor, start_cols: torch.Tensor,

@@ -383,15 +383,15 @@ class Step:
             self._draft_forwards = 0 if self.speculator.drafts_are_free else depth
             self._draft_unread = unread if self._draft_forwards else 0.0
             if not depth or draft.k == 0:  # nothing to verify (k = 0 chosen, or none offered): nothing to read back
-                return self._none_of(draft, batch), None, [0] * len(budget)
+                return self._none_of(draft), None, [0] * len(budget)
             num_tokens = torch.minimum(draft.num_tokens, torch.tensor([min(limit, k) for limit in limits],
                                                                       device=batch.device))
-            if wanted is not None and depth:
+            if wanted is not None:
                 num_tokens = torch.minimum(num_tokens, torch.tensor(wanted, device=num_tokens.device))
             # Each row's count must be known on the host to build the forward, hence one small transfer; draft
             # columns no row uses are dropped.
             counts = num_tokens.tolist()
-            if self.policy is not None and self.policy.packed and k > 0 and len(counts) > 1 and wanted is None:
+            if self.policy is not None and self.policy.packed and len(counts) > 1 and wanted is None:
                 # The drafts are made: each row verifies as many as its own acceptance makes worth their width.
                 trimmed = self.policy.choose_rows(batch.active, counts, context=context, record=False)
                 if trimmed != counts:
@@ -408,15 +408,14 @@ class Step:
         return tuple(self.speculator.hidden_state_layers) if wants_states else False
 
     def _no_drafts(self, batch) -> DraftProposal:
-        return self._none_of(self.speculator.propose(batch, 0), batch)
+        return self._none_of(self.speculator.propose(batch, 0))
 
     @staticmethod
-    def _none_of(draft: DraftProposal, batch) -> DraftProposal:
+    def _none_of(draft: DraftProposal) -> DraftProposal:
         """A proposal of no drafts for every row, whatever `draft` offered."""
-        if draft.token_ids.shape[1] == 0:  # none offered: its counts are all 0 already
+        if draft.k == 0:  # none offered: its counts are all 0 already
             return DraftProposal(draft.token_ids, draft.num_tokens, None)
-        rows = len(draft.token_ids)
-        return DraftProposal(draft.token_ids[:, :0], torch.zeros(rows, dtype=torch.long, device=batch.device), None)
+        return DraftProposal(draft.token_ids[:, :0], torch.zeros_like(draft.num_tokens), None)
 
 
 def emitted_logprobs(logits: torch.Tensor, output: torch.Tensor, rows: list[int], num_emit: list[int],

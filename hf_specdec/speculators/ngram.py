@@ -62,11 +62,10 @@ class NgramSpeculator(Speculator):
         # the end ("the the the": d = 1), and stopping at the end would offer a single draft where the text
         # says k.
         period = (end - start).clamp(min=1)
-        num_tokens = torch.where(found, k, 0)
         offsets = torch.arange(k, device=tokens.device)[None, :]
         token_ids = tokens.gather(1, (start[:, None] + offsets % period[:, None]).clamp(max=tokens.shape[1] - 1))
         confidence = torch.where(found, length.clamp(max=len(self.confidence_priors) - 1), 0)
-        return DraftProposal(torch.where(offsets < num_tokens[:, None], token_ids, PAD_ID), num_tokens,
+        return DraftProposal(torch.where(found[:, None], token_ids, PAD_ID), torch.where(found, k, 0),
                              confidence=confidence)
 
     def _longest_match(self, tokens, first, end):
