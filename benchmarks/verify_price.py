@@ -28,6 +28,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, _ = load_model()
     profile = calibration.calibrate(model, [], retry=False, **calibration.FIRST_CALL_GRID)
+    if profile is None or profile.step_cost is None:
+        raise SystemExit("no step cost was measured steadily on this host (see the warning above); nothing to compare")
     tokens = (1, 2, 3, 4)
     with torch.no_grad(), calibration.host_linear(model):
         _, measured = measure_step_cost(model, (args.rows,), tokens, (args.context,), 5)

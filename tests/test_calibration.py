@@ -12,16 +12,15 @@ import time
 
 import pytest
 import torch
+from conftest import make_model, ragged_batch
+from test_quantization import _prompts, _trained_llama, needs_bnb, needs_torchao
 
 from hf_specdec.costs import calibration, draft_cost, linear_forms, linear_weights
 from hf_specdec.costs import profile as profiles
-from hf_specdec.costs.step_cost import DEFAULT_STEP_COST, StepCost
-from hf_specdec.costs.profile import Profile, load_profile, profile_key, profile_path, save_profile
 from hf_specdec.costs.calibration import calibrate
+from hf_specdec.costs.profile import Profile, load_profile, profile_key, profile_path, save_profile
+from hf_specdec.costs.step_cost import DEFAULT_STEP_COST, StepCost
 from hf_specdec.speculators.resolve import resolve_speculator
-
-from conftest import make_model, ragged_batch
-from test_quantization import _prompts, _trained_llama, needs_bnb, needs_torchao
 
 # A verify of k + 1 tokens costs k + 1 plain steps: drafting can never pay.
 DEAR = StepCost(per_row=0.0, points=((1, 10.0), (2, 20.0), (64, 640.0)))
@@ -379,7 +378,7 @@ def test_timings_whose_repeats_disagree_are_measured_again_and_a_steady_pass_kep
 
 
 @pytest.mark.parametrize("spoiled", ["disagree", "implausible"])
-def test_an_untrustworthy_step_cost_is_not_cached_and_calls_keep_the_static_default(spoiled, caplog):
+def test_an_untrustworthy_step_cost_is_not_cached_but_the_forms_are_and_calls_keep_the_static_default(spoiled, caplog):
     target = make_model("llama", dtype=torch.float32)
     if spoiled == "disagree":  # every pass has a 2-token forward at batch 1 slowed 4x in two of its five repeats
         timer = fake_timer(slowdown=lambda key, call: 4.0 if key == ("step", 1, 2, 8) and call % 5 in (2, 3) else 1.0)
@@ -388,16 +387,25 @@ def test_an_untrustworthy_step_cost_is_not_cached_and_calls_keep_the_static_defa
         timer = fake_timer(cost=lambda key: steady(key) * (4.6 * 0.04208 / 0.04408 if key == ("step", 1, 2, 8)
                                                            else 1.0))
         reason = "a forward of 1 row(s) x 2 token(s) over 8 cached took 4.60 times the one-token (one-row) cost"
+    # The thin form steadily at half the stock one's time over 2 and 3 rows: the forms are trusted, and kept.
+    thin = fake_timer(cost=lambda key: 0.5 * steady(key) if key[:2] == ("linear", "thin") and key[2] > 1
+                      else steady(key))
     with caplog.at_level(logging.WARNING, logger="hf_specdec"):
-        assert calibrate(target, **GRID, timer=timer) is None
-    assert not profile_path(target).exists() and load_profile(target) is None
+        profile = calibrate(target, **GRID, timer=lambda key, fn: (thin if key[0] == "linear" else timer)(key, fn))
+    assert profile == load_profile(target) and profile.step_cost is None
+    assert profile.thin_linear_rows == (2, 3) and profile.linear_rows == GRID["linear_rows"]
     [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "the step cost measured now is not trustworthy" in warning and reason in warning
-    assert "measured 2 time(s)" in warning and "static default" in warning
+    assert "measured 2 time(s)" in warning and "static default" in warning and "forms measured are cached" in warning
     step_cost, _, source = calibration.adaptive_costs(target, resolve_speculator("ngram"))
     assert step_cost == DEFAULT_STEP_COST["cpu"].pessimistic() and "static default" in source
-    # The same host, quiet again: measured and cached.
-    assert calibrate(target, **GRID, timer=fake_timer()) == load_profile(target) is not None
+    assert "not trustworthy" in source and "no step cost" in calibration.describe(profile)
+    # The same host, quiet again: the step cost is measured with the cached forms in use, which are not timed again.
+    order = []
+    quiet = calibrate(target, **GRID, timer=fake_timer(order=order))
+    assert quiet == load_profile(target) and quiet.step_cost is not None and quiet.thin_linear_rows == (2, 3)
+    assert order and all(key[0] == "step" for key in order)
+    assert calibration.adaptive_costs(target, resolve_speculator("ngram"))[0] == quiet.step_cost
 
 
 def test_the_small_row_linear_form_is_timed_side_by_side_and_a_burst_of_load_does_not_pick_it(caplog):

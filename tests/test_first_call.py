@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import pytest
 import torch
+from conftest import make_model, ragged_batch
+from test_calibration import fake_timer, steady
 
 from hf_specdec.costs import calibration, draft_cost
 from hf_specdec.costs import profile as profiles
 from hf_specdec.costs.profile import load_profile, profile_path
-
-from conftest import make_model, ragged_batch
-from test_calibration import fake_timer
 
 # Small enough for the tiny test models; timed with made-up, steady timings so a busy host cannot reject them.
 TINY_FIRST_CALL = dict(rows=(1, 2), tokens=(1, 2), contexts=(8,), repeats=1, linear_rows=(1, 2), attempts=1)
@@ -99,6 +99,35 @@ def test_a_model_speculator_gets_its_draft_cost_measured_on_its_first_call(first
     assert len(first_call) == 2 and len(load_profile(target).draft_costs) >= 1
     _generate(target, speculator=draft)
     assert len(first_call) == 2
+
+
+def test_a_step_cost_found_untrustworthy_keeps_the_forms_and_is_measured_again_later(first_call, monkeypatch, caplog):
+    """A first call whose step cost breaks the bounds (a 2-row x 2-token forward at 4 times a 2-row x 1-token one)
+    caches the linear forms without it; calls within the retry window measure nothing, and the first call after it
+    measures the step cost alone, with the forms in use."""
+    model = make_model("llama", dtype=torch.float32)
+    order = []
+    spoiled = fake_timer(cost=lambda key: 0.16 if key == ("step", 2, 2, 8) else steady(key), order=order)
+    monkeypatch.setattr(calibration, "FIRST_CALL_GRID", dict(TINY_FIRST_CALL, timer=spoiled))
+    with caplog.at_level(logging.INFO, logger="hf_specdec"):
+        first = _generate(model).sequences
+    profile = load_profile(model)
+    assert len(first_call) == 1 and profile is not None and profile.step_cost is None
+    assert profile.linear_rows == TINY_FIRST_CALL["linear_rows"] and any(key[0] == "linear" for key in order)
+    said = [r.getMessage() for r in caplog.records if "hf_specdec measured" in r.getMessage()]
+    assert len(said) == 1 and "linear-layer forms for" in said[0] and "step cost" not in said[0].split(" for ")[0]
+    order.clear()
+    assert torch.equal(_generate(model).sequences, first) and order == []  # within the window: nothing timed
+    monkeypatch.setattr(calibration, "FIRST_CALL_GRID", dict(TINY_FIRST_CALL, timer=fake_timer(order=order)))
+    later = time.time() + profiles.UNSTEADY_RETRY_S + 1
+    monkeypatch.setattr(profiles.time, "time", lambda: later)
+    assert torch.equal(_generate(model).sequences, first)
+    assert order and all(key[0] == "step" for key in order)  # the step cost alone
+    again = load_profile(model)
+    assert again.step_cost is not None and again.linear_rows == profile.linear_rows
+    order.clear()
+    _generate(model)
+    assert order == []
 
 
 @pytest.mark.parametrize("do_sample", [False, True])

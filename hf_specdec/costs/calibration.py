@@ -18,9 +18,10 @@ cached profile but never measures one. A corrupt or foreign file, or one whose s
 of timing.py, is ignored with a warning and measured again.
 
 A busy host measures itself busy, so each measurement is interleaved, repeated and bounded (timing.py). A step cost
-still untrustworthy is not cached (calls keep the static defaults, and calls that measure on their own do not try
-again for `UNSTEADY_RETRY_S`), nor is such a draft cost (the draft is priced by its size); an untrustworthy linear
-timing keeps the stock form. Each is logged at WARNING with the reason.
+still untrustworthy is not cached: the profile keeps the linear forms, timed apart, without it, calls price
+verification with the static default, and calls that measure on their own try the step cost again after
+`UNSTEADY_RETRY_S`. Such a draft cost is not cached either (the draft is priced by its size), and an untrustworthy
+linear timing keeps the stock form. Each is logged at WARNING with the reason.
 """
 
 from __future__ import annotations
@@ -124,15 +125,21 @@ def ensure_profile(model, speculator=None, use_profile: bool = True) -> Profile 
         return profile
     missing_draft = (speculator is not None and speculator_key(speculator) is not None
                      and (profile is None or speculator_key(speculator) not in profile.draft_costs))
-    if (profile is not None and not missing_draft) or offloaded(model) or not measures_first_call() or _sharded():
+    missing_step = profile is None or profile.step_cost is None
+    if (not missing_step and not missing_draft) or offloaded(model) or not measures_first_call() or _sharded():
         return profile
     start = time.perf_counter()
     measured = calibrate(model, [speculator] if missing_draft else [], retry=False, **FIRST_CALL_GRID)
     seconds = time.perf_counter() - start
-    if measured is not None and (profile is None or measured.draft_costs != profile.draft_costs):
-        what = "this host's linear-layer forms and step cost" if profile is None else ""
+    if measured is not None and measured != profile:
+        parts = []
+        if profile is None:
+            parts.append("this host's linear-layer forms")
+        if measured.step_cost is not None and (profile is None or profile.step_cost is None):
+            parts.append("step cost" if parts else "this host's step cost")
         if missing_draft and speculator_key(speculator) in measured.draft_costs:
-            what += (" and " if what else "") + f"{type(speculator).__name__}'s draft cost"
+            parts.append(f"{type(speculator).__name__}'s draft cost")
+        what = " and ".join(parts) or "nothing steadily"
         logger.info(f"hf_specdec measured {what} for {type(model).__name__} in {seconds:.1f} s; cached in "
                     f"{profile_path(model)} (HF_SPECDEC_CALIBRATION=off or speculative_calibration=False skips "
                     "this; `hf-specdec calibrate` measures a finer grid)")
@@ -147,17 +154,13 @@ def adaptive_costs(model, speculator, step_cost: StepCost | None = None, use_pro
     sources = []
     if step_cost is not None:
         sources.append("the step cost passed as speculative_step_cost")
-    elif profile is not None:
+    elif profile is not None and profile.step_cost is not None:
         step_cost = profile.step_cost
         sources.append(f"the step cost measured on this host ({profile_path(model)})")
     else:
-        # Offloaded weights stream in every forward whatever its width: nearly flat, as on an accelerator.
-        kind = "cuda" if offloaded(model) else input_device(model).type
-        step_cost = DEFAULT_STEP_COST.get(kind, DEFAULT_STEP_COST["cuda"])
-        what = "offloaded weights (flat)" if offloaded(model) else kind
-        if kind == "cpu":  # CPUs differ widely in what a multi-token forward costs: assume a dear one
-            step_cost, what = step_cost.pessimistic(), "cpu, verification priced at twice its extra cost"
-        sources.append(f"the static default step cost for {what} (`hf-specdec calibrate` measures this host's)")
+        step_cost, what = static_step_cost(model)
+        why = ", this host's timing of it not trustworthy when measured" if profile is not None else ""
+        sources.append(f"the static default step cost for {what}{why} (`hf-specdec calibrate` measures this host's)")
     key = speculator_key(speculator)
     if key is None:
         draft_cost = speculator.relative_cost(model)
@@ -168,6 +171,16 @@ def adaptive_costs(model, speculator, step_cost: StepCost | None = None, use_pro
         draft_cost = speculator.relative_cost(model)
         sources.append("a draft cost estimated from parameter counts")
     return step_cost, draft_cost, ", ".join(sources)
+
+
+def static_step_cost(model) -> tuple[StepCost, str]:
+    """The step cost a call prices verification with where none was measured, and what it stands for."""
+    # Offloaded weights stream in every forward whatever its width: nearly flat, as on an accelerator.
+    kind = "cuda" if offloaded(model) else input_device(model).type
+    step_cost = DEFAULT_STEP_COST.get(kind, DEFAULT_STEP_COST["cuda"])
+    if kind == "cpu":  # CPUs differ widely in what a multi-token forward costs: assume a dear one
+        return step_cost.pessimistic(), "cpu, verification priced at twice its extra cost"
+    return step_cost, "offloaded weights (flat)" if offloaded(model) else kind
 
 
 _reported: set[tuple] = set()  # (model, speculator class, cost source) already warned about in this process
@@ -223,9 +236,11 @@ def calibrate(model, speculators=(), force: bool = False, rows: tuple[int, ...] 
               draft_tokens: int = 24, thin_rows: tuple[int, ...] | None = None) -> Profile | None:
     """Returns `model`'s profile on this host, measuring what the cache lacks (everything with `force`): the small-row
     linear form, the step cost (with that form in use), and each of `speculators`' draft cost. Each is measured as
-    `timing.py` says (interleaved, repeated, bounded): a step cost that stays untrustworthy is not cached (None is
-    returned and calls keep the static defaults), nor is such a draft cost (the draft is priced by its size); an
-    untrustworthy linear timing keeps the stock form. Each fallback is logged at WARNING with its reason. The global
+    `timing.py` says (interleaved, repeated, bounded): a step cost that stays untrustworthy is not cached (the
+    profile keeps the linear forms without it, and calls price verification with the static default), nor is such a
+    draft cost (the draft is priced by its size; no draft is timed without a trusted step cost to price it against);
+    an untrustworthy linear timing keeps the stock form. None is returned when nothing was cached: the host's timing
+    was unsteady from the start. Each fallback is logged at WARNING with its reason. The global
     random state is left as it was. `progress`: a function taking a message, called before each measurement;
     `timer`: what times a forward or a product (`timing.Timer`; tests pass made-up timings). With `retry=False`,
     what was found unsteady in the last `UNSTEADY_RETRY_S` is not measured again (`force` measures anyway).
@@ -266,9 +281,9 @@ def _calibrate(model, speculators, force, rows, tokens, contexts, repeats, linea
         return when is not None
 
     with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []), torch.no_grad():
-        if profile is None:
+        if profile is None or profile.step_cost is None:
             if skipped("step", "the step cost"):
-                return None
+                return profile
             start = time.perf_counter()
             say("checking that one-token forwards take a steady time")
             _, probe = measure_step_cost(model, (1,), (1,), contexts[:1], PROBE_REPEATS, timer, attempts=1)
@@ -276,40 +291,30 @@ def _calibrate(model, speculators, force, rows, tokens, contexts, repeats, linea
                 _distrust("this host's timing now", probe.problem, "nothing is measured or cached and calls keep "
                           "the static default costs")
                 note_unsteady(model, "step", True)
-                return None
-            say(f"measuring linear layers over {', '.join(map(str, linear_rows))} rows")
-            thin_rows, details, problem, by_shape = measure_thin_linear(model, thin_timed, LINEAR_MARGIN, repeats,
-                                                                        timer, attempts)
-            if problem is not None:
-                _distrust("the small-row linear timing", problem, "linear layers keep their stock form")
-                thin_rows, by_shape = (), {}
-            if not thin_linear_enabled():
-                thin_rows, by_shape = (), {}
-            shapes = {shape_key(shape): rows for shape, rows in by_shape.items()}
-            packed, fused = {}, {}
-            if packed_linear_enabled():
-                forms = {shape: thin_row_table(rows, linear_rows) for shape, rows in by_shape.items()}
-                by_shape_packed, packed_details, problem, by_group = measure_packed_linear(
-                    model, linear_rows, PACKED_MARGIN, forms, repeats, timer, attempts, FUSED_MARGIN)
-                details.update(packed_details)
-                if problem is not None:
-                    _distrust("the packed linear timing", problem, "linear layers keep their unpacked forms")
-                else:
-                    packed = {shape_key(shape): rows for shape, rows in by_shape_packed.items()}
-                    fused = by_group
+                return profile
+            if profile is None:
+                forms, details = _measure_forms(model, linear_rows, thin_timed, repeats, timer, attempts, say)
+            else:  # the forms are cached: only the step cost is measured again
+                forms = (profile.linear_rows, profile.thin_linear_rows, profile.thin_linear_shapes,
+                         profile.packed_linear_shapes, profile.fused_linear_groups)
+                details = dict(profile.details)
+            measured_rows, thin_rows, shapes, packed, fused = forms
             say(f"measuring target forwards (batch {', '.join(map(str, rows))})")
-            with thin_linear([model], thin_rows, linear_rows, shapes, packed or None, fused or None):
+            packing = packed_linear_enabled()
+            with thin_linear([model], thin_rows if thin_linear_enabled() else (), measured_rows or None,
+                             shapes if thin_linear_enabled() else None, (packed or None) if packing else None,
+                             (fused or None) if packing else None):
                 step_cost, measurement = measure_step_cost(model, rows, tokens, contexts, repeats, timer, attempts)
             if measurement.problem is not None:
-                _distrust("the step cost measured now", measurement.problem,
-                          "nothing is cached and calls keep the static default costs")
-                note_unsteady(model, "step", True)
-                return None
+                kept = " (the linear-layer forms measured are cached)" if profile is None else ""
+                _distrust("the step cost measured now", measurement.problem, "it is not cached and calls price "
+                          f"verification with the static default costs{kept}")
+                step_cost = None
             details.update(seconds=round(time.perf_counter() - start, 1), step_attempts=measurement.attempts)
-            profile = Profile(profile_key(model), step_cost, thin_rows, {}, details, tuple(linear_rows), shapes,
-                              packed, fused)
+            profile = Profile(profile_key(model), step_cost, thin_rows, profile.draft_costs if profile else {},
+                              details, tuple(measured_rows), shapes, packed, fused)
             save_profile(model, profile)
-            note_unsteady(model, "step", False)
+            note_unsteady(model, "step", step_cost is None)
         for spec in speculators:
             if not callable(getattr(spec, "modules", None)):
                 raise TypeError(f"calibrate takes speculator objects, got {type(spec).__name__}; turn a name or a "
@@ -318,6 +323,10 @@ def _calibrate(model, speculators, force, rows, tokens, contexts, repeats, linea
             if key is None or (key in profile.draft_costs and not force):
                 continue
             if skipped(key, f"{type(spec).__name__}'s drafts"):
+                continue
+            if profile.step_cost is None:
+                say(f"not measuring {type(spec).__name__}'s drafts: they are priced against the step cost, which "
+                    "was not measured steadily")
                 continue
             say(f"measuring {type(spec).__name__}'s drafts")
             cost, timings, problem = measure_draft_cost(model, spec, profile.step_cost, attempts=attempts,
@@ -335,13 +344,40 @@ def _calibrate(model, speculators, force, rows, tokens, contexts, repeats, linea
     return profile
 
 
+def _measure_forms(model, linear_rows, thin_timed, repeats, timer, attempts, say):
+    """Times the linear layers' forms (linear_forms.py): `((linear rows, thin rows, thin rows per shape, packed rows
+    per shape, fused rows per group), details)`; a form whose timing is not trustworthy is left out."""
+    say(f"measuring linear layers over {', '.join(map(str, linear_rows))} rows")
+    thin_rows, details, problem, by_shape = measure_thin_linear(model, thin_timed, LINEAR_MARGIN, repeats, timer,
+                                                                attempts)
+    if problem is not None:
+        _distrust("the small-row linear timing", problem, "linear layers keep their stock form")
+        thin_rows, by_shape = (), {}
+    if not thin_linear_enabled():
+        thin_rows, by_shape = (), {}
+    shapes = {shape_key(shape): rows for shape, rows in by_shape.items()}
+    packed, fused = {}, {}
+    if packed_linear_enabled():
+        forms = {shape: thin_row_table(rows, linear_rows) for shape, rows in by_shape.items()}
+        by_shape_packed, packed_details, problem, by_group = measure_packed_linear(
+            model, linear_rows, PACKED_MARGIN, forms, repeats, timer, attempts, FUSED_MARGIN)
+        details.update(packed_details)
+        if problem is not None:
+            _distrust("the packed linear timing", problem, "linear layers keep their unpacked forms")
+        else:
+            packed = {shape_key(shape): rows for shape, rows in by_shape_packed.items()}
+            fused = by_group
+    return (tuple(linear_rows), thin_rows, shapes, packed, fused), details
+
+
 def describe(profile: Profile | None) -> str:
     """A few lines saying what a profile holds, in plain steps."""
     if profile is None:
         return "  no profile cached: calls use the static default costs"
     cost = profile.step_cost
-    lines = []
-    for rows in (1, 4, 16):
+    lines = [] if cost is not None else ["  no step cost: its timing was not trustworthy, so calls price verification "
+                                         "with the static default (`hf-specdec calibrate` measures it again)"]
+    for rows in ((1, 4, 16) if cost is not None else ()):
         relative = [float(cost.relative(rows, torch.tensor(float(q)), rows * 128)) for q in (2, 3, 4, 6)]
         lines.append(f"  batch {rows}: a forward of 2 / 3 / 4 / 6 tokens per row costs "
                      f"{' / '.join(f'{r:.2f}' for r in relative)} plain steps (128 cached tokens per row)")

@@ -39,7 +39,9 @@ class Profile:
 
     Attributes:
         key: what the measurement depends on (`profile_key`).
-        step_cost: the target's forward cost.
+        step_cost: the target's forward cost; None where its timing was not trustworthy (a busy moment, or a
+            forward whose cost breaks timing.py's bounds), so calls price verification with the static default
+            until a later call or `hf-specdec calibrate` measures it again. The linear forms, timed apart, stay.
         thin_linear_rows: input row counts at which `(W @ x.T).T` beat `F.linear` (empty: never).
         linear_rows: the row counts measured; a count between two takes the choice made at the lower one
             (`thin_linear`).
@@ -57,7 +59,7 @@ class Profile:
     """
 
     key: dict
-    step_cost: StepCost
+    step_cost: StepCost | None
     thin_linear_rows: tuple[int, ...] = ()
     draft_costs: dict[str, float] = field(default_factory=dict)
     details: dict = field(default_factory=dict)
@@ -68,8 +70,9 @@ class Profile:
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "key": self.key,
-                "step_cost": {"per_row": self.step_cost.per_row, "points": [list(p) for p in self.step_cost.points],
-                              "per_context_token": self.step_cost.per_context_token},
+                "step_cost": None if self.step_cost is None else {
+                    "per_row": self.step_cost.per_row, "points": [list(p) for p in self.step_cost.points],
+                    "per_context_token": self.step_cost.per_context_token},
                 "thin_linear_rows": list(self.thin_linear_rows), "linear_rows": list(self.linear_rows),
                 "thin_linear_shapes": {k: list(v) for k, v in self.thin_linear_shapes.items()},
                 "packed_linear_shapes": {k: list(v) for k, v in self.packed_linear_shapes.items()},
@@ -84,12 +87,13 @@ class Profile:
             raise ValueError("not an hf_specdec calibration profile of this version")
         if data.get("key") != key:
             raise ValueError("measured for another device, model, dtype or thread count")
-        cost = data["step_cost"]
-        step_cost = StepCost(per_row=float(cost["per_row"]), per_context_token=float(cost["per_context_token"]),
-                             points=tuple((float(n), float(t)) for n, t in cost["points"]))
-        problem = check_step_cost(step_cost)
-        if problem is not None:
-            raise ValueError(problem)
+        cost, step_cost = data["step_cost"], None
+        if cost is not None:
+            step_cost = StepCost(per_row=float(cost["per_row"]), per_context_token=float(cost["per_context_token"]),
+                                 points=tuple((float(n), float(t)) for n, t in cost["points"]))
+            problem = check_step_cost(step_cost)
+            if problem is not None:
+                raise ValueError(problem)
         draft_costs = {str(k): float(v) for k, v in data.get("draft_costs", {}).items()}
         if not all(v >= 0.0 for v in draft_costs.values()):
             raise ValueError("negative draft cost")
