@@ -3,7 +3,9 @@
 A 1-layer Llama of hidden size 32 makes a forward's arithmetic negligible, so a step's time is what the host spends
 on it: Python, the step's plan, small tensor ops and their dispatch (on a GPU, also the kernel launches that CUDA
 graphs remove). `--rows` prompts repeating a short phrase (so n-gram drafts), `--max-new-tokens` greedy tokens: plain
-`generate`, then hf_specdec with speculation off and with n-gram (adaptive k), each eager and with compiled steps
+`generate`, then hf_specdec with speculation off, with n-gram (adaptive k: the random model follows no phrase, so after
+its first verify it drafts nothing and, once acceptance is that low, skips the lookup too) and with n-gram verifying 4
+drafts every step (a constant schedule: the drafting step's own host time), each eager and with compiled steps
 (`HF_SPECDEC_COMPILE=1`, compiled once before timing), medians of `--repeats` calls, one thread, no calibration.
 "Outside the forward" is the step's time less the target forward's own (the model's call, eager or compiled, timed
 around it): what stays on the host when the forward is a CUDA graph replayed on a GPU. "Ops outside the forward"
@@ -85,8 +87,10 @@ def main() -> None:
     input_ids = phrase.repeat(1, 10)[:, :64]
     configs = [("plain generate", {}, None)]
     for compiled in ((False, True) if not args.no_compile else (False,)):
-        for name in ("off", "ngram"):
-            configs.append((f"hf_specdec {name}" + (" compiled" if compiled else ""), {"speculator": name},
+        for name, kwargs in (("off", {"speculator": "off"}), ("ngram", {"speculator": "ngram"}),
+                             ("ngram, 4 drafts every step", {"speculator": "ngram", "num_speculative_tokens": 4,
+                                                             "speculative_schedule": "constant"})):
+            configs.append((f"hf_specdec {name}" + (" compiled" if compiled else ""), kwargs,
                             "1" if compiled else "0"))
     print(f"{args.rows} rows, {args.max_new_tokens} new tokens, 1 thread; ms per step = call time / target forwards")
     print("| configuration | call ms | steps | ms per step | ms per step outside the forward | ops outside the forward "

@@ -169,6 +169,27 @@ def test_offered_drafts_cap_the_expected_gain():
     assert policy.choose([0], available=[0]) == 0
 
 
+def test_may_draft_asks_whether_the_likeliest_proposals_could_pay():
+    """Before a lookup: drafting could pay while some class of a row is trusted, and not once every class of every
+    row has been rejected; a no is recorded as a declined step, as `choose_rows` records one."""
+    policy = AdaptiveK(num_rows=2, max_k=8, step_cost=LINEAR, priors=(0.5, 0.5), packed=True)
+    assert policy.may_draft([0, 1], [8, 8]) and policy.chosen == []
+    assert not policy.may_draft([0, 1], [0, 0])  # nothing could be offered
+    for _ in range(10):
+        policy.update([0, 1], [4, 4], [0, 0], classes=[0, 0])
+        policy.update([0, 1], [8, 8], [8, 8], classes=[1, 1])
+    assert policy.choose_rows([0, 1], [8, 8], [0, 0], record=False) == [0, 0]
+    assert policy.may_draft([0, 1], [8, 8])  # class 1 is accepted: a row whose proposal is of it would draft
+    for _ in range(40):
+        policy.update([0, 1], [4, 4], [0, 0], classes=[1, 1])
+    declined = policy.num_declined
+    assert not policy.may_draft([0, 1], [8, 8])
+    assert policy.chosen[-1] == 0 and policy.num_declined == declined + 1
+    for _ in range(200):  # evidence fades: drafting is tried again
+        policy.update([0, 1], [0, 0], [0, 0])
+    assert policy.may_draft([0, 1], [8, 8])
+
+
 def test_confidence_classes_keep_separate_estimates():
     """Evidence about one class (short matches, always rejected) does not lower another (long matches)."""
     policy = AdaptiveK(num_rows=1, max_k=8, step_cost=LINEAR, priors=(0.5, 0.5))

@@ -339,8 +339,16 @@ class Step:
         if not self.drafting:  # rows joining a running batch feed their prompts; speculators still track them
             return self._no_drafts(batch), None, [0] * len(budget)
         if self.policy is not None and self.speculator.drafts_are_free:
+            depth = max(0, min(self.k, max(budget) - 1))
+            if not depth:  # no row may draft (their budgets): recorded as a step with nothing on offer
+                self.policy.choose_rows(batch.active, [0] * len(budget), context=context)
+                return self._no_drafts(batch), None, [0] * len(budget)
+            # After a step that verified nothing, look for proposals only where the likeliest ones could pay.
+            if self.policy.packed and (not self.policy.chosen or self.policy.chosen[-1] == 0) and \
+                    not self.policy.may_draft(batch.active, [min(depth, limit) for limit in limits], context):
+                return self._no_drafts(batch), None, [0] * len(budget)
             # Proposals first, then k from what each row offers and how confident its proposal is.
-            draft = self.speculator.propose(batch, max(0, min(self.k, max(budget) - 1)))
+            draft = self.speculator.propose(batch, depth)
             # A lookup's drafts cost no forwards; a hybrid's head says how many it ran, and what it read first.
             self._draft_forwards = getattr(self.speculator, "draft_forwards", 0)
             self._draft_unread = getattr(self.speculator, "draft_unread", 0.0)
