@@ -169,16 +169,18 @@ def test_offered_drafts_cap_the_expected_gain():
     assert policy.choose([0], available=[0]) == 0
 
 
-def test_may_draft_asks_whether_the_likeliest_proposals_could_pay():
+@pytest.mark.parametrize("packed", [True, False])
+def test_may_draft_asks_whether_the_likeliest_proposals_could_pay(packed):
     """Before a lookup: drafting could pay while some class of a row is trusted, and not once every class of every
     row has been rejected; a no is recorded as a declined step, as `choose_rows` records one."""
-    policy = AdaptiveK(num_rows=2, max_k=8, step_cost=LINEAR, priors=(0.5, 0.5), packed=True)
+    policy = AdaptiveK(num_rows=2, max_k=8, step_cost=LINEAR, priors=(0.5, 0.5), packed=packed)
     assert policy.may_draft([0, 1], [8, 8]) and policy.chosen == []
     assert not policy.may_draft([0, 1], [0, 0])  # nothing could be offered
     for _ in range(10):
         policy.update([0, 1], [4, 4], [0, 0], classes=[0, 0])
         policy.update([0, 1], [8, 8], [8, 8], classes=[1, 1])
     assert policy.choose_rows([0, 1], [8, 8], [0, 0], record=False) == [0, 0]
+    assert policy.choose([0, 1], [8, 8], [0, 0]) == 0
     assert policy.may_draft([0, 1], [8, 8])  # class 1 is accepted: a row whose proposal is of it would draft
     for _ in range(40):
         policy.update([0, 1], [4, 4], [0, 0], classes=[1, 1])

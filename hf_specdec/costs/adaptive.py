@@ -189,14 +189,16 @@ class AdaptiveK:
         return ks
 
     def may_draft(self, rows: list[int], available: list[int], context: float = 0.0) -> bool:
-        """Whether `choose_rows` could verify any drafts this step were each row to offer `available` drafts of its
-        likeliest confidence class. When not, a speculator whose drafts are free need not look for proposals (an
+        """Whether `choose_rows` (`choose` where the verify is not packed) could verify any drafts this step were
+        each row to offer `available` drafts of its likeliest confidence class. When not, a speculator whose drafts are free need not look for proposals (an
         n-gram lookup, its tensor ops and its device read spared); the step is recorded as declined, as
         `choose_rows` records one. Records nothing when drafting could pay."""
         if self.max_k and rows and any(a > 0 for a in available):
             r = np.asarray(rows, dtype=np.intp)
             rates = (self._accepted[r] + self.strength * self._pooled()[None, :]) / (self._tried[r] + self.strength)
-            if any(self._choose_rows(rows, available, rates.argmax(1).tolist(), context)[0]):
+            best = rates.argmax(1).tolist()
+            if (any(self._choose_rows(rows, available, best, context)[0]) if self.packed
+                    else self._choose(rows, available, best, context) > 0):
                 return True
         self.chosen.append(0)
         self.num_declined += bool(rows) and any(a > 0 for a in available)

@@ -344,7 +344,7 @@ class Step:
                 self.policy.choose_rows(batch.active, [0] * len(budget), context=context)
                 return self._no_drafts(batch), None, [0] * len(budget)
             # After a step that verified nothing, look for proposals only where the likeliest ones could pay.
-            if self.policy.packed and (not self.policy.chosen or self.policy.chosen[-1] == 0) and \
+            if (not self.policy.chosen or self.policy.chosen[-1] == 0) and \
                     not self.policy.may_draft(batch.active, [min(depth, limit) for limit in limits], context):
                 return self._no_drafts(batch), None, [0] * len(budget)
             # Proposals first, then k from what each row offers and how confident its proposal is.
