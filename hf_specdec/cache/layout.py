@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from ..kernels.paged_attention.reference import TreeMask, attention_mask, context_slots, tree_attention_mask
@@ -66,30 +67,32 @@ class PackedLayout:
     token_rows: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, counts: torch.Tensor, q: int, total: int, query_positions: torch.Tensor,
-              host_counts: list[int] | None = None, split: tuple | None = None,
+    def build(cls, counts: list[int], q: int, starts: list[int], device, split: tuple | None = None,
               token_rows: bool = False) -> PackedLayout:
-        """`counts` `[rows]` tokens per row (each at least 1), right-aligned in a width of `q`; `total` their sum
-        (known on the host, so nothing here waits for the device). `host_counts`, the same counts on the host, with
-        `split`, what `query_groups` made of them, asks for the PyTorch path's attention groups; `token_rows` for a
-        row per token instead."""
-        rows = counts.shape[0]
-        device = counts.device
-        cu_query = torch.zeros(rows + 1, dtype=torch.long, device=device)
-        cu_query[1:] = counts.cumsum(0)
-        row_of, within = _ragged(counts, total)
-        pack_index = row_of * q + (q - counts)[row_of] + within
-        offset = torch.arange(q, device=device)[None, :] - (q - counts)[:, None]
-        unpack_index = (cu_query[:-1, None] + offset.clamp(min=0)).reshape(-1)
-        groups = None
-        if split is not None and host_counts is not None and not token_rows:
+        """`counts` tokens per row (each at least 1), right-aligned in a width of `q`, row i's first at position
+        `starts[i]`, all on the host: the indices are computed there and reach `device` in one copy (on a GPU, one
+        transfer instead of some fifty small kernels a step). `split`, what `query_groups` made of the counts, asks
+        for the PyTorch path's attention groups; `token_rows` for a row per token instead."""
+        c = np.asarray(counts, dtype=np.int64)
+        cu_query = np.concatenate([[0], np.cumsum(c)])
+        row_of, within = _ragged(c)
+        pack_index = row_of * q + (q - c)[row_of] + within
+        offset = np.arange(q)[None, :] - (q - c)[:, None]
+        unpack_index = (cu_query[:-1, None] + np.maximum(offset, 0)).reshape(-1)
+        positions = np.asarray(starts, dtype=np.int64)[row_of] + within
+        parts = [pack_index, unpack_index, cu_query, positions]
+        if token_rows:
+            parts.append(row_of)
+        elif split is not None:
             short, long_rows, long = split
-            short_kept = sum(c for c in host_counts if c <= short)
-            groups = (QueryGroup.build(None, short, counts, cu_query, short_kept),
-                      QueryGroup.build(torch.tensor(long_rows, device=device), long, counts, cu_query,
-                                       total - short_kept))
-        return cls(pack_index, unpack_index, cu_query, query_positions.reshape(-1)[pack_index][None], groups,
-                   row_of if token_rows else None)
+            parts += [*QueryGroup.indices(None, short, c, cu_query),
+                      np.asarray(long_rows, dtype=np.int64), *QueryGroup.indices(long_rows, long, c, cu_query)]
+        sizes = [len(part) for part in parts]
+        flat = torch.from_numpy(np.concatenate(parts)).to(device).split(sizes)
+        groups = None
+        if split is not None and not token_rows:
+            groups = (QueryGroup(None, split[0], *flat[4:7]), QueryGroup(flat[7], split[2], *flat[8:11]))
+        return cls(flat[0], flat[1], flat[2], flat[3][None], groups, flat[4] if token_rows else None)
 
     def to(self, device) -> PackedLayout:
         groups = None if self.groups is None else tuple(g.to(device) for g in self.groups)
@@ -127,33 +130,33 @@ class QueryGroup:
     real: torch.Tensor
     targets: torch.Tensor
 
-    @classmethod
-    def build(cls, rows: torch.Tensor | None, width: int, counts: torch.Tensor, cu_query: torch.Tensor,
-              num_kept: int) -> QueryGroup:
-        """Every row's last `width` tokens. The group of all rows keeps the outputs of the rows that fit in `width`
-        only (the others' come from their own group); `num_kept`: the tokens of the rows whose outputs it keeps."""
-        own = counts if rows is None else counts[rows]
-        starts = cu_query[:-1] if rows is None else cu_query[:-1][rows]
-        fed = own.clamp(max=width)
-        offset = torch.arange(width, device=counts.device)[None, :] - (width - fed)[:, None]
-        gather = (starts[:, None] + (own - fed)[:, None] + offset.clamp(min=0)).reshape(-1)
-        kept = torch.where(own <= width, own, 0)
-        row_of, within = _ragged(kept, num_kept)
+    @staticmethod
+    def indices(rows: list[int] | None, width: int, counts: np.ndarray, cu_query: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`(gather, real, targets)` for `rows` (None: every row) padded to `width`, every row's last `width` tokens,
+        on the host. The group of all rows keeps the outputs of the rows that fit in `width` only (the others' come
+        from their own group)."""
+        own = counts if rows is None else counts[np.asarray(rows, dtype=np.int64)]
+        starts = cu_query[:-1] if rows is None else cu_query[:-1][np.asarray(rows, dtype=np.int64)]
+        fed = np.minimum(own, width)
+        offset = np.arange(width)[None, :] - (width - fed)[:, None]
+        gather = (starts[:, None] + (own - fed)[:, None] + np.maximum(offset, 0)).reshape(-1)
+        kept = np.where(own <= width, own, 0)
+        row_of, within = _ragged(kept)
         real = row_of * width + (width - kept)[row_of] + within
-        return cls(rows, width, gather, real, starts[row_of] + within)
+        return gather, real, starts[row_of] + within
 
     def to(self, device) -> QueryGroup:
         return QueryGroup(None if self.rows is None else self.rows.to(device), self.width,
                           *(t.to(device) for t in (self.gather, self.real, self.targets)))
 
 
-def _ragged(counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For `total` (= `counts.sum()`, known on the host) tokens of rows holding `counts` each, in row order: each
-    token's row and its index within the row."""
-    rows = torch.arange(counts.shape[0], device=counts.device)
-    row_of = torch.repeat_interleave(rows, counts, output_size=total)
-    first = counts.cumsum(0) - counts
-    return row_of, torch.arange(total, device=counts.device) - first[row_of]
+def _ragged(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For the tokens of rows holding `counts` each, in row order: each token's row and its index within the row
+    (host arrays)."""
+    row_of = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    first = np.cumsum(counts) - counts
+    return row_of, np.arange(len(row_of), dtype=np.int64) - first[row_of]
 
 
 def query_groups(counts: list[int]) -> tuple[int, list[int], int] | None:

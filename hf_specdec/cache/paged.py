@@ -18,6 +18,7 @@ import os
 import weakref
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
@@ -195,16 +196,20 @@ class PagedKVCache(Cache):
         bs = self.block_size
         q = max(num_tokens)
         tables = [self.manager.block_table(s) for s in seq_ids]
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
-        starts_t = torch.tensor(starts, dtype=torch.long, device=device)
-        counts_t = torch.tensor(num_tokens, dtype=torch.long, device=device)
-        context_lens = starts_t + counts_t
+        rows, width = len(seq_ids), max(len(t) for t in tables)
         self._past_length = max(starts)
-
-        offset = torch.arange(q, device=device)[None, :] - (q - counts_t)[:, None]  # [rows, q]; < 0 is padding
-        is_token = offset >= 0
-        query_positions = starts_t[:, None] + offset.clamp(min=0)
+        # The step's tables and positions, computed on the host and sent to the device in one copy.
+        table = np.zeros((rows, width), dtype=np.int64)
+        for i, t in enumerate(tables):
+            table[i, :len(t)] = t
+        first = np.asarray(starts, dtype=np.int64)
+        fed = np.asarray(num_tokens, dtype=np.int64)
+        offset = np.arange(q)[None, :] - (q - fed)[:, None]  # [rows, q]; < 0 is padding
+        host = (table, first + fed, first[:, None] + np.maximum(offset, 0), offset >= 0)
+        parts = torch.from_numpy(np.concatenate([h.astype(np.int64, copy=False).ravel() for h in host])).to(device)
+        block_tables, context_lens, query_positions, is_token = (
+            part.view(h.shape) for part, h in zip(parts.split([h.size for h in host]), host))
+        is_token = is_token.bool()
 
         backend = resolve_backend(self.kernel_backend, device)
         slots = view = None
@@ -228,9 +233,7 @@ class PagedKVCache(Cache):
             by_token = (packed and backend == "torch" and view is None and self.token_rows is not False
                         and (self.token_rows or token_rows_pay(num_tokens, slots.shape[1],
                                                                0 if pool is None else pool[0].numel(), split)))
-            layout = PackedLayout.build(counts_t, q, sum(num_tokens), query_positions,
-                                        list(num_tokens) if backend == "torch" else None, split,
-                                        by_token) if packed else None
+            layout = PackedLayout.build(num_tokens, q, starts, device, split, by_token) if packed else None
             write_slots = write_slots.reshape(-1)
             if layout is not None:
                 write_slots = write_slots.index_select(0, layout.pack_index)

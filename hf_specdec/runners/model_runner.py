@@ -8,6 +8,7 @@ import os
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..cache.attention import ATTENTION_NAME, PLAN_KWARG
@@ -360,13 +361,13 @@ def _packed_logit_index(num_tokens: list[int], logit_counts: list[int], num_logi
     if any(not 1 <= w <= min(f, num_logits) for f, w in zip(num_tokens, logit_counts)):
         raise ValueError(f"logit_counts must be between 1 and each row's tokens (at most num_logits={num_logits}), "
                          f"got {logit_counts} for {num_tokens}")
-    fed = torch.tensor(num_tokens, dtype=torch.long)
-    want = torch.tensor(logit_counts, dtype=torch.long)
-    row_of, within = _ragged(want, int(sum(logit_counts)))
-    keep = fed.cumsum(0)[row_of] - want[row_of] + within
-    first = want.cumsum(0) - want
-    expand = first[:, None] + torch.minimum(torch.arange(num_logits)[None, :], want[:, None] - 1)
-    return keep, expand.reshape(-1)
+    fed = np.asarray(num_tokens, dtype=np.int64)
+    want = np.asarray(logit_counts, dtype=np.int64)
+    row_of, within = _ragged(want)
+    keep = np.cumsum(fed)[row_of] - want[row_of] + within
+    first = np.cumsum(want) - want
+    expand = first[:, None] + np.minimum(np.arange(num_logits)[None, :], want[:, None] - 1)
+    return torch.from_numpy(keep), torch.from_numpy(expand.reshape(-1))
 
 
 def left_aligned(logits: torch.Tensor, logit_counts: list[int]) -> torch.Tensor:
