@@ -87,8 +87,7 @@ class PackedLayout:
             short, long_rows, long = split
             parts += [*QueryGroup.indices(None, short, c, cu_query),
                       np.asarray(long_rows, dtype=np.int64), *QueryGroup.indices(long_rows, long, c, cu_query)]
-        sizes = [len(part) for part in parts]
-        flat = torch.from_numpy(np.concatenate(parts)).to(device).split(sizes)
+        flat = host_to_device(parts, device)
         groups = None
         if split is not None and not token_rows:
             groups = (QueryGroup(None, split[0], *flat[4:7]), QueryGroup(flat[7], split[2], *flat[8:11]))
@@ -149,6 +148,20 @@ class QueryGroup:
     def to(self, device) -> QueryGroup:
         return QueryGroup(None if self.rows is None else self.rows.to(device), self.width,
                           *(t.to(device) for t in (self.gather, self.real, self.targets)))
+
+
+def host_to_device(parts: list[np.ndarray], device) -> list[torch.Tensor]:
+    """Host integer arrays as int64 tensors on `device`, shaped as they are, in one copy: views of one buffer, each
+    starting on a 64-byte boundary (kernels specialise on their pointers' alignment, and Triton compiles a variant of
+    its own for a pointer that is not 16-byte aligned)."""
+    sizes = [part.size for part in parts]
+    padded = [-(-size // 8) * 8 for size in sizes]
+    flat = np.zeros(sum(padded), dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(padded)[:-1]]).tolist()
+    for part, offset, size in zip(parts, offsets, sizes):
+        flat[offset:offset + size] = part.ravel()
+    buffer = torch.from_numpy(flat).to(device)
+    return [buffer[offset:offset + size].view(part.shape) for part, offset, size in zip(parts, offsets, sizes)]
 
 
 def _ragged(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -33,6 +33,7 @@ from .layout import (
     StepPlan,
     TreeAttention,
     context_groups,
+    host_to_device,
     query_groups,
     token_rows_pay,
 )
@@ -206,9 +207,7 @@ class PagedKVCache(Cache):
         fed = np.asarray(num_tokens, dtype=np.int64)
         offset = np.arange(q)[None, :] - (q - fed)[:, None]  # [rows, q]; < 0 is padding
         host = (table, first + fed, first[:, None] + np.maximum(offset, 0), offset >= 0)
-        parts = torch.from_numpy(np.concatenate([h.astype(np.int64, copy=False).ravel() for h in host])).to(device)
-        block_tables, context_lens, query_positions, is_token = (
-            part.view(h.shape) for part, h in zip(parts.split([h.size for h in host]), host))
+        block_tables, context_lens, query_positions, is_token = host_to_device(list(host), device)
         is_token = is_token.bool()
 
         backend = resolve_backend(self.kernel_backend, device)
