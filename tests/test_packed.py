@@ -184,6 +184,54 @@ def test_generation_with_packed_steps_is_the_targets_own(speculator, monkeypatch
     assert engine_runner.packed and engine_runner.num_packed_forwards > 0
 
 
+@pytest.mark.parametrize("processed", [False, True])
+def test_a_greedy_packed_verify_leaves_its_logits_packed(processed, monkeypatch):
+    """Greedy with nothing reading the scores but the argmax: a packed verify's logits stay `[1, K, vocab]` (no
+    `[rows, k + 1, vocab]` copy) and are read through `logit_index`; with a logits processor they are laid out per
+    row as before. Either way the output is the target's own."""
+    seen = []
+    forward = ModelRunner.forward
+
+    def spy(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        if kwargs.get("logit_counts") is not None:
+            seen.append(getattr(out, "logit_index", None) is not None)
+        return out
+
+    monkeypatch.setattr(ModelRunner, "forward", spy)
+    target = make_model("llama")
+    input_ids, mask = ragged_batch(rows=4, width=14)
+    extra = dict(repetition_penalty=1.3) if processed else {}
+    expected = target.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False, **extra)
+    out = target.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False, speculator="ngram",
+                          num_speculative_tokens=3, speculative_schedule="constant", **extra)
+    assert torch.equal(out, expected)
+    assert any(seen) != processed and (not processed or not any(seen))
+
+
+def test_nan_logits_in_a_packed_verify_are_refused(monkeypatch):
+    """A NaN at one kept position of a packed verify's logits (left packed) stops the call, naming its row."""
+    forward = ModelRunner.forward
+    spoiled = []
+
+    def spoil(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        index = getattr(out, "logit_index", None)
+        if index is not None and not spoiled:
+            position = int(index.view(len(args[0]), -1)[1, 0])  # the second row's first kept position
+            out.logits[0, position, 0] = float("nan")
+            spoiled.append(args[0][1])
+        return out
+
+    monkeypatch.setattr(ModelRunner, "forward", spoil)
+    target = make_model("llama")
+    input_ids, mask = ragged_batch(rows=3, width=12)
+    with pytest.raises(FloatingPointError, match="NaN or inf logits") as error:
+        target.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False, speculator="ngram",
+                        num_speculative_tokens=3, speculative_schedule="constant")
+    assert spoiled and f"rows [{spoiled[0]}]" in str(error.value)
+
+
 def test_the_padded_layout_can_be_forced_and_gives_the_same_output(monkeypatch):
     target = make_model("mistral")
     input_ids, mask = ragged_batch(rows=3, width=16)

@@ -351,8 +351,10 @@ def measure_step_cost(model, rows: tuple[int, ...], tokens: tuple[int, ...] | di
             for q in per_rows[b]:
                 counts = verify_counts(b, q, getattr(runner, "packed", False))
                 ids = torch.randint(vocab, (b, max(counts)), device=device)
+                # Logits as a greedy verify takes them: a packed step's left packed (`packed_logits`); a sampled
+                # one also spreads them to `[rows, k + 1, vocab]`, a copy not priced here.
                 cells["step", b, q, c] = lambda runner=runner, ids=ids, b=b, counts=counts: runner.forward(
-                    list(range(b)), ids, counts, max(counts), logit_counts=counts)
+                    list(range(b)), ids, counts, max(counts), logit_counts=counts, packed_logits=True)
 
         def rollback(key):
             _, b, _, c = key

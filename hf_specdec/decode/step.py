@@ -24,7 +24,7 @@ from ..runners.model_runner import TargetHiddenStates, committed_hidden_states
 from ..structured.constraints import RowConstraints
 from ..types import PAD_ID, DraftProposal, DraftTree, gather_right_aligned
 from .speculator import Speculator
-from .verify import verify, verify_tree
+from .verify import verify, verify_argmax, verify_tree
 
 
 class Step:
@@ -99,35 +99,46 @@ class Step:
         start_cols = batch.first_col[rows_t] + cached_t
         input_ids = gather_right_aligned(batch.token_ids, rows_t, start_cols, counts_fed, max(num_fed))
         wants_states = self.speculator.needs_hidden_states
+        # Greedy with nothing reading the scores but the argmax: a packed step's logits may stay packed.
+        lean = not (batch.do_sample or batch.processing or constrained is not None or self.logprob_rows
+                    or stop.custom)
         # Logits `[rows, k + 1, vocab]`, each row's from column 0: after its last pending token, then after each of
         # its drafts (columns past a row's own drafts repeat its last; nothing reads them). A packed step computes
-        # them only where a row needs them.
+        # them only where a row needs them, and with `lean` leaves them so: `[1, K, vocab]`, `out.logit_index` saying
+        # which of them each `[rows, k + 1]` entry is.
         out = target.forward(rows, input_ids, num_fed, num_logits=k + 1, logit_counts=[n + 1 for n in counts],
-                             output_hidden_states=self._hidden_layers(wants_states), packed_states=wants_states)
+                             output_hidden_states=self._hidden_layers(wants_states), packed_states=wants_states,
+                             packed_logits=lean)
         if getattr(getattr(target, "graphs", None), "trial", False):  # compiled just now: not a step's usual time
             self.timed = False
-        logits = out.logits
-        masked = constrained.mask(logits) if constrained is not None else logits
-        if batch.processing:
-            history = end[:, None] + torch.arange(k + 1, device=end.device)  # [rows, k + 1] history length per position
-            scores = batch.processing(batch.token_ids, rows_t.repeat_interleave(k + 1), history.reshape(-1),
-                                      masked.reshape(-1, logits.shape[-1])).view(logits.shape)
-        else:  # no processors: the logits as they are (in float32, as processing returns them)
-            scores = masked.float()
-        sampling = _row_sampling(batch, rows, k)
-        if constrained is not None and batch.do_sample:
-            if "seeded" in sampling:  # a seeded row samples the target itself at a forbidden draft's position
-                sampling["seeded_logits"] = scores
-            scores = constrained.residual(scores)
-        result = target.agree(verify(scores, draft, batch.do_sample, **sampling))
+        logits, index = out.logits, getattr(out, "logit_index", None)
+        if index is not None:  # the argmax and the NaN/inf check per kept position, spread to the rows after
+            flat, shape = logits[0], (len(rows), k + 1)
+            scores = None
+            result = target.agree(verify_argmax(flat.argmax(-1).index_select(0, index).view(shape), draft))
+            broken = non_finite_rows(flat).index_select(0, index).view(shape).any(-1)
+        else:
+            masked = constrained.mask(logits) if constrained is not None else logits
+            if batch.processing:
+                history = end[:, None] + torch.arange(k + 1, device=end.device)  # [rows, k + 1] history lengths
+                scores = batch.processing(batch.token_ids, rows_t.repeat_interleave(k + 1), history.reshape(-1),
+                                          masked.reshape(-1, logits.shape[-1])).view(logits.shape)
+            else:  # no processors: the logits as they are (in float32, as processing returns them)
+                scores = masked.float()
+            sampling = _row_sampling(batch, rows, k)
+            if constrained is not None and batch.do_sample:
+                if "seeded" in sampling:  # a seeded row samples the target itself at a forbidden draft's position
+                    sampling["seeded_logits"] = scores
+                scores = constrained.residual(scores)
+            result = target.agree(verify(scores, draft, batch.do_sample, **sampling))
+            broken = non_finite_rows(logits)
 
         output = result.output_token_ids
         batch.token_ids[rows_t[:, None], end[:, None] + torch.arange(k + 1, device=end.device)] = torch.where(
             output == PAD_ID, pad_token_id, output)
         num_emit, finished = stop.apply(batch.token_ids, rows_t, end, output, result.num_accepted + 1,
                                         budget_t, scores)
-        # NaN/inf logits would silently turn into arbitrary tokens; check them in the step's one host transfer.
-        broken = non_finite_rows(logits)
+        # NaN/inf logits would silently turn into arbitrary tokens; checked in the step's one host transfer.
         if draft.probs is not None:
             broken |= non_finite_rows(draft.probs)
         num_emit, num_accepted, num_drafted, finished = self._commit(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.rejection_sample import rejection_sample, sample_with_noise
+from ..kernels.rejection_sample import greedy_accept_argmax, rejection_sample, sample_with_noise
 from ..types import PAD_ID, DraftProposal, DraftTree, VerifyResult
 
 
@@ -55,6 +55,12 @@ def verify(target_logits: torch.Tensor, draft: DraftProposal, do_sample: bool,
         picked, accepted = sample_by_position(probs, draft.token_ids[rows], draft.num_tokens[rows], seeded[1])
         output, num_accepted = output.index_copy(0, rows, picked), num_accepted.index_copy(0, rows, accepted)
     return VerifyResult(output, num_accepted)
+
+
+def verify_argmax(target_argmax: torch.Tensor, draft: DraftProposal) -> VerifyResult:
+    """Greedy verification from the target's argmax at each position, `[rows, k + 1]` (as `verify` computes it from
+    logits laid out per row): for a step whose logits stay packed."""
+    return VerifyResult(*greedy_accept_argmax(draft.token_ids, draft.num_tokens, target_argmax))
 
 
 def sample_by_position(target_probs: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,

@@ -111,7 +111,8 @@ class DenseRunner(CacheRows):
 
     def forward(self, seq_ids: list[int], input_ids: torch.Tensor, num_tokens: list[int], num_logits: int,
                 output_hidden_states: bool | tuple[int, ...] = False, tree=None, logit_counts: list[int] | None = None,
-                packed_states: bool = False, state_window: int | None = None, **model_kwargs):
+                packed_states: bool = False, state_window: int | None = None, packed_logits: bool = False,
+                **model_kwargs):
         """Appends `num_tokens[i]` tokens to row `seq_ids[i]` and returns the model output.
 
         Args:
@@ -120,6 +121,7 @@ class DenseRunner(CacheRows):
             logit_counts: as `ModelRunner.forward`: row i's last `logit_counts[i]` positions, left-aligned.
             packed_states: as `ModelRunner.forward`; a dense step is never packed, so its states come padded.
             state_window: as `ModelRunner.forward`; the masked cache keeps no recurrent state, so it is not used.
+            packed_logits: as `ModelRunner.forward`; a dense step is never packed, so its logits come padded.
         Returns:
             The model output; `logits` is `[rows, num_logits, vocab]` and `hidden_states` right-aligned like the input.
         """

@@ -192,7 +192,8 @@ class ModelRunner(CacheRows):
 
     def forward(self, seq_ids: list[int], input_ids: torch.Tensor, num_tokens: list[int], num_logits: int,
                 output_hidden_states: bool | tuple[int, ...] = False, tree=None, logit_counts: list[int] | None = None,
-                packed_states: bool = False, state_window: int | None = None, **model_kwargs):
+                packed_states: bool = False, state_window: int | None = None, packed_logits: bool = False,
+                **model_kwargs):
         """Appends `num_tokens[i]` tokens to row `seq_ids[i]` and returns the model output.
 
         Args:
@@ -210,6 +211,11 @@ class ModelRunner(CacheRows):
             state_window: recurrent layers keep their state after each of each row's last this many positions (the
                 positions a row may roll back to; default `num_logits`): a prompt scored at every position rolls
                 back nowhere, and keeps one.
+            packed_logits: with `logit_counts`, a packed step leaves its logits as computed, `[1, K, vocab]` (each
+                row's kept positions one after another), and sets `out.logit_index`, `[rows * num_logits]`, the kept
+                position each left-aligned entry shows, instead of spreading them to `[rows, num_logits, vocab]`
+                (at a 262k vocabulary 16 rows of up to 3 positions make a 50 MB copy a step). A step that is not
+                packed returns its logits as usual and sets no index.
             model_kwargs: passed on to the model (a draft head's input features, say).
         Returns:
             The model output; `logits` is `[rows, num_logits, vocab]`, right-aligned (each row's trailing positions)
@@ -259,7 +265,10 @@ class ModelRunner(CacheRows):
             return _to(out, caller)
         if layout is not None:
             layers = output_hidden_states if isinstance(output_hidden_states, tuple) else None
-            _unpack_output(out, layout, keep, rows, num_logits, layers, expand, packed_states)
+            _unpack_output(out, layout, keep, rows, num_logits, layers, expand, packed_states, packed_logits)
+            if packed_logits and expand is not None:  # left packed: only moved to the caller's device
+                out.logit_index = _to(out.logit_index, caller)
+                return self._finish(out, out.logits.shape[1], None, caller)
         return self._finish(out, num_logits, logit_counts if expand is None else None, caller)
 
     def _call(self, plan, input_ids, position_ids, keep, output_hidden_states, model_kwargs, factors=None):
@@ -328,20 +337,25 @@ def packs(model) -> bool:
 
 
 def _unpack_output(out, layout, keep: torch.Tensor, rows: int, num_logits: int, layers=None,
-                   expand: torch.Tensor | None = None, packed_states: bool = False) -> None:
+                   expand: torch.Tensor | None = None, packed_states: bool = False,
+                   packed_logits: bool = False) -> None:
     """A packed forward's logits at the `keep` positions of the stream (or the whole stream's, where the model
     ignored `logits_to_keep`) to `[rows, num_logits, vocab]` (through `expand`, the kept position of each output
     entry, when given), and its hidden states `[1, T, hidden]` to the padded `[rows, q, hidden]` (padding repeats the
     row's first token), as the padded layout returns them: those at `layers` only, when given (the others become
     None; a newcomer's prompt makes every row as wide as it). `packed_states`: those stay packed
-    (`out.states_packed`)."""
+    (`out.states_packed`). `packed_logits`, with `expand`: the logits stay `[1, K, vocab]` and `expand` becomes
+    `out.logit_index`."""
     logits = getattr(out, "logits", None)
     if logits is not None:
         if logits.shape[1] != keep.numel():
             logits = logits[:, keep.to(logits.device)]
-        if expand is not None:
-            logits = logits[0].index_select(0, expand.to(logits.device))
-        out.logits = logits.view(rows, num_logits, logits.shape[-1])
+        if expand is not None and packed_logits:
+            out.logits, out.logit_index = logits, expand.to(logits.device)
+        else:
+            if expand is not None:
+                logits = logits[0].index_select(0, expand.to(logits.device))
+            out.logits = logits.view(rows, num_logits, logits.shape[-1])
     if getattr(out, "hidden_states", None) is not None:
         if packed_states:
             out.states_packed = True

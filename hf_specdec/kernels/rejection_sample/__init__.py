@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend
-from .reference import PAD_ID, greedy_accept, rejection_sample_reference, sample_with_noise
+from .reference import PAD_ID, greedy_accept, greedy_accept_argmax, rejection_sample_reference, sample_with_noise
 
-__all__ = ["PAD_ID", "greedy_accept", "rejection_sample", "rejection_sample_reference", "sample_with_noise"]
+__all__ = ["PAD_ID", "greedy_accept", "greedy_accept_argmax", "rejection_sample", "rejection_sample_reference",
+           "sample_with_noise"]
 
 
 def rejection_sample(

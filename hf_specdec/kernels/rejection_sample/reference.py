@@ -100,11 +100,17 @@ def greedy_accept(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor,
     """`rejection_sample_reference` for a batch whose rows are all greedy, in a third of its operations (a step's
     verify runs once per token; on a GPU each operation is a kernel launch). Every kept position's token is the
     target's argmax there: an accepted draft equals it, and the token after the accepted drafts is it."""
+    return greedy_accept_argmax(draft_token_ids, num_draft_tokens, scores.argmax(-1))
+
+
+def greedy_accept_argmax(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor,
+                         target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`greedy_accept` from the target's argmax at each position, `[batch, k + 1]`, for a caller that has it
+    without the scores laid out per row (a packed step's logits)."""
     batch, k = draft_token_ids.shape
-    target_argmax = scores.argmax(-1)  # [batch, k + 1]
     if k == 0:
-        return target_argmax, torch.zeros(batch, dtype=torch.long, device=scores.device)
-    positions = torch.arange(k + 1, device=scores.device)
+        return target_argmax, torch.zeros(batch, dtype=torch.long, device=target_argmax.device)
+    positions = torch.arange(k + 1, device=target_argmax.device)
     matched = (draft_token_ids == target_argmax[:, :k]) & (positions[:k] < num_draft_tokens[:, None])
     num_accepted = matched.long().cumprod(-1).sum(-1)
     return torch.where(positions <= num_accepted[:, None], target_argmax, PAD_ID), num_accepted
