@@ -124,10 +124,15 @@ class AdaptiveK:
         return torch.from_numpy(self._pooled())
 
     def _rates(self, rows: list[int], classes: list[int] | None) -> np.ndarray:
+        """`[rows]` each row's acceptance estimate for its class (class 0 where `classes` is None)."""
         cls = np.zeros(len(rows), dtype=np.intp) if classes is None else np.asarray(classes, dtype=np.intp)
+        return self._class_rates(rows)[np.arange(len(rows)), cls]
+
+    def _class_rates(self, rows: list[int]) -> np.ndarray:
+        """`[rows, classes]` each row's acceptance estimate for every class: its counts, shrunk towards the pooled
+        estimate by `strength`."""
         r = np.asarray(rows, dtype=np.intp)
-        pooled = self._pooled()
-        return (self._accepted[r, cls] + self.strength * pooled[cls]) / (self._tried[r, cls] + self.strength)
+        return (self._accepted[r] + self.strength * self._pooled()[None, :]) / (self._tried[r] + self.strength)
 
     def _pooled(self) -> np.ndarray:
         accepted, tried = self._accepted.sum(0), self._tried.sum(0)
@@ -190,13 +195,11 @@ class AdaptiveK:
 
     def may_draft(self, rows: list[int], available: list[int], context: float = 0.0) -> bool:
         """Whether `choose_rows` (`choose` where the verify is not packed) could verify any drafts this step were
-        each row to offer `available` drafts of its likeliest confidence class. When not, a speculator whose drafts are free need not look for proposals (an
-        n-gram lookup, its tensor ops and its device read spared); the step is recorded as declined, as
-        `choose_rows` records one. Records nothing when drafting could pay."""
+        each row to offer `available` drafts of its likeliest confidence class. When not, a speculator whose drafts
+        are free need not look for proposals (an n-gram lookup, its tensor ops and its device read spared); the step
+        is recorded as declined, as `choose_rows` records one. Records nothing when drafting could pay."""
         if self.max_k and rows and any(a > 0 for a in available):
-            r = np.asarray(rows, dtype=np.intp)
-            rates = (self._accepted[r] + self.strength * self._pooled()[None, :]) / (self._tried[r] + self.strength)
-            best = rates.argmax(1).tolist()
+            best = self._class_rates(rows).argmax(1).tolist()
             if (any(self._choose_rows(rows, available, best, context)[0]) if self.packed
                     else self._choose(rows, available, best, context) > 0):
                 return True

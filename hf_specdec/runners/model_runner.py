@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..cache.attention import ATTENTION_NAME, PLAN_KWARG
-from ..cache.layout import _ragged
+from ..cache.layout import _ragged, host_to_device
 from ..cache.paged import KeptPools, PagedKVCache
 from ..cache.recurrent import make_cache, recurrent_layers_split
 from ..cache.rope import RopeRows, rope_factors
@@ -249,8 +249,8 @@ class ModelRunner(CacheRows):
             position_ids = layout.positions
             num_logits = min(num_logits, width)
             if logit_counts is not None:  # only the positions asked for, each once; spread to columns after
-                keep, expand = _packed_logit_index(num_tokens, logit_counts, num_logits)
-                keep, expand = keep.to(self.device), expand.to(self.device)
+                keep, expand = host_to_device(_packed_logit_index(num_tokens, logit_counts, num_logits),
+                                              self.device)
             else:  # each row's trailing `num_logits` positions, by their place in the stream
                 keep = layout.unpack_index.view(rows, width)[:, width - num_logits:].reshape(-1)
         factors = None  # LongRoPE's factors for this forward's tokens (`cache/rope.py`)
@@ -368,10 +368,10 @@ def _unpack_output(out, layout, keep: torch.Tensor, rows: int, num_logits: int, 
 
 
 def _packed_logit_index(num_tokens: list[int], logit_counts: list[int], num_logits: int
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        ) -> list[np.ndarray]:
     """For a packed stream of rows holding `num_tokens` each: the stream positions of each row's last
     `logit_counts[i]` tokens (row by row), and for each entry of a left-aligned `[rows, num_logits]` the index of
-    the kept position it shows (past a row's own, its last). Host tensors, from host lists: nothing waits."""
+    the kept position it shows (past a row's own, its last). Host arrays, from host lists: nothing waits."""
     if any(not 1 <= w <= min(f, num_logits) for f, w in zip(num_tokens, logit_counts)):
         raise ValueError(f"logit_counts must be between 1 and each row's tokens (at most num_logits={num_logits}), "
                          f"got {logit_counts} for {num_tokens}")
@@ -381,7 +381,7 @@ def _packed_logit_index(num_tokens: list[int], logit_counts: list[int], num_logi
     keep = np.cumsum(fed)[row_of] - want[row_of] + within
     first = np.cumsum(want) - want
     expand = first[:, None] + np.minimum(np.arange(num_logits)[None, :], want[:, None] - 1)
-    return torch.from_numpy(keep), torch.from_numpy(expand.reshape(-1))
+    return [keep, expand.reshape(-1)]
 
 
 def left_aligned(logits: torch.Tensor, logit_counts: list[int]) -> torch.Tensor:
