@@ -14,10 +14,14 @@ from hypothesis import strategies as st
 pytest.importorskip("triton")
 
 from hf_specdec.kernels._backend import ENV_VAR, interpreting, resolve_backend
-from hf_specdec.kernels.paged_attention import TreeMask, paged_attention, paged_attention_reference
-from hf_specdec.kernels.paged_attention import reference
+from hf_specdec.kernels.paged_attention import TreeMask, paged_attention, paged_attention_reference, reference
 from hf_specdec.kernels.paged_attention.triton_kernel import paged_attention_triton
-from hf_specdec.kernels.rejection_sample import greedy_accept, rejection_sample, rejection_sample_reference
+from hf_specdec.kernels.rejection_sample import (
+    greedy_accept,
+    rejection_sample,
+    rejection_sample_reference,
+    sample_with_uniforms,
+)
 from hf_specdec.kernels.rejection_sample.triton_kernel import rejection_sample_triton
 from hf_specdec.kernels.sampling import apply_sampling_params, apply_sampling_params_reference
 from hf_specdec.kernels.sampling.triton_kernel import apply_sampling_params_triton
@@ -225,6 +229,40 @@ def test_kernel_philox_draws_follow_the_recovered_and_bonus_distributions():
     assert tv(out[:n, 0], without_draft) < 0.08
     assert tv(out[n:2 * n, 0], residual) < 0.08
     assert tv(out[2 * n:, 0], target_row) < 0.08
+    assert 0.5 * (without_draft - target_row).abs().sum() > 0.25  # the test can tell the distributions apart
+
+
+def test_inverse_cdf_draws_take_each_index_by_its_weight_and_never_a_zero_weight():
+    """`sample_with_uniforms`, the CPU's draw for recovered and bonus tokens: uniforms evenly spread over [0, 1)
+    pick each index as often as its share of the weight (to one draw), never an index of weight 0 (not even at the
+    ends of [0, 1)), and a row of zeros gives 0."""
+    weights = torch.tensor([[0.0, 3.0, 0.0, 1.0, 4.0, 0.0], [2.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    n = 8000
+    uniforms = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    for row in weights:
+        picks = sample_with_uniforms(row.expand(n, -1), uniforms)
+        counts = torch.bincount(picks, minlength=len(row)).double()
+        assert (counts - n * row.double() / row.sum()).abs().max() <= 1
+    ends = torch.tensor([0.0, 1.0 - 2.0 ** -53], dtype=torch.float64)
+    assert sample_with_uniforms(weights[:1].expand(2, -1), ends).tolist() == [1, 4]
+    assert sample_with_uniforms(torch.zeros(2, 6), ends).tolist() == [0, 0]
+
+
+def test_the_torch_backend_draws_recovered_and_bonus_tokens_by_their_distributions():
+    """The CPU's rejection sampling (one uniform per row for the recovered or bonus token, not a vocabulary of
+    Exp(1) noise): recovered tokens follow the target without the rejected draft, bonus tokens the target."""
+    n = 4000
+    target_row = torch.tensor([0.1, 0.2, 0.3, 0.25, 0.15])
+    target = target_row.expand(2 * n, 2, 5).clone()
+    drafts = torch.full((2 * n, 1), 2)
+    num_drafts = torch.tensor([1] * n + [0] * n)
+    uniforms = torch.full((2 * n, 1), 0.9999, dtype=torch.float64)  # target_prob 0.3 < u * 1: rejected
+    out, num_accepted = rejection_sample(drafts, num_drafts, target, is_greedy=False, uniforms=uniforms,
+                                         generator=torch.Generator().manual_seed(0), backend="torch")
+    assert num_accepted.sum() == 0
+    without_draft = torch.tensor([0.1, 0.2, 0.0, 0.25, 0.15]) / 0.7
+    assert tv(out[:n, 0], without_draft) < 0.04  # expected noise for 5 outcomes and 4000 draws: about 0.015
+    assert tv(out[n:, 0], target_row) < 0.04
     assert 0.5 * (without_draft - target_row).abs().sum() > 0.25  # the test can tell the distributions apart
 
 

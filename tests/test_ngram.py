@@ -1,6 +1,7 @@
 """N-gram lookup: the longest matching context wins (the latest among equals), batched rows stay independent, and
 the match length comes back as the proposal's confidence class."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -37,8 +38,10 @@ def brute_force(row: list[int], k: int, min_ngram: int, max_ngram: int) -> tuple
     return [follows[i % len(follows)] for i in range(k)], best_len
 
 
-def proposals(spec, rows, k):
-    draft = spec.propose(make_batch(rows), k)
+def proposals(spec, rows, k, path="propose"):
+    """Each row's drafts and confidence class. `path="_propose_device"`: through the tensor-op lookup an accelerator
+    runs, instead of `propose`'s choice for the batch's device (numpy for a CPU's)."""
+    draft = getattr(spec, path)(make_batch(rows), k)
     out = []
     for i in range(len(rows)):
         n = int(draft.num_tokens[i])
@@ -83,13 +86,19 @@ def test_confidence_is_capped_at_the_last_class():
     assert spec.drafts_are_free
 
 
+PATHS = pytest.mark.parametrize("path", ["propose", "_propose_device"])
+
+
+@PATHS
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=30), min_size=1, max_size=4),
        st.integers(1, 5), st.integers(1, 3), st.integers(0, 4))
-def test_matches_the_per_row_spec(rows, k, min_ngram, extra):
+def test_matches_the_per_row_spec(path, rows, k, min_ngram, extra):
+    """Both lookups: numpy over the columns holding the last token (a CPU's), tensor ops over every column (an
+    accelerator's)."""
     max_ngram = min_ngram + extra
     spec = NgramSpeculator(min_ngram, max_ngram)
-    got = proposals(spec, rows, k)
+    got = proposals(spec, rows, k, path)
     for row, (tokens, confidence) in zip(rows, got):
         want, length = brute_force(row, k, min_ngram, max_ngram)
         assert tokens == want
@@ -97,7 +106,8 @@ def test_matches_the_per_row_spec(rows, k, min_ngram, extra):
             assert confidence == min(length, len(spec.confidence_priors) - 1)
 
 
-def test_a_match_late_in_a_long_row_is_found():
+@PATHS
+def test_a_match_late_in_a_long_row_is_found(path):
     """Columns are ranked by match length times the row's width plus the column: in rows of thousands of tokens that
     rank must not overflow (a 16-bit rank wrapped past 32767 and picked a column with a shorter match)."""
     g = torch.Generator().manual_seed(0)
@@ -105,12 +115,13 @@ def test_a_match_late_in_a_long_row_is_found():
     phrase = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     # The phrase's first six tokens early (a shorter match), the whole phrase near the end, then its start again.
     row = phrase[:5] + [99] + filler[:3000] + phrase + filler[3000:] + phrase[:8]
-    (tokens, confidence), = proposals(NgramSpeculator(1, 16), [row], 3)
+    (tokens, confidence), = proposals(NgramSpeculator(1, 16), [row], 3, path)
     assert tokens == [9] + filler[3000:3002]
     assert confidence == 8
 
 
-def test_lookup_reads_only_the_columns_rows_use():
+@PATHS
+def test_lookup_reads_only_the_columns_rows_use(path):
     """A server's buffer is as wide as the model's context; the lookup reads up to the rows' longest end only, and
     proposes the same as over a buffer cut there. Stale tokens past a row's end (an earlier, longer request's) are
     never matched."""
@@ -120,7 +131,7 @@ def test_lookup_reads_only_the_columns_rows_use():
     wide.token_ids[:, narrow.token_ids.shape[1]:] = 5  # stale tokens past every row's end
     assert narrow.token_ids.shape[1] <= wide.used_width(wide.active) <= 2 * narrow.token_ids.shape[1] < 500
     ngram = NgramSpeculator()
-    a, b = ngram.propose(narrow, 3), ngram.propose(wide, 3)
+    a, b = getattr(ngram, path)(narrow, 3), getattr(ngram, path)(wide, 3)
     assert torch.equal(a.num_tokens, b.num_tokens) and torch.equal(a.confidence, b.confidence)
     assert torch.equal(torch.where(a.token_ids == PAD_ID, -1, a.token_ids), torch.where(b.token_ids == PAD_ID, -1, b.token_ids))
     assert b.num_tokens.tolist()[:2] == [3, 3]

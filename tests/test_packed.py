@@ -15,6 +15,7 @@ from conftest import ARCHITECTURES, VOCAB, make_model, ragged_batch
 from hf_specdec.runners import model_runner
 from hf_specdec.costs.adaptive import AdaptiveK
 from hf_specdec.costs.step_cost import StepCost
+from hf_specdec.decode.logits import LogitsProcessing
 from hf_specdec.runners.support import check_model_supported
 from hf_specdec.runners.model_runner import ModelRunner, paged_attention
 
@@ -185,28 +186,41 @@ def test_generation_with_packed_steps_is_the_targets_own(speculator, monkeypatch
 
 
 @pytest.mark.parametrize("processed", [False, True])
-def test_a_greedy_packed_verify_leaves_its_logits_packed(processed, monkeypatch):
-    """Greedy with nothing reading the scores but the argmax: a packed verify's logits stay `[1, K, vocab]` (no
-    `[rows, k + 1, vocab]` copy) and are read through `logit_index`; with a logits processor they are laid out per
-    row as before. Either way the output is the target's own."""
-    seen = []
-    forward = ModelRunner.forward
+def test_a_packed_verify_leaves_its_logits_packed(processed, monkeypatch):
+    """Nothing but the verify reading the scores: a packed verify's logits stay `[1, K, vocab]` and are read through
+    `logit_index` (a step whose rows all feed as many tokens is not packed). Greedy alone reads their argmax; with a
+    logits processor (here one reading each position's history) the processor runs once per kept position, not on
+    `[rows, k + 1]` entries padded to the widest row, and the scores are spread to rows after. Either way the output
+    is the target's own."""
+    seen, processed_entries = [], []
+    forward, process = ModelRunner.forward, LogitsProcessing.__call__
 
     def spy(self, *args, **kwargs):
         out = forward(self, *args, **kwargs)
         if kwargs.get("logit_counts") is not None:
-            seen.append(getattr(out, "logit_index", None) is not None)
+            seen.append((getattr(out, "logit_index", None) is not None, sum(kwargs["logit_counts"]),
+                         len(kwargs["logit_counts"]) * kwargs["num_logits"]))
         return out
 
+    def count(self, token_ids, rows, history_lens, scores, *args, **kwargs):
+        processed_entries.append(len(scores))
+        return process(self, token_ids, rows, history_lens, scores, *args, **kwargs)
+
     monkeypatch.setattr(ModelRunner, "forward", spy)
+    monkeypatch.setattr(LogitsProcessing, "__call__", count)
     target = make_model("llama")
     input_ids, mask = ragged_batch(rows=4, width=14)
     extra = dict(repetition_penalty=1.3) if processed else {}
     expected = target.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False, **extra)
+    processed_entries.clear()
     out = target.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False, speculator="ngram",
                           num_speculative_tokens=3, speculative_schedule="constant", **extra)
     assert torch.equal(out, expected)
-    assert any(seen) != processed and (not processed or not any(seen))
+    assert any(packed and kept < padded for packed, kept, padded in seen)  # rows verifying fewer than the widest
+    if processed:  # a packed step's processor sees one entry per kept position, a padded step's every entry
+        assert processed_entries == [kept if packed else padded for packed, kept, padded in seen]
+    else:
+        assert not processed_entries
 
 
 def test_nan_logits_in_a_packed_verify_are_refused(monkeypatch):

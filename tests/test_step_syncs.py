@@ -61,9 +61,10 @@ def test_an_idle_lookup_is_skipped(llama, monkeypatch):
     lookup, and the output is the target's own."""
     from hf_specdec.speculators.ngram import NgramSpeculator
 
-    lookups = []
-    real = NgramSpeculator._longest_match
-    monkeypatch.setattr(NgramSpeculator, "_longest_match", lambda self, *a: lookups.append(1) or real(self, *a))
+    lookups = []  # proposals asked for (k > 0): each a lookup
+    real = NgramSpeculator.propose
+    monkeypatch.setattr(NgramSpeculator, "propose",
+                        lambda self, batch, k: (k and lookups.append(1)) or real(self, batch, k))
     phrase = torch.randint(2, llama.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
     ids = phrase.repeat(1, 6)  # every row offers drafts; the random model does not follow the phrase at first
 

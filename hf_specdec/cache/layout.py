@@ -75,7 +75,7 @@ class PackedLayout:
         for the PyTorch path's attention groups; `token_rows` for a row per token instead."""
         c = np.asarray(counts, dtype=np.int64)
         cu_query = np.concatenate([[0], np.cumsum(c)])
-        row_of, within = _ragged(c)
+        row_of, within = ragged(c)
         pack_index = row_of * q + (q - c)[row_of] + within
         offset = np.arange(q)[None, :] - (q - c)[:, None]
         unpack_index = (cu_query[:-1, None] + np.maximum(offset, 0)).reshape(-1)
@@ -141,7 +141,7 @@ class QueryGroup:
         offset = np.arange(width)[None, :] - (width - fed)[:, None]
         gather = (starts[:, None] + (own - fed)[:, None] + np.maximum(offset, 0)).reshape(-1)
         kept = np.where(own <= width, own, 0)
-        row_of, within = _ragged(kept)
+        row_of, within = ragged(kept)
         real = row_of * width + (width - kept)[row_of] + within
         return gather, real, starts[row_of] + within
 
@@ -164,7 +164,7 @@ def host_to_device(parts: list[np.ndarray], device) -> list[torch.Tensor]:
     return [buffer[offset:offset + size].view(part.shape) for part, offset, size in zip(parts, offsets, sizes)]
 
 
-def _ragged(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def ragged(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For the tokens of rows holding `counts` each, in row order: each token's row and its index within the row
     (host arrays)."""
     row_of = np.repeat(np.arange(len(counts), dtype=np.int64), counts)

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
-from ..cache.layout import TreeAttention
+from ..cache.layout import TreeAttention, host_to_device, ragged
 from ..runners.model_runner import TargetHiddenStates, committed_hidden_states
 from ..structured.constraints import RowConstraints
 from ..types import PAD_ID, DraftProposal, DraftTree, gather_right_aligned
@@ -99,24 +100,30 @@ class Step:
         start_cols = batch.first_col[rows_t] + cached_t
         input_ids = gather_right_aligned(batch.token_ids, rows_t, start_cols, counts_fed, max(num_fed))
         wants_states = self.speculator.needs_hidden_states
-        # Greedy with nothing reading the scores but the argmax: a packed step's logits may stay packed.
-        lean = not (batch.do_sample or batch.processing or constrained is not None or self.logprob_rows
-                    or stop.custom)
-        # Logits `[rows, k + 1, vocab]`, each row's from column 0: after its last pending token, then after each of
-        # its drafts (columns past a row's own drafts repeat its last; nothing reads them). A packed step computes
-        # them only where a row needs them, and with `lean` leaves them so: `[1, K, vocab]`, `out.logit_index` saying
-        # which of them each `[rows, k + 1]` entry is.
+        # Nothing but the verify reads the scores (no grammar, log-probabilities or stopping criteria reading them).
+        packable = constrained is None and not self.logprob_rows and not stop.custom
+        lean = packable and not (batch.do_sample or batch.processing)  # and nothing but their argmax
+        # Logits `[rows, k + 1, vocab]`, each row's from column 0: after its pending token, then each draft (past a
+        # row's drafts, its last again). A packed step computes only those rows need and, `packable`, leaves them so:
+        # `[1, K, vocab]`, `out.logit_index` saying which of them each `[rows, k + 1]` entry is.
         out = target.forward(rows, input_ids, num_fed, num_logits=k + 1, logit_counts=[n + 1 for n in counts],
                              output_hidden_states=self._hidden_layers(wants_states), packed_states=wants_states,
-                             packed_logits=lean)
+                             packed_logits=packable)
         if getattr(getattr(target, "graphs", None), "trial", False):  # compiled just now: not a step's usual time
             self.timed = False
         logits, index = out.logits, getattr(out, "logit_index", None)
-        if index is not None:  # the argmax and the NaN/inf check per kept position, spread to the rows after
+        if index is not None:  # per kept position the NaN/inf check and the argmax or scores, spread to rows after
             flat, shape = logits[0], (len(rows), k + 1)
-            scores = None
-            result = target.agree(verify_argmax(flat.argmax(-1).index_select(0, index).view(shape), draft))
             broken = non_finite_rows(flat).index_select(0, index).view(shape).any(-1)
+            if lean:
+                scores = None
+                result = target.agree(verify_argmax(flat.argmax(-1).index_select(0, index).view(shape), draft))
+            else:
+                if batch.processing:  # once per kept position, with its own history
+                    row_of, within = host_to_device(list(ragged(np.asarray(counts) + 1)), batch.device)
+                    flat = batch.processing(batch.token_ids, rows_t[row_of], end[row_of] + within, flat)
+                scores = flat.float().index_select(0, index).view(*shape, -1)
+                result = target.agree(verify(scores, draft, batch.do_sample, **_row_sampling(batch, rows, k)))
         else:
             masked = constrained.mask(logits) if constrained is not None else logits
             if batch.processing:
@@ -471,9 +478,7 @@ def non_finite_rows(values: torch.Tensor) -> torch.Tensor:
 
 def _row_sampling(batch, rows: list[int], k: int) -> dict:
     """`verify` arguments for a batch whose rows carry their own sampling settings (`SequenceBatch.sampling`)."""
-    if batch.sampling is None or not batch.do_sample:
-        return {}
-    return batch.sampling.verify_arguments(rows, k)
+    return {} if batch.sampling is None or not batch.do_sample else batch.sampling.verify_arguments(rows, k)
 
 
 def _tree_hidden_states(hidden_states, layers, rows, num_fed, pending, width, path, start_positions,

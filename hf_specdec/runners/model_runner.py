@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..cache.attention import ATTENTION_NAME, PLAN_KWARG
-from ..cache.layout import _ragged, host_to_device
+from ..cache.layout import ragged, host_to_device
 from ..cache.paged import KeptPools, PagedKVCache
 from ..cache.recurrent import make_cache, recurrent_layers_split
 from ..cache.rope import RopeRows, rope_factors
@@ -377,7 +377,7 @@ def _packed_logit_index(num_tokens: list[int], logit_counts: list[int], num_logi
                          f"got {logit_counts} for {num_tokens}")
     fed = np.asarray(num_tokens, dtype=np.int64)
     want = np.asarray(logit_counts, dtype=np.int64)
-    row_of, within = _ragged(want)
+    row_of, within = ragged(want)
     keep = np.cumsum(fed)[row_of] - want[row_of] + within
     first = np.cumsum(want) - want
     expand = first[:, None] + np.minimum(np.arange(num_logits)[None, :], want[:, None] - 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..decode.speculator import Speculator
@@ -12,7 +13,7 @@ _MAX_CLASS = 8
 
 
 class NgramSpeculator(Speculator):
-    """N-gram prompt lookup, batched with tensor ops (no model, no cache).
+    """N-gram prompt lookup, batched (no model, no cache).
 
     For each row, compares its last `max_ngram` tokens with the tokens before every earlier position of the row
     (prompt and generated tokens) and takes the position whose preceding context matches the longest (the latest
@@ -23,6 +24,11 @@ class NgramSpeculator(Speculator):
     The match length is the proposal's confidence class: a row copying a passage matches many tokens and its drafts
     are usually accepted, a two-token coincidence rarely is. Adaptive k keeps acceptance per class and verifies
     only as many drafts as pay off (`costs/adaptive.py`), so drafting is free and proposals are made before k is chosen.
+
+    Where the tokens are in host memory (a CPU model) the lookup runs in numpy over the columns that hold each row's
+    last token only (`_host_longest_match`): no tensor op is dispatched, and its work grows with the rows' length
+    rather than length times `max_ngram`. On an accelerator every column is compared on the device
+    (`_longest_match`), which costs the host a fixed few dozen kernel launches. Both propose the same.
 
     Args:
         min_ngram (`int`): shortest matched context that proposes.
@@ -47,9 +53,32 @@ class NgramSpeculator(Speculator):
         return f"NgramSpeculator(min_ngram={self.min_ngram}, max_ngram={self.max_ngram})"
 
     def propose(self, batch: SequenceBatch, k: int) -> DraftProposal:
-        rows = batch.active_tensor()
         if k == 0:
             return DraftProposal.empty(len(batch.active), batch.device)
+        if batch.device.type == "cpu":
+            return self._propose_host(batch, k)
+        return self._propose_device(batch, k)
+
+    def _propose_host(self, batch: SequenceBatch, k: int) -> DraftProposal:
+        """`propose` in numpy, for tokens in host memory."""
+        rows = np.asarray(batch.active, dtype=np.intp)
+        # [rows, width]: only the columns the rows use (a server's buffer is as wide as the model's context)
+        tokens = batch.token_ids.numpy()[rows, :batch.used_width(batch.active)]
+        first = batch.first_col.numpy()[rows]
+        end = first + np.asarray(batch.lengths, dtype=first.dtype)[rows]
+        position, length = _host_longest_match(tokens, first, end, self.max_ngram)
+        found = length >= self.min_ngram
+        start = position + 1  # as `_propose_device`: copied on past the row's end with period `end - start`
+        period = np.maximum(end - start, 1)
+        cols = np.minimum(start[:, None] + np.arange(k)[None, :] % period[:, None], tokens.shape[1] - 1)
+        token_ids = np.where(found[:, None], np.take_along_axis(tokens, cols, 1), PAD_ID)
+        confidence = np.where(found, np.minimum(length, len(self.confidence_priors) - 1), 0)
+        return DraftProposal(torch.from_numpy(token_ids), torch.from_numpy(np.where(found, k, 0)),
+                             confidence=torch.from_numpy(confidence))
+
+    def _propose_device(self, batch: SequenceBatch, k: int) -> DraftProposal:
+        """`propose` in tensor ops, on the batch's device."""
+        rows = batch.active_tensor()
         # [rows, width]: only the columns the rows use (the lookup compares every column's window with the suffix)
         tokens = batch.token_ids[rows, :batch.used_width(batch.active)]
         first = batch.first_col[rows]
@@ -91,3 +120,31 @@ class NgramSpeculator(Speculator):
         # Longest first, then latest.
         best = (agree * width + cols[None, :]).argmax(-1)
         return best, agree.gather(1, best[:, None]).squeeze(1)
+
+
+def _host_longest_match(tokens: np.ndarray, first: np.ndarray, end: np.ndarray, n: int) -> tuple[np.ndarray,
+                                                                                                    np.ndarray]:
+    """`NgramSpeculator._longest_match` in numpy, over the candidates alone: a column can match the row's last `n`
+    tokens only if it holds the row's last token, so only those columns (in text, a few in a hundred) are compared
+    further, `n` tokens back each. The longest match wins, the latest among equals; `([rows], [rows])` its column and
+    length (0 where no column matches)."""
+    rows, width = tokens.shape
+    cols = np.arange(width)
+    last = tokens[np.arange(rows), np.maximum(end - 1, 0)]
+    # Candidates end inside the row and strictly before its last token (so something follows them).
+    hit_rows, hit_cols = np.nonzero((tokens == last[:, None]) & (cols[None, :] >= first[:, None])
+                                    & (cols[None, :] < (end - 1)[:, None]))
+    position, length = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
+    if not hit_rows.size:
+        return position, length
+    back = np.arange(n)[None, :]
+    at, suffix = hit_cols[:, None] - back, (end[hit_rows] - 1)[:, None] - back  # [hits, n] latest first
+    low = first[hit_rows][:, None]  # neither side reaches before its row's first token
+    same = (at >= low) & (suffix >= low) & (tokens[hit_rows[:, None], np.maximum(at, 0)]
+                                            == tokens[hit_rows[:, None], np.maximum(suffix, 0)])
+    agree = np.where(same.all(1), n, same.argmin(1))  # the run of agreeing tokens from the last one back
+    # Per row, the largest rank (longest, then latest): `nonzero` lists a row's hits together, rows ascending.
+    starts = np.flatnonzero(np.r_[True, hit_rows[1:] != hit_rows[:-1]])
+    best = np.maximum.reduceat(agree * width + hit_cols, starts)
+    position[hit_rows[starts]], length[hit_rows[starts]] = best % width, best // width
+    return position, length

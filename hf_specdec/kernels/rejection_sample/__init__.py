@@ -5,10 +5,17 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend
-from .reference import PAD_ID, greedy_accept, greedy_accept_argmax, rejection_sample_reference, sample_with_noise
+from .reference import (
+    PAD_ID,
+    greedy_accept,
+    greedy_accept_argmax,
+    rejection_sample_reference,
+    sample_with_noise,
+    sample_with_uniforms,
+)
 
 __all__ = ["PAD_ID", "greedy_accept", "greedy_accept_argmax", "rejection_sample", "rejection_sample_reference",
-           "sample_with_noise"]
+           "sample_with_noise", "sample_with_uniforms"]
 
 
 def rejection_sample(
@@ -65,14 +72,14 @@ def rejection_sample(
             seeds = torch.randint(0, 2**31 - 1, (batch,), device=device, generator=generator)
         return rejection_sample_triton(draft_token_ids, num_draft_tokens, target_probs, draft_probs, is_greedy,
                                        uniforms, seeds=seeds)
-    noise = None
+    noise = final_uniforms = None
     if all_greedy is not True:
         vocab = target_probs.shape[-1]
-        if seeds is None:
-            noise = torch.empty((batch, vocab), dtype=torch.float32, device=device).exponential_(generator=generator)
+        if seeds is None:  # one uniform per row, not a vocabulary of Exp(1) noise (see `reference`)
+            final_uniforms = torch.rand(batch, dtype=torch.float64, device=device, generator=generator)
         else:  # per-row generators: a row's draw depends only on its own seed (the spec; not a hot path)
             noise = torch.stack([
                 torch.empty(vocab, dtype=torch.float32, device=device).exponential_(
                     generator=torch.Generator(device).manual_seed(int(s))) for s in seeds.tolist()])
     return rejection_sample_reference(draft_token_ids, num_draft_tokens, target_probs, draft_probs, is_greedy,
-                                      uniforms, noise)
+                                      uniforms, noise, final_uniforms)
