@@ -178,6 +178,28 @@ def test_rejection_kernel_matches_reference(inputs):
 
 
 @FEW
+@given(rejection_inputs(), st.booleans())
+def test_packed_target_probabilities_give_what_rows_laid_out_give(inputs, final_by_uniform):
+    """A packed verify's probabilities, `[n, vocab]` at the positions rows fed with `target_index` saying which entry
+    each `[batch, k + 1]` position is (past a row's drafts, its last again): the same tokens and counts as laid out
+    per row, under the same random inputs (Exp(1) noise, or one uniform per row for the final draw)."""
+    drafts, num_drafts, target, draft_probs, is_greedy, uniforms, noise = inputs
+    batch, width, vocab = target.shape
+    counts = num_drafts + 1  # entries a packed verify keeps per row
+    first = counts.cumsum(0) - counts
+    index = first[:, None] + torch.minimum(torch.arange(width)[None, :], num_drafts[:, None])
+    packed = torch.cat([target[i, :int(c)] for i, c in enumerate(counts)])
+    final = torch.rand(batch, generator=torch.Generator().manual_seed(batch), dtype=torch.float64)
+    noise, final = (None, final) if final_by_uniform else (noise, None)
+    expected = rejection_sample_reference(drafts, num_drafts, target, draft_probs, is_greedy, uniforms, noise, final)
+    got = rejection_sample_reference(drafts, num_drafts, packed, draft_probs, is_greedy, uniforms, noise, final,
+                                     target_index=index)
+    assert got[0].tolist() == expected[0].tolist() and got[1].tolist() == expected[1].tolist()
+    greedy = rejection_sample(drafts, num_drafts, packed, is_greedy=True, target_index=index)
+    assert greedy[0].tolist() == rejection_sample(drafts, num_drafts, target, is_greedy=True)[0].tolist()
+
+
+@FEW
 @given(rejection_inputs(), st.sampled_from(["pad", "argmax", "random"]))
 def test_greedy_rule_matches_the_reference(inputs, past_count):
     """`greedy_accept`, the rule an all-greedy batch takes, against the reference's greedy rows: with drafts past a

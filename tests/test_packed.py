@@ -16,6 +16,8 @@ from hf_specdec.runners import model_runner
 from hf_specdec.costs.adaptive import AdaptiveK
 from hf_specdec.costs.step_cost import StepCost
 from hf_specdec.decode.logits import LogitsProcessing
+from hf_specdec.kernels import rejection_sample as rejection_sample_module
+from hf_specdec.kernels.rejection_sample import rejection_sample_reference
 from hf_specdec.runners.support import check_model_supported
 from hf_specdec.runners.model_runner import ModelRunner, paged_attention
 
@@ -185,14 +187,14 @@ def test_generation_with_packed_steps_is_the_targets_own(speculator, monkeypatch
     assert engine_runner.packed and engine_runner.num_packed_forwards > 0
 
 
-@pytest.mark.parametrize("processed", [False, True])
-def test_a_packed_verify_leaves_its_logits_packed(processed, monkeypatch):
+@pytest.mark.parametrize("mode", ["greedy", "processed", "sampled"])
+def test_a_packed_verify_leaves_its_logits_packed(mode, monkeypatch):
     """Nothing but the verify reading the scores: a packed verify's logits stay `[1, K, vocab]` and are read through
     `logit_index` (a step whose rows all feed as many tokens is not packed). Greedy alone reads their argmax; with a
     logits processor (here one reading each position's history) the processor runs once per kept position, not on
-    `[rows, k + 1]` entries padded to the widest row, and the scores are spread to rows after. Either way the output
-    is the target's own."""
-    seen, processed_entries = [], []
+    `[rows, k + 1]` entries padded to the widest row; sampled, the rejection rule reads the packed probabilities
+    through the index too. The output is the target's own (sampling with top-k 1: its greedy output)."""
+    seen, processed_entries, packed_rule = [], [], []
     forward, process = ModelRunner.forward, LogitsProcessing.__call__
 
     def spy(self, *args, **kwargs):
@@ -206,21 +208,29 @@ def test_a_packed_verify_leaves_its_logits_packed(processed, monkeypatch):
         processed_entries.append(len(scores))
         return process(self, token_ids, rows, history_lens, scores, *args, **kwargs)
 
+    def rule(*args, **kwargs):
+        packed_rule.append(args[-1] is not None)
+        return rejection_sample_reference(*args, **kwargs)
+
     monkeypatch.setattr(ModelRunner, "forward", spy)
     monkeypatch.setattr(LogitsProcessing, "__call__", count)
+    monkeypatch.setattr(rejection_sample_module, "rejection_sample_reference", rule)
     target = make_model("llama")
     input_ids, mask = ragged_batch(rows=4, width=14)
-    extra = dict(repetition_penalty=1.3) if processed else {}
-    expected = target.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False, **extra)
+    extra = {"greedy": {}, "processed": dict(repetition_penalty=1.3), "sampled": dict(do_sample=True, top_k=1)}[mode]
+    expected = target.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                               **(extra if mode == "processed" else {}))
     processed_entries.clear()
-    out = target.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False, speculator="ngram",
-                          num_speculative_tokens=3, speculative_schedule="constant", **extra)
+    out = target.generate(input_ids, attention_mask=mask, max_new_tokens=16, speculator="ngram",
+                          num_speculative_tokens=3, speculative_schedule="constant", **{"do_sample": False, **extra})
     assert torch.equal(out, expected)
     assert any(packed and kept < padded for packed, kept, padded in seen)  # rows verifying fewer than the widest
-    if processed:  # a packed step's processor sees one entry per kept position, a padded step's every entry
+    if mode == "greedy":
+        assert not processed_entries and not packed_rule
+    else:  # a packed step's processor sees one entry per kept position, a padded step's every entry
         assert processed_entries == [kept if packed else padded for packed, kept, padded in seen]
-    else:
-        assert not processed_entries
+    if mode == "sampled":
+        assert packed_rule == [packed for packed, _, _ in seen]
 
 
 def test_nan_logits_in_a_packed_verify_are_refused(monkeypatch):

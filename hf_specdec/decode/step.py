@@ -112,7 +112,7 @@ class Step:
         if getattr(getattr(target, "graphs", None), "trial", False):  # compiled just now: not a step's usual time
             self.timed = False
         logits, index = out.logits, getattr(out, "logit_index", None)
-        if index is not None:  # per kept position the NaN/inf check and the argmax or scores, spread to rows after
+        if index is not None:  # per kept position the NaN/inf check and the argmax or scores, read through `index`
             flat, shape = logits[0], (len(rows), k + 1)
             broken = non_finite_rows(flat).index_select(0, index).view(shape).any(-1)
             if lean:
@@ -122,8 +122,9 @@ class Step:
                 if batch.processing:  # once per kept position, with its own history
                     row_of, within = host_to_device(list(ragged(np.asarray(counts) + 1)), batch.device)
                     flat = batch.processing(batch.token_ids, rows_t[row_of], end[row_of] + within, flat)
-                scores = flat.float().index_select(0, index).view(*shape, -1)
-                result = target.agree(verify(scores, draft, batch.do_sample, **_row_sampling(batch, rows, k)))
+                scores = flat.float()  # the rule reads the positions it needs through the index
+                result = target.agree(verify(scores, draft, batch.do_sample, index=index.view(shape),
+                                             **_row_sampling(batch, rows, k)))
         else:
             masked = constrained.mask(logits) if constrained is not None else logits
             if batch.processing:

@@ -24,7 +24,7 @@ from ..types import PAD_ID, DraftProposal, DraftTree, VerifyResult
 def verify(target_logits: torch.Tensor, draft: DraftProposal, do_sample: bool,
            generator: torch.Generator | None = None, backend: str = "auto", is_greedy: torch.Tensor | None = None,
            seeded: tuple[list[int], list[int]] | None = None,
-           seeded_logits: torch.Tensor | None = None) -> VerifyResult:
+           seeded_logits: torch.Tensor | None = None, index: torch.Tensor | None = None) -> VerifyResult:
     """Verifies a ragged batch of drafts against processed target logits.
 
     Args:
@@ -39,7 +39,12 @@ def verify(target_logits: torch.Tensor, draft: DraftProposal, do_sample: bool,
             the token after `j` drafts (`sample_by_position`), so their output does not depend on the drafts.
         seeded_logits: what those rows sample from, when `target_logits` was rewritten for rejection sampling (a
             grammar's residual at a forbidden draft).
+        index: `[rows, k + 1]`, where `target_logits` is packed `[n, vocab]` (a packed verify's, computed only at
+            the positions rows fed): each position's entry there. The rule then reads only the entries it needs;
+            rows with settings of their own (`is_greedy`, `seeded`) get the logits laid out per row first.
     """
+    if index is not None and (is_greedy is not None or seeded is not None):
+        target_logits, index = target_logits[index], None
     # Greedy needs only the argmax, which the logits give exactly (softmax could merge near-ties in float32).
     target_probs = torch.softmax(target_logits, dim=-1) if do_sample else target_logits
     if do_sample and is_greedy is not None:  # greedy rows get a point mass on their exact argmax
@@ -48,7 +53,7 @@ def verify(target_logits: torch.Tensor, draft: DraftProposal, do_sample: bool,
     output, num_accepted = rejection_sample(
         draft.token_ids, draft.num_tokens, target_probs, draft.probs,
         is_greedy=not do_sample if is_greedy is None or not do_sample else is_greedy, generator=generator,
-        backend=backend)
+        backend=backend, target_index=index)
     if seeded is not None and seeded[0]:
         rows = torch.tensor(seeded[0], device=output.device)
         probs = target_probs[rows] if seeded_logits is None else torch.softmax(seeded_logits[rows], dim=-1)

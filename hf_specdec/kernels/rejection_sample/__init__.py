@@ -29,6 +29,7 @@ def rejection_sample(
     seeds: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     backend: str = "auto",
+    target_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keeps the accepted prefix of each row's drafts and adds the recovered or bonus token.
 
@@ -50,6 +51,9 @@ def rejection_sample(
             (`greedy_accept`) on every backend: its argmax is one parallel reduction there, while the kernel scans
             each row's positions in one program (on an H200, batch 256, k 5, vocab 128256: 0.45 ms against the
             kernel's 0.72; docs/kernels.md).
+        target_index: `[batch, k + 1]`, where `target_probs` is packed `[n, vocab]`: each position's entry there
+            (`rejection_sample_reference`). The PyTorch rule reads only the entries it needs; the kernel gets the
+            probabilities laid out per row.
 
     Returns:
         `(output_token_ids, num_accepted)`: `[batch, k + 1]` int64 (accepted drafts, then the recovered or bonus
@@ -60,11 +64,15 @@ def rejection_sample(
     backend = resolve_backend(backend, device)
     all_greedy = is_greedy if isinstance(is_greedy, bool) else None
     if all_greedy is True:
+        if target_index is not None:
+            return greedy_accept_argmax(draft_token_ids, num_draft_tokens, target_probs.argmax(-1)[target_index])
         return greedy_accept(draft_token_ids, num_draft_tokens, target_probs)
     if uniforms is None and all_greedy is not True:
         uniforms = torch.rand((batch, k), dtype=torch.float64, device=device, generator=generator)
     if backend == "triton" and all_greedy is not True:
         from .triton_kernel import rejection_sample_triton
+        if target_index is not None:
+            target_probs = target_probs[target_index]
 
         if isinstance(is_greedy, bool):
             is_greedy = torch.full((batch,), is_greedy, dtype=torch.bool, device=device)
@@ -82,4 +90,4 @@ def rejection_sample(
                 torch.empty(vocab, dtype=torch.float32, device=device).exponential_(
                     generator=torch.Generator(device).manual_seed(int(s))) for s in seeds.tolist()])
     return rejection_sample_reference(draft_token_ids, num_draft_tokens, target_probs, draft_probs, is_greedy,
-                                      uniforms, noise, final_uniforms)
+                                      uniforms, noise, final_uniforms, target_index)
