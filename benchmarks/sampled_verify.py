@@ -61,7 +61,8 @@ def main() -> None:
                                          for name in ["off"] + args.speculators.split(",")]
     print(f"{args.model}, {args.rows} rows, {args.max_new_tokens} sampled tokens (temperature {args.temperature}, "
           f"top-p {args.top_p}), {torch.get_num_threads()} threads, medians of {args.repeats}")
-    print("| configuration | call s | steps | processing ms per step | entries processed per step | verify ms per step |")
+    print("| configuration | call s | steps | processing ms per step | entries processed per step "
+          "| verify ms per step |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, kwargs in configs:
         torch.manual_seed(0)
