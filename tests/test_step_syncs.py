@@ -63,8 +63,13 @@ def test_an_idle_lookup_is_skipped(llama, monkeypatch):
 
     lookups = []  # proposals asked for (k > 0): each a lookup
     real = NgramSpeculator.propose
-    monkeypatch.setattr(NgramSpeculator, "propose",
-                        lambda self, batch, k: (k and lookups.append(1)) or real(self, batch, k))
+
+    def counted(self, batch, k):
+        if k:
+            lookups.append(k)
+        return real(self, batch, k)
+
+    monkeypatch.setattr(NgramSpeculator, "propose", counted)
     phrase = torch.randint(2, llama.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
     ids = phrase.repeat(1, 6)  # every row offers drafts; the random model does not follow the phrase at first
 

@@ -104,9 +104,9 @@ def measures_first_call() -> bool:
 # with 3 timed (paired). A model speculator's draft cost is timed over calls of 6 new tokens (the head's first call:
 # 1.3 s of measuring against 2.3-2.6 s over 12; it priced a drafted token at 0.079-0.082 plain steps against
 # 0.076-0.077, three pairs, docs/benchmarks.md).
-# Three rows are timed too (2026-11-30): taking two rows' choice, thin, a 1-row verify of 2 drafts (3 tokens) cost 42.8 ms
-# against 38.5 ms with 3 timed (the packed form won there for the LM head and the MLP), 4 rows 41.4 against 38.2, a
-# plain step 34 ms either way (SmolLM2, AMD EPYC, one-off script; docs/benchmarks.md).
+# Three rows are timed too (2026-11-30): taking two rows' choice, thin, a 1-row verify of 2 drafts (3 tokens) cost
+# 42.8 ms against 38.5 ms with 3 timed (the packed form won there for the LM head and the MLP), 4 rows 41.4 against
+# 38.2, a plain step 34 ms either way (SmolLM2, AMD EPYC, one-off script; docs/benchmarks.md).
 FIRST_CALL_GRID = dict(rows=(1, 16), tokens={1: (1, 2, 3), 16: (1, 2)}, contexts=(32,), repeats=4,
                        linear_rows=(1, 2, 3, 4, 6, 8, 16), thin_rows=(1, 2, 3, 4), attempts=1, draft_tokens=6)
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..cache.attention import ATTENTION_NAME, PLAN_KWARG
-from ..cache.layout import ragged, host_to_device
+from ..cache.layout import host_to_device, ragged
 from ..cache.paged import KeptPools, PagedKVCache
 from ..cache.recurrent import make_cache, recurrent_layers_split
 from ..cache.rope import RopeRows, rope_factors
