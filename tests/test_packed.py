@@ -153,9 +153,9 @@ def test_generation_on_token_rows_is_the_targets_own(speculator, monkeypatch):
     monkeypatch.setattr(paged_cache.PagedKVCache, "token_rows", True)  # every packed step, whatever it feeds
     monkeypatch.setattr(SpeculativeEngine, "REGION_MAX_NEW_TOKENS", 0)  # contexts gathered, not read in place
     built = []
-    build = PackedLayout.build
-    monkeypatch.setattr(PackedLayout, "build",
-                        lambda *a, **k: built.append(build(*a, **k)) or built[-1])
+    from_parts = PackedLayout.from_parts
+    monkeypatch.setattr(PackedLayout, "from_parts",
+                        lambda *a, **k: built.append(from_parts(*a, **k)) or built[-1])
     target = make_model("mistral")
     input_ids, mask = ragged_batch(rows=4, width=14)
     expected = target.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False)

@@ -73,6 +73,14 @@ class PackedLayout:
         `starts[i]`, all on the host: the indices are computed there and reach `device` in one copy (on a GPU, one
         transfer instead of some fifty small kernels a step). `split`, what `query_groups` made of the counts, asks
         for the PyTorch path's attention groups; `token_rows` for a row per token instead."""
+        parts = cls.host_parts(counts, q, starts, split, token_rows)
+        return cls.from_parts(host_to_device(parts, device), split, token_rows)
+
+    @staticmethod
+    def host_parts(counts: list[int], q: int, starts: list[int], split: tuple | None = None,
+                   token_rows: bool = False) -> list[np.ndarray]:
+        """`build`'s indices as host arrays, in the order `from_parts` reads them (`pack_index` first), for a caller
+        that sends them to the device in one copy with arrays of its own."""
         c = np.asarray(counts, dtype=np.int64)
         cu_query = np.concatenate([[0], np.cumsum(c)])
         row_of, within = ragged(c)
@@ -87,7 +95,12 @@ class PackedLayout:
             short, long_rows, long = split
             parts += [*QueryGroup.indices(None, short, c, cu_query),
                       np.asarray(long_rows, dtype=np.int64), *QueryGroup.indices(long_rows, long, c, cu_query)]
-        flat = host_to_device(parts, device)
+        return parts
+
+    @classmethod
+    def from_parts(cls, flat: list[torch.Tensor], split: tuple | None = None, token_rows: bool = False
+                   ) -> PackedLayout:
+        """The layout from `host_parts`' arrays on the device (with the same `split` and `token_rows`)."""
         groups = None
         if split is not None and not token_rows:
             groups = (QueryGroup(None, split[0], *flat[4:7]), QueryGroup(flat[7], split[2], *flat[8:11]))
@@ -153,7 +166,11 @@ class QueryGroup:
 def host_to_device(parts: list[np.ndarray], device) -> list[torch.Tensor]:
     """Host integer arrays as int64 tensors on `device`, shaped as they are, in one copy: views of one buffer, each
     starting on a 64-byte boundary (kernels specialise on their pointers' alignment, and Triton compiles a variant of
-    its own for a pointer that is not 16-byte aligned)."""
+    its own for a pointer that is not 16-byte aligned). On the host nothing is copied: the tensors share the arrays'
+    memory (those the caller made for the step, not changed after)."""
+    if torch.device(device).type == "cpu":
+        return [torch.from_numpy(part if part.dtype == np.int64 and part.flags.writeable and part.flags.c_contiguous
+                                 else np.ascontiguousarray(part, dtype=np.int64).copy()) for part in parts]
     sizes = [part.size for part in parts]
     padded = [-(-size // 8) * 8 for size in sizes]
     flat = np.zeros(sum(padded), dtype=np.int64)

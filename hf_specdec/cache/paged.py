@@ -23,7 +23,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..kernels._backend import resolve_backend
-from ..kernels.paged_attention.reference import context_slots, slots_of
+from ..kernels.paged_attention.reference import slots_of
 from .attention import ACTIVE_PLAN
 from .block_manager import BlockManager
 from .layout import (
@@ -199,54 +199,61 @@ class PagedKVCache(Cache):
         tables = [self.manager.block_table(s) for s in seq_ids]
         rows, width = len(seq_ids), max(len(t) for t in tables)
         self._past_length = max(starts)
-        # The step's tables and positions, computed on the host and sent to the device in one copy.
+        # Everything the step's tensors hold is computed on the host from the block tables and reaches the device in
+        # one copy (a host-to-device transfer on a GPU; on a CPU numpy's small-array ops cost less than torch's).
         table = np.zeros((rows, width), dtype=np.int64)
         for i, t in enumerate(tables):
             table[i, :len(t)] = t
         first = np.asarray(starts, dtype=np.int64)
         fed = np.asarray(num_tokens, dtype=np.int64)
         offset = np.arange(q)[None, :] - (q - fed)[:, None]  # [rows, q]; < 0 is padding
-        host = (table, first + fed, first[:, None] + np.maximum(offset, 0), offset >= 0)
-        block_tables, context_lens, query_positions, is_token = host_to_device(list(host), device)
-        is_token = is_token.bool()
+        context_lens = first + fed
+        query_positions = first[:, None] + np.maximum(offset, 0)
+        is_token = offset >= 0
 
         backend = resolve_backend(self.kernel_backend, device)
         slots = view = None
         if backend == "torch":
-            num_context = int(max(s + n for s, n in zip(starts, num_tokens)))
-            slots = context_slots(block_tables, context_lens, num_context, bs, pad_slot=SCRATCH_SLOT)
+            num_context = int(context_lens.max())
+            slots = _host_context_slots(table, context_lens, num_context, bs)
             # A query's slot is its position's among the context's (every query lies inside its row's context; the
             # clamp keeps a row feeding nothing, all padding, inside the table).
-            write_slots = torch.where(is_token, slots.gather(1, query_positions.clamp(max=num_context - 1)),
-                                      SCRATCH_SLOT)
+            write_slots = np.take_along_axis(slots, np.minimum(query_positions, num_context - 1), 1)
             run = self.manager.contiguous_run(seq_ids)
             if run is not None and num_context <= run[1] * bs:
                 view = (run[0] * bs, run[1] * bs)
         else:
-            write_slots = torch.where(is_token, slots_of(block_tables, query_positions, bs), SCRATCH_SLOT)
-        if tree is None:
+            write_slots = np.take_along_axis(table, query_positions // bs, 1) * bs + query_positions % bs
+        write_slots = np.where(is_token, write_slots, SCRATCH_SLOT).reshape(-1)
+        layout_parts = split = None
+        by_token = False
+        if tree is None and packed:
             # The attention groups serve the gather-then-SDPA path only (the kernel reads each row's queries in place);
             # so do token rows, which need the gather (rows read in place keep their groups).
-            split = query_groups(num_tokens) if packed and backend == "torch" else None
+            split = query_groups(num_tokens) if backend == "torch" else None
             pool = next(iter(self.key_pools.values()), None)
-            by_token = (packed and backend == "torch" and view is None and self.token_rows is not False
+            by_token = (backend == "torch" and view is None and self.token_rows is not False
                         and (self.token_rows or token_rows_pay(num_tokens, slots.shape[1],
                                                                0 if pool is None else pool[0].numel(), split)))
-            layout = PackedLayout.build(num_tokens, q, starts, device, split, by_token) if packed else None
-            write_slots = write_slots.reshape(-1)
-            if layout is not None:
-                write_slots = write_slots.index_select(0, layout.pack_index)
+            layout_parts = PackedLayout.host_parts(num_tokens, q, starts, split, by_token)
+            write_slots = write_slots[layout_parts[0]]
             if by_token:  # each token's row's context, its own mask hiding what follows it
-                slots = slots.index_select(0, layout.token_rows)
+                slots = slots[layout_parts[4]]
+        host = [table, context_lens, query_positions, write_slots] + ([] if slots is None else [slots])
+        on_device = host_to_device(host + (layout_parts or []), device)
+        block_tables, context_lens_t, query_positions_t, write_slots_t = on_device[:4]
+        slots_t = None if slots is None else on_device[4]
+        if tree is None:
+            layout = None if layout_parts is None else PackedLayout.from_parts(on_device[len(host):], split, by_token)
             groups = None
             if (backend == "torch" and view is None and not by_token and split is None and self.context_split
                     is not False and os.environ.get("HF_SPECDEC_CONTEXT_GROUPS", "1") != "0"):
-                groups = self._context_groups(seq_ids, [s + n for s, n in zip(starts, num_tokens)], slots, device)
-            self.plan = StepPlan(write_slots, block_tables, bs, query_positions, context_lens, backend, slots,
+                groups = self._context_groups(seq_ids, context_lens.tolist(), slots_t, device)
+            self.plan = StepPlan(write_slots_t, block_tables, bs, query_positions_t, context_lens_t, backend, slots_t,
                                  packed=layout, context_view=view, context_groups=groups)
         else:
-            self.plan = StepPlan(write_slots.reshape(-1), block_tables, bs, tree.query_positions, context_lens,
-                                 backend, slots, tree, query_positions, context_view=view)
+            self.plan = StepPlan(write_slots_t, block_tables, bs, tree.query_positions, context_lens_t, backend,
+                                 slots_t, tree, query_positions_t, context_view=view)
         return self.plan
 
     def _context_groups(self, seq_ids, lengths, slots, device) -> tuple[ContextGroup, ...] | None:
@@ -347,3 +354,11 @@ class PagedKVCache(Cache):
 
     def memory_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for pools in (self.key_pools, self.value_pools) for p in pools.values())
+
+
+def _host_context_slots(table: np.ndarray, context_lens: np.ndarray, num_context: int, block_size: int) -> np.ndarray:
+    """`context_slots` on host arrays: `[rows, num_context]` pool slot of each row's positions, the scratch slot past
+    its length."""
+    positions = np.minimum(np.arange(num_context), table.shape[1] * block_size - 1)
+    slots = table[:, positions // block_size] * block_size + positions % block_size
+    return np.where(positions[None, :] < context_lens[:, None], slots, SCRATCH_SLOT)

@@ -54,16 +54,28 @@ def recurrent_mixers(model) -> list[torch.nn.Module]:
     """The modules of `model` whose forward reads or writes recurrent state through the cache (remembered)."""
     names = getattr(model, _MIXERS_ATTR, None)
     if names is None:
-        names = []
-        for name, module in model.named_modules():
-            try:
-                source = inspect.getsource(inspect.unwrap(type(module).forward))
-            except (OSError, TypeError):
-                continue
-            if any(f".{method}(" in source for method in _STATE_METHODS):
-                names.append(name)
+        names = [name for name, module in model.named_modules() if _reaches_state(type(module).forward)]
         setattr(model, _MIXERS_ATTR, names)
     return [model.get_submodule(name) for name in names]
+
+
+def _reaches_state(function, depth: int = 2) -> bool:
+    """Whether `function`'s source calls one of the state methods, itself or through the functions of its own module
+    that it calls (transformers 5.25 moved Mamba2's conv and scan into module functions: `causal_conv1d_forward`,
+    `mamba2_scan_forward`), `depth` calls deep."""
+    function = inspect.unwrap(function)
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
+    if any(f".{method}(" in source for method in _STATE_METHODS):
+        return True
+    code, scope = getattr(function, "__code__", None), getattr(function, "__globals__", {})
+    if depth == 0 or code is None:
+        return False
+    called = (scope.get(name) for name in code.co_names)
+    return any(inspect.isfunction(f) and f.__module__ == function.__module__ and _reaches_state(f, depth - 1)
+               for f in called)
 
 
 def is_recurrent(model) -> bool:
@@ -376,6 +388,14 @@ class RecurrentPagedCache(PagedKVCache):
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         return self._call is not None and not self._call.all_fresh
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        # The step is split into single-token calls where states must be kept (`step_calls`): a chunked call keeps
+        # only its last state.
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        pass  # lengths are the block manager's
 
     def is_recording_past(self, layer_idx: int | None = None) -> bool:
         # Every conv update goes through `update_conv_state` (never the in-place single-token kernel), so the
