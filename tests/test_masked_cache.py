@@ -69,7 +69,7 @@ def test_ragged_batch_equals_generate(arch, kind):
         assert metrics.acceptance_rate < 1.0
 
 
-@pytest.mark.parametrize("target_arch,draft_arch", [("falcon", "gpt_neo"), ("gpt_neo", "falcon")])
+@pytest.mark.parametrize("target_arch,draft_arch", [("falcon_alibi", "gpt_neo"), ("gpt_neo", "falcon_alibi")])
 def test_a_draft_of_another_dense_architecture(target_arch, draft_arch):
     target = make(target_arch)
     input_ids, mask = ragged_batch(rows=3, width=12, seed=2)
@@ -84,7 +84,7 @@ def test_paged_target_with_a_dense_draft_and_dense_target_with_a_paged_draft():
     llama = LlamaForCausalLM(LlamaConfig(**SMALL, intermediate_size=64, num_hidden_layers=2,
                                          num_key_value_heads=2)).double().eval()
     llama.generation_config.eos_token_id, llama.generation_config.pad_token_id = None, 0
-    falcon = make("falcon")
+    falcon = make("falcon_alibi")
     input_ids, mask = ragged_batch(rows=3, width=12, seed=3)
     for target, draft in ((llama, falcon), (falcon, llama)):
         expected = target.generate(input_ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False)
@@ -93,7 +93,7 @@ def test_paged_target_with_a_dense_draft_and_dense_target_with_a_paged_draft():
         assert metrics.num_draft_tokens > 0
 
 
-@pytest.mark.parametrize("arch", ["falcon", "bloom"])
+@pytest.mark.parametrize("arch", ["falcon_alibi", "bloom"])
 def test_compaction_keeps_the_output(arch, monkeypatch):
     """Holes past a tiny fraction of the width force compactions mid-generation; the output does not change."""
     compactions = []
@@ -152,7 +152,7 @@ def test_continuous_batching_equals_generate():
     """Rows join and leave between steps (more prompts than slots): each equals plain generate alone."""
     from hf_specdec import generate_batch
 
-    for arch in ("falcon", "gpt_neo"):
+    for arch in ("falcon_alibi", "gpt_neo"):
         model = make(arch)
         prompts = [repetitive_prompt(width=5 + i % 4, seed=i)[0].tolist() for i in range(6)]
         out = generate_batch(model, prompts, "ngram", max_new_tokens=12, max_batch_size=2, num_speculative_tokens=3)
@@ -167,7 +167,7 @@ def test_rows_joining_an_idle_cache_that_is_due_for_compaction():
     the compaction before their first forward gathers them too, and each equals plain generate alone."""
     from hf_specdec.serving.engine import ServingEngine
 
-    for arch in ("falcon", "bloom"):
+    for arch in ("falcon_alibi", "bloom"):
         model = make(arch)
         prompts = [repetitive_prompt(width=w, seed=i)[0].tolist() for i, w in enumerate((14, 6, 9))]
         engine = ServingEngine(model, None, "ngram", num_speculative_tokens=3, max_batch_size=3,
@@ -206,7 +206,7 @@ def test_freed_rows_are_reused_and_compacted_away():
 
 
 def test_what_the_masked_cache_cannot_do_is_refused_up_front():
-    falcon = make("falcon")
+    falcon = make("falcon_alibi")
     prompt = repetitive_prompt(width=10)
     with pytest.raises(ValueError, match="draft tree"):
         falcon.generate(prompt, max_new_tokens=4, do_sample=False, speculator="ngram",

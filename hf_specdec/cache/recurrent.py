@@ -59,10 +59,11 @@ def recurrent_mixers(model) -> list[torch.nn.Module]:
     return [model.get_submodule(name) for name in names]
 
 
-def _reaches_state(function, depth: int = 2) -> bool:
-    """Whether `function`'s source calls one of the state methods, itself or through the functions of its own module
-    that it calls (transformers 5.25 moved Mamba2's conv and scan into module functions: `causal_conv1d_forward`,
-    `mamba2_scan_forward`), `depth` calls deep."""
+def _reaches_state(function, depth: int = 3) -> bool:
+    """Whether `function`'s source calls one of the state methods, itself or through what it calls, `depth` calls
+    deep: the functions and modules its globals name and the functions its closure holds (transformers 5.25 moved
+    Mamba2's conv and scan into module functions, `causal_conv1d_forward` and `mamba2_scan_forward`, which its hub
+    kernel decorator turns into modules calling the function from a closure)."""
     function = inspect.unwrap(function)
     try:
         source = inspect.getsource(function)
@@ -70,12 +71,22 @@ def _reaches_state(function, depth: int = 2) -> bool:
         return False
     if any(f".{method}(" in source for method in _STATE_METHODS):
         return True
-    code, scope = getattr(function, "__code__", None), getattr(function, "__globals__", {})
+    code = getattr(function, "__code__", None)
     if depth == 0 or code is None:
         return False
-    called = (scope.get(name) for name in code.co_names)
-    return any(inspect.isfunction(f) and f.__module__ == function.__module__ and _reaches_state(f, depth - 1)
-               for f in called)
+    scope = getattr(function, "__globals__", {})
+    callees = [scope.get(name) for name in code.co_names]
+    callees += [cell.cell_contents for cell in function.__closure__ or () if _filled(cell)]
+    callees = [type(c).forward if isinstance(c, torch.nn.Module) else c for c in callees]
+    return any(inspect.isfunction(c) and _reaches_state(c, depth - 1) for c in callees)
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a closure variable not yet assigned
+        return False
+    return True
 
 
 def is_recurrent(model) -> bool:

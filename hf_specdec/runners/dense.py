@@ -1,7 +1,7 @@
 """Runs a causal LM that attends by its own code over ragged rows whose KV lives in a `MaskedKVCache`.
 
 `make_runner` is the one place where a model's runner is chosen, once per model: models that attend through
-transformers' attention interface get the paged `ModelRunner`; the others (Falcon, Bloom, GPT-Neo, MPT, XGLM, ...)
+transformers' attention interface get the paged `ModelRunner`; the others (Bloom, GPT-Neo, MPT, XGLM, ...)
 get a `DenseRunner`, which has the same interface (`forward`, `add_sequence`, `length`, `rollback`, `free`), so the
 engine, the step and the scheduler never ask which one they hold. What a dense runner cannot do is refused up front:
 draft trees (their attention mask is not a per-row column mask) and a KV block cap (the cache is as wide as the
@@ -33,7 +33,13 @@ DEFAULT_MAX_HOLE_FRACTION = 0.25
 
 
 def uses_paged_cache(model) -> bool:
-    """Whether `model` attends through transformers' attention interface (then our paged attention serves it)."""
+    """Whether `model` attends through transformers' attention interface (then our paged attention serves it), and
+    its attention needs nothing from the model's own mask: an ALiBi model (Falcon with `alibi=True`, on the interface
+    from transformers 5.25) adds its position bias to the mask it passes, which paged attention, masking by the
+    step plan, would drop; it keeps its own attention over the masked cache."""
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config.get_text_config(), "alibi", False):
+        return False
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     return model._can_set_attn_implementation() or (
         decoder is not None and decoder is not model and type(decoder)._can_set_attn_implementation())
