@@ -166,6 +166,42 @@ def test_generation_on_token_rows_is_the_targets_own(speculator, monkeypatch):
     assert any(layout.token_rows is not None for layout in built)
 
 
+@pytest.mark.parametrize("token_rows", [None, True])
+def test_context_slots_from_the_host_or_from_the_device_tables_plan_the_same_step(token_rows, monkeypatch):
+    """A step's plan with each row's context slots computed on the host (a CPU) equals the plan an accelerator builds
+    from its block tables, token rows included, and so does the output."""
+    from hf_specdec.cache import paged as paged_cache
+
+    monkeypatch.setattr(paged_cache.PagedKVCache, "token_rows", token_rows)
+    plans = {}
+    original = paged_cache.PagedKVCache.plan_step
+
+    def spy(self, *args, **kwargs):
+        plan = original(self, *args, **kwargs)
+        plans.setdefault(self.host_slots, []).append(plan)
+        return plan
+
+    target = make_model("llama")
+    input_ids, mask = ragged_batch(rows=4, width=14)
+    target.generate(input_ids, attention_mask=mask, max_new_tokens=2, do_sample=False, speculator="ngram")  # trial
+    monkeypatch.setattr(paged_cache.PagedKVCache, "plan_step", spy)
+    outputs = []
+    for host_slots in (True, False):
+        monkeypatch.setattr(paged_cache.PagedKVCache, "host_slots", host_slots)
+        outputs.append(target.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                       speculator="ngram", num_speculative_tokens=3, speculative_schedule="constant"))
+    assert torch.equal(outputs[0], outputs[1])
+    assert len(plans[True]) == len(plans[False]) > 1
+    for host, device in zip(plans[True], plans[False]):
+        for name in ("write_slots", "block_tables", "query_positions", "context_lens", "context_slots"):
+            assert torch.equal(getattr(host, name), getattr(device, name)), name
+        assert (host.packed is None) == (device.packed is None)
+        if host.packed is not None:
+            assert torch.equal(host.packed.pack_index, device.packed.pack_index)
+    if token_rows:
+        assert any(p.packed is not None and p.packed.token_rows is not None for p in plans[False])
+
+
 @pytest.mark.parametrize("speculator", ["ngram", "draft"])
 def test_generation_with_packed_steps_is_the_targets_own(speculator, monkeypatch):
     runners = []

@@ -23,7 +23,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..kernels._backend import resolve_backend
-from ..kernels.paged_attention.reference import slots_of
+from ..kernels.paged_attention.reference import context_slots, slots_of
 from .attention import ACTIVE_PLAN
 from .block_manager import BlockManager
 from .layout import (
@@ -98,6 +98,9 @@ class PagedKVCache(Cache):
     # differ (the model's trial), False never (a model that failed the trial; benchmarks compare them; so does
     # `HF_SPECDEC_CONTEXT_GROUPS=0`).
     context_split: bool | None = None
+    # The PyTorch path's context slots computed on the host (None: where the device is the host; an accelerator
+    # derives them from the block tables itself). Tests force either on a CPU.
+    host_slots: bool | None = None
 
     def __init__(self, block_size: int = 16, num_blocks: int = 64, max_num_blocks: int | None = None,
                  kernel_backend: str = "auto"):
@@ -199,8 +202,10 @@ class PagedKVCache(Cache):
         tables = [self.manager.block_table(s) for s in seq_ids]
         rows, width = len(seq_ids), max(len(t) for t in tables)
         self._past_length = max(starts)
-        # Everything the step's tensors hold is computed on the host from the block tables and reaches the device in
-        # one copy (a host-to-device transfer on a GPU; on a CPU numpy's small-array ops cost less than torch's).
+        # The step's arrays are computed on the host from the block tables and reach the device in one copy (on a
+        # GPU one transfer instead of a few dozen small kernels; on a CPU numpy's small-array ops cost less than
+        # torch's). Each row's context slots too where the device is the host; an accelerator derives them from the
+        # tables itself (`[rows, context]` would be a large transfer at long contexts).
         table = np.zeros((rows, width), dtype=np.int64)
         for i, t in enumerate(tables):
             table[i, :len(t)] = t
@@ -209,22 +214,22 @@ class PagedKVCache(Cache):
         offset = np.arange(q)[None, :] - (q - fed)[:, None]  # [rows, q]; < 0 is padding
         context_lens = first + fed
         query_positions = first[:, None] + np.maximum(offset, 0)
-        is_token = offset >= 0
+        # Each query's slot through its row's table; padding (whose position may lie past the table) writes to the
+        # scratch slot.
+        blocks = np.minimum(query_positions // bs, width - 1)
+        write_slots = np.take_along_axis(table, blocks, 1) * bs + query_positions % bs
+        write_slots = np.where(offset >= 0, write_slots, SCRATCH_SLOT).reshape(-1)
 
         backend = resolve_backend(self.kernel_backend, device)
+        on_host = torch.device(device).type == "cpu" if self.host_slots is None else self.host_slots
         slots = view = None
+        num_context = int(context_lens.max())
         if backend == "torch":
-            num_context = int(context_lens.max())
-            slots = _host_context_slots(table, context_lens, num_context, bs)
-            # A query's slot is its position's among the context's (every query lies inside its row's context; the
-            # clamp keeps a row feeding nothing, all padding, inside the table).
-            write_slots = np.take_along_axis(slots, np.minimum(query_positions, num_context - 1), 1)
+            if on_host:
+                slots = _host_context_slots(table, context_lens, num_context, bs)
             run = self.manager.contiguous_run(seq_ids)
             if run is not None and num_context <= run[1] * bs:
                 view = (run[0] * bs, run[1] * bs)
-        else:
-            write_slots = np.take_along_axis(table, query_positions // bs, 1) * bs + query_positions % bs
-        write_slots = np.where(is_token, write_slots, SCRATCH_SLOT).reshape(-1)
         layout_parts = split = None
         by_token = False
         if tree is None and packed:
@@ -233,18 +238,22 @@ class PagedKVCache(Cache):
             split = query_groups(num_tokens) if backend == "torch" else None
             pool = next(iter(self.key_pools.values()), None)
             by_token = (backend == "torch" and view is None and self.token_rows is not False
-                        and (self.token_rows or token_rows_pay(num_tokens, slots.shape[1],
+                        and (self.token_rows or token_rows_pay(num_tokens, num_context,
                                                                0 if pool is None else pool[0].numel(), split)))
             layout_parts = PackedLayout.host_parts(num_tokens, q, starts, split, by_token)
             write_slots = write_slots[layout_parts[0]]
-            if by_token:  # each token's row's context, its own mask hiding what follows it
+            if by_token and slots is not None:  # each token's row's context, its own mask hiding what follows it
                 slots = slots[layout_parts[4]]
         host = [table, context_lens, query_positions, write_slots] + ([] if slots is None else [slots])
         on_device = host_to_device(host + (layout_parts or []), device)
         block_tables, context_lens_t, query_positions_t, write_slots_t = on_device[:4]
         slots_t = None if slots is None else on_device[4]
+        layout = None if layout_parts is None else PackedLayout.from_parts(on_device[len(host):], split, by_token)
+        if backend == "torch" and slots_t is None:
+            slots_t = context_slots(block_tables, context_lens_t, num_context, bs, pad_slot=SCRATCH_SLOT)
+            if by_token:
+                slots_t = slots_t.index_select(0, layout.token_rows)
         if tree is None:
-            layout = None if layout_parts is None else PackedLayout.from_parts(on_device[len(host):], split, by_token)
             groups = None
             if (backend == "torch" and view is None and not by_token and split is None and self.context_split
                     is not False and os.environ.get("HF_SPECDEC_CONTEXT_GROUPS", "1") != "0"):
