@@ -170,7 +170,7 @@ def host_to_device(parts: list[np.ndarray], device) -> list[torch.Tensor]:
     memory (those the caller made for the step, not changed after)."""
     if torch.device(device).type == "cpu":
         return [torch.from_numpy(part if part.dtype == np.int64 and part.flags.writeable and part.flags.c_contiguous
-                                 else np.ascontiguousarray(part, dtype=np.int64).copy()) for part in parts]
+                                 else np.array(part, dtype=np.int64, order="C")) for part in parts]
     sizes = [part.size for part in parts]
     padded = [-(-size // 8) * 8 for size in sizes]
     flat = np.zeros(sum(padded), dtype=np.int64)

@@ -71,22 +71,15 @@ def _reaches_state(function, depth: int = 3) -> bool:
         return False
     if any(f".{method}(" in source for method in _STATE_METHODS):
         return True
-    code = getattr(function, "__code__", None)
-    if depth == 0 or code is None:
+    if depth == 0:
         return False
-    scope = getattr(function, "__globals__", {})
-    callees = [scope.get(name) for name in code.co_names]
-    callees += [cell.cell_contents for cell in function.__closure__ or () if _filled(cell)]
+    try:
+        referenced = inspect.getclosurevars(function)
+    except (TypeError, ValueError):  # not a Python function, or a closure variable not yet assigned
+        return False
+    callees = [*referenced.globals.values(), *referenced.nonlocals.values()]
     callees = [type(c).forward if isinstance(c, torch.nn.Module) else c for c in callees]
     return any(inspect.isfunction(c) and _reaches_state(c, depth - 1) for c in callees)
-
-
-def _filled(cell) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:  # a closure variable not yet assigned
-        return False
-    return True
 
 
 def is_recurrent(model) -> bool:
