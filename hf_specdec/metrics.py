@@ -20,6 +20,8 @@ class SpeculativeMetrics:
         accepted_per_position: `[i]` = drafts with at least `i + 1` accepted tokens (with trees: reaching depth
             `i + 1`).
         num_steps: verify steps (target forwards) of the decode loop.
+        num_row_steps: (row, step) pairs: the rows each step fed, summed (`num_steps` at batch 1; fewer than
+            `num_steps` x rows where rows finish before the longest one).
         num_emitted_tokens: tokens added to the outputs.
         num_grammar_draft_tokens / num_grammar_tokens: tokens a grammar (or `prefix_allowed_tokens_fn`) drafted
             itself, where it allows only one token or its next text is fixed (a schema's next key), and how many of
@@ -37,6 +39,7 @@ class SpeculativeMetrics:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     num_steps: int = 0
+    num_row_steps: int = 0
     num_emitted_tokens: int = 0
     num_grammar_draft_tokens: int = 0
     num_grammar_tokens: int = 0
@@ -62,6 +65,7 @@ class SpeculativeMetrics:
 
     def record_step(self, num_draft_tokens: list[int], num_accepted: list[int]) -> None:
         self.num_steps += 1
+        self.num_row_steps += len(num_draft_tokens)
         self.num_drafts += sum(1 for n in num_draft_tokens if n > 0)
         self.num_draft_tokens += sum(num_draft_tokens)
         self.num_accepted_tokens += sum(num_accepted)
@@ -91,6 +95,7 @@ class SpeculativeMetrics:
             "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
             "accepted_per_position": list(self.accepted_per_position), "num_steps": self.num_steps,
+            "num_row_steps": self.num_row_steps,
             "num_emitted_tokens": self.num_emitted_tokens, "num_grammar_draft_tokens": self.num_grammar_draft_tokens,
             "num_grammar_tokens": self.num_grammar_tokens,
             "draft_time_s": self.draft_time_s,

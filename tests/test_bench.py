@@ -141,3 +141,22 @@ def test_bench_reports_speedups_over_the_engine_and_the_static_cache():
     assert ngram.speedup_over_off > 0 and ngram.speedup_over_static > 0
     assert all(r.first_call_s > 0 and r.second_call_s > 0 for r in results)
     assert by_config[OFF].first_measure_s is not None and by_config["plain generate"].first_measure_s is None
+
+
+def test_a_row_that_ends_first_is_not_counted_in_the_steps_after():
+    """`num_row_steps` sums the rows each step fed, so the bench's tokens per target forward counts a row only in the
+    steps it took part in: speculation off emits one token per row and step at a batch whose rows end apart (before,
+    steps x rows put it below 1 there)."""
+    from conftest import ragged_batch
+
+    model = make_model("llama", dtype=torch.float32)
+    ids, mask = ragged_batch(rows=3)
+    new = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)[:, ids.shape[1]:]
+    # An end-of-sequence token that row 0 emits early and some other row never does: rows end apart.
+    eos = next(t for t in new[0, 1:6].tolist() if any(t not in new[r].tolist() for r in (1, 2)))
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, speculator="off",
+                         eos_token_id=eos, return_dict_in_generate=True)
+    m = out.speculative_metrics
+    assert m.num_row_steps < 3 * m.num_steps
+    assert m.num_emitted_tokens == m.num_row_steps
+    assert m.to_dict()["num_row_steps"] == m.num_row_steps

@@ -16,9 +16,10 @@ alike (each repeat starting one configuration later), and medians are reported. 
 - tokens/s: new tokens of the batch / end-to-end latency.
 - TTFT: latency of the same call with `max_new_tokens=1` (prefill + first token), the fastest of three such calls.
 - TPOT: (latency - TTFT) / (new tokens per row - 1).
-- ideal speedup: tokens emitted per target forward, discounted by drafting cost (the draft's size relative to the
-  target's, per drafted token): what speculation would give if a verify cost the same as a plain decode step.
-  The fraction achieved (speedup / ideal) shows the overhead left on the table.
+- ideal speedup: tokens emitted per row per target forward (a row counted in the forwards it took part in),
+  discounted by drafting cost (the draft's size relative to the target's, per drafted token): what speculation would
+  give if a verify cost the same as a plain decode step. The fraction achieved (speedup / ideal) shows the overhead
+  left on the table.
 - draft ms/token: the speculator's drafting time per drafted token of a row (one draft forward at batch 1);
   draft/target: that time over plain generate's TPOT in the same run, the draft's measured relative cost. Quantized
   drafts (`--draft-quantization`) are compared on this and on acceptance.
@@ -272,15 +273,17 @@ def _measure(model, groups, configs, workload, batch_size, max_new_tokens, repea
         result.first_call_s, result.second_call_s, result.first_measure_s = first[config.name]
         metrics = [getattr(out, "speculative_metrics", None) for out in outs]
         if metrics[0] is not None:
-            steps = sum(m.num_steps for m in metrics)
+            # Each row counted in the steps it took part in: at a batch, rows that finish before the longest one
+            # are not fed in the steps after.
+            row_steps = sum(m.num_row_steps for m in metrics)
             drafted = sum(m.num_draft_tokens for m in metrics)
             accepted = sum(m.num_accepted_tokens for m in metrics)
             drafts = sum(m.num_drafts for m in metrics)
             emitted = sum(m.num_emitted_tokens for m in metrics)
             result.acceptance_rate = accepted / drafted if drafted else 0.0
             result.mean_acceptance_length = (1 + accepted / drafts) if drafts else 1.0
-            per_forward = emitted / max(steps * batch_size, 1)
-            drafted_per_forward = drafted / max(steps * batch_size, 1)
+            per_forward = emitted / max(row_steps, 1)
+            drafted_per_forward = drafted / max(row_steps, 1)
             result.tokens_per_target_forward = per_forward
             result.ideal_speedup = per_forward / (1 + config.draft_cost * drafted_per_forward)
             result.fraction_of_ideal = result.speedup / result.ideal_speedup
