@@ -28,6 +28,9 @@ class SpeculativeMetrics:
             them the target accepted. Not counted in the draft and acceptance figures, which are the speculator's.
         draft_time_s / verify_time_s / total_time_s: wall time in proposing, verifying (target forward, logits
             processing, acceptance) and the whole call.
+        drafting_time_s: the part of `draft_time_s` spent in steps that verified drafts; the rest went to steps that
+            drafted nothing (a lookup that found no match, adaptive k keeping drafting off). What a drafted token
+            costs is this over `num_draft_tokens`; what proposing costs a step, `draft_time_s` over `num_steps`.
         measure_time_s: wall time the call spent measuring this host's costs before its first step (the first call
             on a new host, model, dtype and thread count; 0 after that), included in `total_time_s`.
         k_per_step: the k chosen at each step (adaptive k's choice, 0 where it kept drafting off; with
@@ -44,6 +47,7 @@ class SpeculativeMetrics:
     num_grammar_draft_tokens: int = 0
     num_grammar_tokens: int = 0
     draft_time_s: float = 0.0
+    drafting_time_s: float = 0.0
     verify_time_s: float = 0.0
     total_time_s: float = 0.0
     measure_time_s: float = 0.0
@@ -76,6 +80,12 @@ class SpeculativeMetrics:
             for i in range(n):
                 self.accepted_per_position[i] += 1
 
+    def record_proposing(self, seconds: float, num_draft_tokens: list[int]) -> None:
+        """A step's proposing time, counted in `drafting_time_s` too where the step verified drafts."""
+        self.draft_time_s += seconds
+        if any(num_draft_tokens):
+            self.drafting_time_s += seconds
+
     def summary(self) -> str:
         per_pos = ", ".join(f"{r:.3f}" for r in self.acceptance_rate_per_position)
         return (
@@ -98,7 +108,7 @@ class SpeculativeMetrics:
             "num_row_steps": self.num_row_steps,
             "num_emitted_tokens": self.num_emitted_tokens, "num_grammar_draft_tokens": self.num_grammar_draft_tokens,
             "num_grammar_tokens": self.num_grammar_tokens,
-            "draft_time_s": self.draft_time_s,
+            "draft_time_s": self.draft_time_s, "drafting_time_s": self.drafting_time_s,
             "verify_time_s": self.verify_time_s, "total_time_s": self.total_time_s,
             "measure_time_s": self.measure_time_s,
             "k_per_step": list(self.k_per_step),

@@ -160,3 +160,73 @@ def test_a_row_that_ends_first_is_not_counted_in_the_steps_after():
     assert m.num_row_steps < 3 * m.num_steps
     assert m.num_emitted_tokens == m.num_row_steps
     assert m.to_dict()["num_row_steps"] == m.num_row_steps
+
+
+def test_proposing_time_is_split_by_whether_the_step_drafted():
+    """`drafting_time_s` keeps the proposing time of the steps that verified drafts only, so the bench's draft cost
+    per token is not inflated by steps that drafted nothing (an n-gram lookup without a match); `draft_time_s` keeps
+    all of it."""
+    import time
+
+    from hf_specdec.decode.speculator import Speculator
+    from hf_specdec.types import DraftProposal
+
+    idle_s = 0.02
+
+    class EveryOtherStep(Speculator):
+        """Drafts one token on even steps; on odd steps proposes nothing, after `idle_s` of work."""
+
+        def begin(self, target, batch):
+            self.steps = self.idle = 0
+
+        def propose(self, batch, k):
+            self.steps += 1
+            rows = len(batch.active)
+            if self.steps % 2:
+                self.idle += 1
+                time.sleep(idle_s)
+                return DraftProposal.empty(rows, batch.device)
+            return DraftProposal(torch.ones(rows, k, dtype=torch.long), torch.full((rows,), k))
+
+    model, tokenizer = make_model("llama", dtype=torch.float32), make_tokenizer()
+    inputs = tokenizer(["the cat sat"], return_tensors="pt")
+    speculator = EveryOtherStep()
+    out = model.generate(**inputs, max_new_tokens=8, do_sample=False, speculator=speculator,
+                         num_speculative_tokens=1, speculative_schedule="constant", return_dict_in_generate=True)
+    m = out.speculative_metrics
+    assert m.num_drafts and speculator.idle
+    assert m.draft_time_s - m.drafting_time_s >= speculator.idle * idle_s
+    assert m.drafting_time_s < idle_s * speculator.idle  # the drafting steps slept not at all
+    assert m.to_dict()["drafting_time_s"] == m.drafting_time_s
+
+
+def test_bench_reports_the_spread_of_its_paired_ratios(monkeypatch):
+    """Beside each paired median the lowest and highest ratio over the repeats, in the results and the table: how far
+    the host's noise moved a cell, against which a floor near 1 is read."""
+    from tqdm import tqdm
+
+    from hf_specdec.tools import bench
+
+    model, tokenizer = make_model("llama", dtype=torch.float32), make_tokenizer()
+    inputs = tokenizer(["the cat sat"], return_tensors="pt")
+    clock = [0.0]
+    # Full calls (6 new tokens) of plain generate take 2 "seconds"; speculation off's first and second call 1, then
+    # its three repeats 1, 2 and 4: paired ratios 2, 1 and 0.5.
+    off_seconds = iter([1.0, 1.0, 1.0, 2.0, 4.0])
+    real_generate = model.generate
+
+    def scripted(**kwargs):
+        if kwargs["max_new_tokens"] == 6:
+            clock[0] += next(off_seconds) if kwargs.get("speculator") == "off" else 2.0
+        return real_generate(**kwargs)
+
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(model, "generate", scripted)
+    configs = [bench.Config("plain generate"), bench.Config(bench.OFF, dict(speculator="off"))]
+    plain, off = bench._measure(model, [(inputs, {})], configs, "grounded", 1, 6, 3, tqdm(disable=True))
+    assert off.speedup == 1.0 and off.speedup_range == (0.5, 2.0)
+    assert plain.speedup_range == (1.0, 1.0) and plain.speedup_over_off_range == (0.5, 2.0)
+    assert off.speedup_over_off_range == (1.0, 1.0)
+    rows = {line.split(" | ")[2]: line.split(" | ") for line in bench.table([plain, off]).splitlines()[2:]}
+    assert rows[bench.OFF][4] == "1.00x (0.50-2.00)" and rows[bench.OFF][5] == "1.00"
+    assert rows["plain generate"][4] == "1.00x" and rows["plain generate"][5] == "1.00 (0.50-2.00)"

@@ -176,7 +176,7 @@ class Step:
             self.speculator.observe_hidden_states(self.last_states)
         self.speculator.commit(batch, num_accepted)
         metrics.record_step(num_drafted, num_accepted)
-        metrics.draft_time_s += t1 - t0
+        metrics.record_proposing(t1 - t0, num_drafted)
         metrics.verify_time_s += time.perf_counter() - t1
         if self.policy is not None and self.drafting:
             self.policy.update(rows, num_drafted, num_accepted, classes)
@@ -281,7 +281,7 @@ class Step:
                 cached, num_committed))
         self.speculator.commit(batch, num_accepted)
         metrics.record_step(num_drafted, num_accepted)
-        metrics.draft_time_s += t1 - t0
+        metrics.record_proposing(t1 - t0, num_drafted)
         metrics.verify_time_s += time.perf_counter() - t1
         return num_emit, [r for r, done in zip(rows, finished) if done]
 

@@ -78,10 +78,15 @@ class Result:
     tokens_per_target_forward: float | None = None
     ideal_speedup: float | None = None
     fraction_of_ideal: float | None = None
-    draft_ms_per_token: float | None = None
+    draft_ms_per_token: float | None = None  # proposing time of the steps that drafted, per drafted token and row
     draft_to_target: float | None = None
     speedup_of_medians: float | None = None  # median plain latency / median latency (the speedup before pairing)
     speedup_over_off: float | None = None  # paired, against "hf_specdec off" (speculation's own gain)
+    # The lowest and highest of the paired ratios over the repeats, beside their medians (`speedup`,
+    # `speedup_over_off`): how far this host's noise moved them, against which a floor near 1 is read.
+    speedup_range: tuple[float, float] | None = None
+    speedup_over_off_range: tuple[float, float] | None = None
+    propose_ms_per_step: float | None = None  # all proposing time over the steps, those that drafted nothing too
     speedup_over_static: float | None = None  # paired, against plain generate with a static cache (where it ran)
     first_call_s: float | None = None  # the configuration's first call on the first group, before any repeat
     second_call_s: float | None = None  # the call right after it, on the same group
@@ -255,7 +260,7 @@ def _measure(model, groups, configs, workload, batch_size, max_new_tokens, repea
                          for out, w, n in zip(outs, widths, per_row))
         # Speedup: the median over repeats of plain generate's latency over this one's in the same repeat (pairs
         # timed minutes apart at most, so a slow spell of the host hits both sides of most pairs).
-        paired = statistics.median(b / t for b, t in zip(base, latencies[config.name]))
+        ratios = [b / t for b, t in zip(base, latencies[config.name])]
         decode = latency - ttft
         if decode <= 0:
             print(f"bench: {config.name} at batch {batch_size}: the one-token calls took longer than the full calls "
@@ -263,11 +268,13 @@ def _measure(model, groups, configs, workload, batch_size, max_new_tokens, repea
                   "this few new tokens, raise --repeats or --max-new-tokens")
         result = Result(workload, batch_size, config.name, new_tokens / latency, ttft / len(groups),
                         decode / max(sum(per_row) - len(groups), 1) if decode > 0 else None, latency, new_tokens,
-                        paired,
+                        statistics.median(ratios),
                         all(torch.equal(out.sequences, ref) for out, ref in zip(outs, references)),
-                        speedup_of_medians=base_latency / latency)
+                        speedup_of_medians=base_latency / latency, speedup_range=(min(ratios), max(ratios)))
         if off is not None:
-            result.speedup_over_off = statistics.median(o / t for o, t in zip(off, latencies[config.name]))
+            over_off = [o / t for o, t in zip(off, latencies[config.name])]
+            result.speedup_over_off = statistics.median(over_off)
+            result.speedup_over_off_range = (min(over_off), max(over_off))
         if static is not None:
             result.speedup_over_static = statistics.median(s / t for s, t in zip(static, latencies[config.name]))
         result.first_call_s, result.second_call_s, result.first_measure_s = first[config.name]
@@ -287,8 +294,12 @@ def _measure(model, groups, configs, workload, batch_size, max_new_tokens, repea
             result.tokens_per_target_forward = per_forward
             result.ideal_speedup = per_forward / (1 + config.draft_cost * drafted_per_forward)
             result.fraction_of_ideal = result.speedup / result.ideal_speedup
+            result.propose_ms_per_step = 1000 * sum(m.draft_time_s for m in metrics) / max(
+                sum(m.num_steps for m in metrics), 1)
             if drafted:
-                draft_time = sum(m.draft_time_s for m in metrics)
+                # Steps that drafted nothing (a lookup without a match, adaptive k keeping drafting off) are left out:
+                # their proposing time is no drafted token's cost (`propose_ms_per_step` shows it).
+                draft_time = sum(m.drafting_time_s for m in metrics)
                 result.draft_ms_per_token = 1000 * draft_time * batch_size / drafted
                 if results[0].tpot_s:
                     result.draft_to_target = result.draft_ms_per_token / (1000 * results[0].tpot_s)
@@ -345,6 +356,13 @@ def fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def spread(bounds: tuple[float, float] | None) -> str:
+    """` (low-high)` of a ratio's repeats, or nothing where they agree to two decimals or were not measured."""
+    if bounds is None or f"{bounds[0]:.2f}" == f"{bounds[1]:.2f}":
+        return ""
+    return f" ({bounds[0]:.2f}-{bounds[1]:.2f})"
+
+
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     """A markdown table: a header row, its rule, then one line per row."""
     return "\n".join(["| " + " | ".join(header) + " |", "|" + " --- |" * len(header),
@@ -354,12 +372,14 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 def table(results: list[Result]) -> str:
     """A markdown table of the results."""
     header = ["workload", "batch", "configuration", "tokens/s", "speedup", "vs off", "TTFT s", "TPOT ms", "acceptance",
-              "mean acc. len", "draft ms/token", "draft/target", "ideal", "of ideal", "first call s",
-              "second call s", "measure s", "vs static", "identical"]
+              "mean acc. len", "propose ms/step", "draft ms/token", "draft/target", "ideal", "of ideal",
+              "first call s", "second call s", "measure s", "vs static", "identical"]
     return markdown_table(header, [[
-        r.workload, str(r.batch_size), r.config, f"{r.tokens_per_s:.1f}", f"{r.speedup:.2f}x",
-        fmt(r.speedup_over_off, ".2f"), f"{r.ttft_s:.3f}", fmt(r.tpot_s and 1000 * r.tpot_s, ".1f"),
-        fmt(r.acceptance_rate, ".2f"), fmt(r.mean_acceptance_length, ".2f"), fmt(r.draft_ms_per_token, ".1f"),
+        r.workload, str(r.batch_size), r.config, f"{r.tokens_per_s:.1f}",
+        f"{r.speedup:.2f}x{spread(r.speedup_range)}",
+        fmt(r.speedup_over_off, ".2f") + spread(r.speedup_over_off_range), f"{r.ttft_s:.3f}",
+        fmt(r.tpot_s and 1000 * r.tpot_s, ".1f"), fmt(r.acceptance_rate, ".2f"), fmt(r.mean_acceptance_length, ".2f"),
+        fmt(r.propose_ms_per_step, ".1f"), fmt(r.draft_ms_per_token, ".1f"),
         fmt(r.draft_to_target, ".2f"), fmt(r.ideal_speedup, ".2f"), fmt(r.fraction_of_ideal, ".0%"),
         fmt(r.first_call_s, ".2f"), fmt(r.second_call_s, ".2f"), fmt(r.first_measure_s, ".2f"),
         fmt(r.speedup_over_static, ".2f"), "yes" if r.identical else "no"] for r in results])
