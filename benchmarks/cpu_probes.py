@@ -7,11 +7,16 @@ process: what docs/benchmarks.md, "Tried and not kept, 2026-12-07", reports. Non
     python benchmarks/cpu_probes.py weigh-rows [--rounds 4]       # generate at batch 4, rows weighed by tokens left or not
     python benchmarks/cpu_probes.py ngram-split [--rounds 4]      # open-chat n-gram at batch 4: as it runs / no drafts /
                                                                   # no lookups
+    python benchmarks/cpu_probes.py head-depth                    # the head's acceptance by position; the gain a chain
+                                                                  # could reach at batch 1 by this host's profile
+    python benchmarks/cpu_probes.py verify-forms [--rounds 6]     # a verify at widths 1-6: the profile's linear forms /
+                                                                  # packed at 3-4 rows as well
 Each also takes `--model`, `--threads` (default 2) and `--max-new-tokens` (default 128). Ratios against speculation
 off are medians of paired calls; configurations alternate, their order reversed every other round.
 """
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -19,9 +24,11 @@ import _common  # benchmarks/, this script's folder
 import torch
 
 import hf_specdec
-from hf_specdec.costs import adaptive
+from hf_specdec.costs import adaptive, calibration
 from hf_specdec.costs.linear_forms import thin_product
 from hf_specdec.decode import scheduler
+from hf_specdec.decode.speculator import Speculator
+from hf_specdec.types import DraftProposal
 
 
 def interleaved(configs: dict, call, rounds: int) -> dict[str, list]:
@@ -173,8 +180,84 @@ def ngram_split(args) -> None:
     report(interleaved({name: name for name in configs}, call, args.rounds))
 
 
+def head_depth(args) -> None:
+    """The shipped head's acceptance by draft position at a constant k of 6 (open chat and the held-out prompts, batch
+    1), and the most speculation could gain over speculation off at batch 1 for a chain accepted position by position
+    with chance a, priced by this host's profile (`hf-specdec calibrate`): its step-cost curve, the head's draft cost
+    per token, and one more draft's worth for the step's catch-up. Host work outside the forwards is left out, so
+    the real gain is lower."""
+    model, tokenizer = _common.load(args)
+    head = hf_specdec.EagleSpeculator.from_pretrained(hf_specdec.trained_head(args.model))
+    for workload in ("open_chat", "held_out"):
+        drafts, reached = 0, [0] * 6
+        for text in _common.prompt_texts(workload):
+            with torch.no_grad():
+                m = model.generate(**_common.chat_batch(tokenizer, [text]), max_new_tokens=args.max_new_tokens,
+                                   do_sample=False, speculator=head, num_speculative_tokens=6,
+                                   speculative_schedule="constant", return_dict_in_generate=True).speculative_metrics
+            drafts += m.num_drafts
+            reached = [a + b for a, b in zip(reached, m.accepted_per_position + [0] * 6)]
+        share = [n / max(drafts, 1) for n in reached]  # drafts with at least j + 1 accepted
+        given = [share[0]] + [b / a if a else 0.0 for a, b in zip(share, share[1:])]
+        print(f"{workload}: {drafts} drafts; accepted at position 1-6 given the one before: "
+              f"{', '.join(f'{p:.2f}' for p in given)}; accepted per draft {sum(share):.2f}")
+    profile = calibration.load_profile(model)
+    if profile is None or profile.step_cost is None:
+        print("no measured step cost for this host: run `hf-specdec calibrate` for the ceiling")
+        return
+    cost, draft = profile.step_cost, next(iter(profile.draft_costs.values()), 0.0)
+    for a in (0.5, 0.55, 0.6, 0.65, 0.7, 0.75):
+        gains = [(sum(a ** j for j in range(k + 1)) / (float(cost.relative(1, torch.tensor(k + 1.0), 256))
+                                                        + (k + 1) * draft), k) for k in range(1, 11)]
+        print(f"a = {a:.2f}: at most {max(gains)[0]:.2f}x speculation off (k = {max(gains)[1]})")
+
+
+def verify_forms(args) -> None:
+    """A verify step's time at widths 1-6 (a speculator drafting k tokens every step, all rejected) with this host's
+    profile as measured, and with every weight shape and sibling group packed at 3 and 4 rows as well."""
+    model, tokenizer = _common.load(args)
+    measured = calibration.load_profile(model)
+    if measured is None:
+        print("no profile for this host: run `hf-specdec calibrate` first")
+        return
+    extra = (3, 4)
+    packed = dataclasses.replace(
+        measured,
+        thin_linear_shapes={s: tuple(r for r in rows if r not in extra)
+                            for s, rows in measured.thin_linear_shapes.items()},
+        packed_linear_shapes={s: tuple(sorted({*rows, *extra})) for s, rows in measured.packed_linear_shapes.items()},
+        fused_linear_groups={g: tuple(sorted({*rows, *extra})) for g, rows in measured.fused_linear_groups.items()})
+    original = calibration.load_profile
+    chosen = [measured]
+    calibration.load_profile = lambda m, *a, **kw: chosen[0] if m is model else original(m, *a, **kw)
+
+    class Rejected(Speculator):
+        """Drafts k copies of token 1 for every row, every step."""
+
+        def propose(self, batch, k):
+            rows = len(batch.active)
+            return DraftProposal(torch.ones(rows, k, dtype=torch.long), torch.full((rows,), k))
+
+    inputs = _common.chat_batch(tokenizer, [_common.prompt_texts("grounded")[0]])
+
+    def call(case):
+        chosen[0], k = case
+        with torch.no_grad():
+            m = model.generate(**inputs, max_new_tokens=24, do_sample=False, speculator=Rejected() if k else "off",
+                               num_speculative_tokens=max(k, 1), speculative_schedule="constant",
+                               return_dict_in_generate=True).speculative_metrics
+        return m.verify_time_s / m.num_steps
+
+    for k in range(6):
+        runs = interleaved({"measured": (measured, k), "packed at 3-4": (packed, k)}, call, args.rounds)
+        ratio = statistics.median(p / m for m, p in zip(runs["measured"], runs["packed at 3-4"]))
+        print(f"width {k + 1}: {1000 * statistics.median(runs['measured']):.1f} ms a verify as measured, "
+              f"{1000 * statistics.median(runs['packed at 3-4']):.1f} ms packed at 3-4 rows ({ratio:.3f}x, paired)")
+
+
 PROBES = {"head-int8": (head_int8, 3), "head-products": (head_products, 15), "padded-rows": (padded_rows, 12),
-          "weigh-rows": (weigh_rows, 4), "ngram-split": (ngram_split, 4)}
+          "weigh-rows": (weigh_rows, 4), "ngram-split": (ngram_split, 4), "head-depth": (head_depth, 1),
+          "verify-forms": (verify_forms, 6)}
 
 
 def main() -> None:
