@@ -163,6 +163,21 @@ def test_steps_with_nothing_to_draft_are_not_reported_as_declined():
     assert paying.idle_explanation(min_steps=4) is None and min(paying.chosen) > 0
 
 
+def test_the_idle_sentence_names_the_calls_batch_where_rows_ended_apart():
+    """The sentence prices a verify at the rows of the call's last steps; where rows ended before the others, those
+    are fewer than the batch the user passed, and it says so instead of naming a batch size nobody asked for."""
+    from hf_specdec.costs.adaptive import AdaptiveK
+
+    policy = AdaptiveK(4, 4, DEAR)
+    for _ in range(6):
+        policy.choose([0, 1, 2, 3])
+    assert "at batch 4 a verify" in policy.idle_explanation(min_steps=4)
+    for _ in range(6):  # rows 2 and 3 ended
+        policy.choose([0, 1])
+    assert policy.chosen == [0] * 12
+    assert "at batch 2 (the rows left at the end of a batch of 4) a verify" in policy.idle_explanation(min_steps=4)
+
+
 def test_a_call_that_drafts_by_its_end_is_not_explained_as_idle():
     """Declined in most steps while acceptance was low, then drafting once it rose: the sentence would read its
     reasons off the end's estimates, which say drafting pays, so nothing is said."""

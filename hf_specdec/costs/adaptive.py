@@ -113,6 +113,7 @@ class AdaptiveK:
         self.calibrate = calibrate
         self.expected_accepted = self.actual_accepted = 0.0
         self._last = (num_rows, 0.0)  # the rows and context of the latest choice, to explain it
+        self._most_rows = 0  # the most rows any choice was made for: the call's batch, where rows end apart
 
     def acceptance(self, rows: list[int], classes: list[int] | None = None) -> torch.Tensor:
         """`[len(rows)]` each row's estimated chance that a draft of the given class is accepted."""
@@ -168,7 +169,7 @@ class AdaptiveK:
         self.chosen.append(k)
         # A step is declined when drafts were possible (a row offered some) and the policy chose none.
         self.num_declined += k == 0 and bool(rows) and (available is None or any(a > 0 for a in available))
-        self._last = (max(len(rows), 1), context)
+        self._note(max(len(rows), 1), context)
         return k
 
     def choose_rows(self, rows: list[int], available: list[int], classes: list[int] | None = None,
@@ -190,7 +191,7 @@ class AdaptiveK:
             return ks
         self.chosen.append(max(ks, default=0))
         self.num_declined += not any(ks) and offers
-        self._last = (max(len(rows), 1), context)
+        self._note(max(len(rows), 1), context)
         return ks
 
     def may_draft(self, rows: list[int], available: list[int], context: float = 0.0) -> bool:
@@ -205,7 +206,7 @@ class AdaptiveK:
                 return True
         self.chosen.append(0)
         self.num_declined += bool(rows) and any(a > 0 for a in available)
-        self._last = (max(len(rows), 1), context)
+        self._note(max(len(rows), 1), context)
         return False
 
     def choose_drafters(self, rows: list[int], available: list[int] | None = None, context: float = 0.0,
@@ -254,7 +255,7 @@ class AdaptiveK:
                     counts = capped[best].tolist()
         self.chosen.append(max(counts, default=0))
         self.num_declined += not any(counts) and any(offered)
-        self._last = (max(n, 1), context)
+        self._note(max(n, 1), context)
         return counts
 
     def drafting_pays(self, rows: list[int], available: list[int], classes: list[int], alternative: list[int],
@@ -393,6 +394,11 @@ class AdaptiveK:
         best = int(np.argmax(value))
         return best if value[best] >= self.min_gain * value[0] else 0
 
+    def _note(self, rows: int, context: float) -> None:
+        """Keeps the latest choice's rows and context (what `idle_explanation` prices) and the most rows seen."""
+        self._last = (rows, context)
+        self._most_rows = max(self._most_rows, rows)
+
     def idle_explanation(self, min_steps: int = 32) -> str | None:
         """When k was 0 in most steps (of a call of at least `min_steps` steps) although drafts were on offer, a
         sentence saying why: what verifying and drafting cost and the acceptance estimated at the end; otherwise
@@ -409,7 +415,10 @@ class AdaptiveK:
             return None
         verify = self._relative(rows, np.array([2.0, self.max_k + 1.0]), context)
         pooled = self._pooled()
-        return (f"adaptive k kept drafting off in {idle} of {len(self.chosen)} steps: at batch {rows} a verify of 1 "
+        # Priced at the rows of the call's last steps: where rows ended apart, fewer than the call's batch, said so.
+        batch = (f"{rows}" if rows >= self._most_rows
+                 else f"{rows} (the rows left at the end of a batch of {self._most_rows})")
+        return (f"adaptive k kept drafting off in {idle} of {len(self.chosen)} steps: at batch {batch} a verify of 1 "
                 f"draft costs {float(verify[0]):.2f} plain steps and one of {self.max_k} drafts "
                 f"{float(verify[1]):.2f}, a drafted token {self.draft_cost_per_token:.2f}, and the acceptance "
                 f"estimated from this call is {', '.join(f'{p:.2f}' for p in pooled.tolist())}{self._calibrated()}, "
