@@ -1,5 +1,6 @@
 """Probes for the open-chat head's own gain and the batch floors on a CPU (issue 50), each run side by side in one
-process: what docs/benchmarks.md, "Tried and not kept, 2026-12-07", reports. None of them paid on a 2-core AMD EPYC.
+process: what docs/benchmarks.md reports under "Five repeats, with their spread" (head-depth, verify-forms) and "Tried
+and not kept, 2026-12-07" (the rest). None of the changes they try paid on a 2-core AMD EPYC.
 
     python benchmarks/cpu_probes.py head-int8 [--rounds 3]        # the shipped head float32 / int8, batch 1, open chat
     python benchmarks/cpu_probes.py head-products [--rounds 15]   # one draft's products: float32 (W @ x.T).T / bfloat16
@@ -10,7 +11,7 @@ process: what docs/benchmarks.md, "Tried and not kept, 2026-12-07", reports. Non
     python benchmarks/cpu_probes.py head-depth                    # the head's acceptance by position; the gain a chain
                                                                   # could reach at batch 1 by this host's profile
     python benchmarks/cpu_probes.py verify-forms [--rounds 6]     # a verify at widths 1-6: the profile's linear forms /
-                                                                  # packed at 3-4 rows as well
+                                                                  # packed at 3-4 rows as well (LM head, groups, all)
 Each also takes `--model`, `--threads` (default 2) and `--max-new-tokens` (default 128). Ratios against speculation
 off are medians of paired calls; configurations alternate, their order reversed every other round.
 """
@@ -26,6 +27,7 @@ import torch
 import hf_specdec
 from hf_specdec.costs import adaptive, calibration
 from hf_specdec.costs.linear_forms import thin_product
+from hf_specdec.costs.linear_weights import shape_key
 from hf_specdec.decode import scheduler
 from hf_specdec.decode.speculator import Speculator
 from hf_specdec.types import DraftProposal
@@ -214,19 +216,30 @@ def head_depth(args) -> None:
 
 def verify_forms(args) -> None:
     """A verify step's time at widths 1-6 (a speculator drafting k tokens every step, all rejected) with this host's
-    profile as measured, and with every weight shape and sibling group packed at 3 and 4 rows as well."""
+    profile as measured, and with the packed form at 3 and 4 rows as well: for the LM head alone, for the sibling
+    groups (q/k/v, gate/up) as one product alone, and for every weight shape and group (`--widths`: which widths)."""
     model, tokenizer = _common.load(args)
     measured = calibration.load_profile(model)
     if measured is None:
         print("no profile for this host: run `hf-specdec calibrate` first")
         return
     extra = (3, 4)
-    packed = dataclasses.replace(
-        measured,
-        thin_linear_shapes={s: tuple(r for r in rows if r not in extra)
-                            for s, rows in measured.thin_linear_shapes.items()},
-        packed_linear_shapes={s: tuple(sorted({*rows, *extra})) for s, rows in measured.packed_linear_shapes.items()},
-        fused_linear_groups={g: tuple(sorted({*rows, *extra})) for g, rows in measured.fused_linear_groups.items()})
+
+    def packed_at(shapes, groups):
+        """The measured profile with the packed form at `extra` rows for the named shapes and groups too."""
+        return dataclasses.replace(
+            measured,
+            thin_linear_shapes={s: tuple(r for r in rows if s not in shapes or r not in extra)
+                                for s, rows in measured.thin_linear_shapes.items()},
+            packed_linear_shapes={s: tuple(sorted({*rows, *extra})) if s in shapes else rows
+                                  for s, rows in measured.packed_linear_shapes.items()},
+            fused_linear_groups={g: tuple(sorted({*rows, *extra})) if g in groups else rows
+                                 for g, rows in measured.fused_linear_groups.items()})
+
+    lm_head = shape_key(model.get_output_embeddings().weight.shape)
+    profiles = {"measured": measured, "LM head packed": packed_at({lm_head}, set()),
+                "groups fused": packed_at(set(), set(measured.fused_linear_groups)),
+                "all packed": packed_at(set(measured.packed_linear_shapes), set(measured.fused_linear_groups))}
     original = calibration.load_profile
     chosen = [measured]
     calibration.load_profile = lambda m, *a, **kw: chosen[0] if m is model else original(m, *a, **kw)
@@ -248,11 +261,12 @@ def verify_forms(args) -> None:
                                return_dict_in_generate=True).speculative_metrics
         return m.verify_time_s / m.num_steps
 
-    for k in range(6):
-        runs = interleaved({"measured": (measured, k), "packed at 3-4": (packed, k)}, call, args.rounds)
-        ratio = statistics.median(p / m for m, p in zip(runs["measured"], runs["packed at 3-4"]))
-        print(f"width {k + 1}: {1000 * statistics.median(runs['measured']):.1f} ms a verify as measured, "
-              f"{1000 * statistics.median(runs['packed at 3-4']):.1f} ms packed at 3-4 rows ({ratio:.3f}x, paired)")
+    for width in args.widths:
+        runs = interleaved({name: (profile, width - 1) for name, profile in profiles.items()}, call, args.rounds)
+        others = ", ".join(f"{name} {statistics.median(p / m for m, p in zip(runs['measured'], runs[name])):.3f}x"
+                           for name in list(profiles)[1:])
+        print(f"width {width}: {1000 * statistics.median(runs['measured']):.1f} ms a verify as measured; paired: "
+              f"{others}")
 
 
 PROBES = {"head-int8": (head_int8, 3), "head-products": (head_products, 15), "padded-rows": (padded_rows, 12),
@@ -265,6 +279,8 @@ def main() -> None:
     parser.add_argument("probe", choices=sorted(PROBES))
     parser.add_argument("--rounds", type=int, help="timed rounds (default: the probe's own)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--widths", type=lambda v: [int(w) for w in v.split(",")], default=[1, 2, 3, 4, 5, 6],
+                        help="verify widths for verify-forms (default: 1,2,3,4,5,6)")
     _common.add_model_args(parser, options=("model", "threads"))
     args = parser.parse_args()
     probe, rounds = PROBES[args.probe]
