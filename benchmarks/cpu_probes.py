@@ -1,6 +1,6 @@
 """Probes for the open-chat head's own gain and the batch floors on a CPU (issue 50), each run side by side in one
-process: what docs/benchmarks.md reports under "Five repeats, with their spread" (head-depth, verify-forms) and "Tried
-and not kept, 2026-12-07" (the rest). None of the changes they try paid on a 2-core AMD EPYC.
+process: what docs/benchmarks.md reports under "Five repeats, with their spread" (head-depth, verify-forms,
+ngram-priors) and "Tried and not kept, 2026-12-07" (the rest). None of the changes they try paid on a 2-core AMD EPYC.
 
     python benchmarks/cpu_probes.py head-int8 [--rounds 3]        # the shipped head float32 / int8, batch 1, open chat
     python benchmarks/cpu_probes.py head-products [--rounds 15]   # one draft's products: float32 (W @ x.T).T / bfloat16
@@ -12,6 +12,7 @@ and not kept, 2026-12-07" (the rest). None of the changes they try paid on a 2-c
                                                                   # could reach at batch 1 by this host's profile
     python benchmarks/cpu_probes.py verify-forms [--rounds 6]     # a verify at widths 1-6: the profile's linear forms /
                                                                   # packed at 3-4 rows as well (LM head, groups, all)
+    python benchmarks/cpu_probes.py ngram-priors [--rounds 5]     # n-gram priors m/(m+1.5) / m/(m+3), batch 1 and 4
 Each also takes `--model`, `--threads` (default 2) and `--max-new-tokens` (default 128). Ratios against speculation
 off are medians of paired calls; configurations alternate, their order reversed every other round.
 """
@@ -269,9 +270,25 @@ def verify_forms(args) -> None:
               f"{others}")
 
 
+def ngram_priors(args) -> None:
+    """n-gram with its acceptance priors per matched length as shipped (m / (m + 1.5)) and less optimistic for short
+    matches (m / (m + 3)), against speculation off: grounded and open chat at batch 1 (each prompt in turn) and 4."""
+    model, tokenizer = _common.load(args)
+    shipped = hf_specdec.NgramSpeculator()
+    doubting = hf_specdec.NgramSpeculator()
+    doubting.confidence_priors = tuple(m / (m + 3.0) for m in range(len(shipped.confidence_priors)))
+    configs = {"off": "off", "priors m/(m+1.5)": shipped, "priors m/(m+3)": doubting}
+    for workload in ("grounded", "open_chat"):
+        for rows in (1, 4):
+            inputs = ([_common.chat_batch(tokenizer, [text]) for text in _common.prompt_texts(workload)] if rows == 1
+                      else [_common.chat_batch(tokenizer, workload, rows=4)])
+            print(f"{workload}, batch {rows}:")
+            report(interleaved(configs, lambda s: generate(model, inputs, args.max_new_tokens, s), args.rounds))
+
+
 PROBES = {"head-int8": (head_int8, 3), "head-products": (head_products, 15), "padded-rows": (padded_rows, 12),
           "weigh-rows": (weigh_rows, 4), "ngram-split": (ngram_split, 4), "head-depth": (head_depth, 1),
-          "verify-forms": (verify_forms, 6)}
+          "verify-forms": (verify_forms, 6), "ngram-priors": (ngram_priors, 5)}
 
 
 def main() -> None:
