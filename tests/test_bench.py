@@ -195,8 +195,8 @@ def test_proposing_time_is_split_by_whether_the_step_drafted():
                          num_speculative_tokens=1, speculative_schedule="constant", return_dict_in_generate=True)
     m = out.speculative_metrics
     assert m.num_drafts and speculator.idle
-    assert m.draft_time_s - m.drafting_time_s >= speculator.idle * idle_s
-    assert m.drafting_time_s < idle_s * speculator.idle  # the drafting steps slept not at all
+    assert m.drafting_time_s > 0  # the drafting steps' proposing is counted
+    assert m.draft_time_s - m.drafting_time_s >= speculator.idle * idle_s  # the idle steps' (their sleeps) is not
     assert m.to_dict()["drafting_time_s"] == m.drafting_time_s
 
 

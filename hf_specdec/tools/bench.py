@@ -6,7 +6,8 @@ size, each configuration runs on the same prompts: at batch 1 every prompt of th
 alike (each repeat starting one configuration later), and medians are reported. Definitions:
 - speedup: the median over repeats of plain generate's latency over the configuration's in the same repeat (paired
   ratios: the host's slow spells, which move a call's time by 10-20% on a shared 2-core machine, hit both sides of
-  most pairs); `speedup_of_medians` in the JSON is the ratio of the two medians.
+  most pairs); `speedup_of_medians` in the JSON is the ratio of the two medians. The table shows the lowest and
+  highest repeat's ratio beside each median (`speedup_range`, `speedup_over_off_range`).
 - vs off: the same paired ratio against "hf_specdec off" (`speculator="off"`: hf_specdec's engine with no drafts),
   which every run includes: speedup = the engine's gain (off over plain generate) x speculation's own gain (vs off).
 - vs static: the same paired ratio against plain `generate(cache_implementation="static")`, transformers' fastest
@@ -20,9 +21,10 @@ alike (each repeat starting one configuration later), and medians are reported. 
   discounted by drafting cost (the draft's size relative to the target's, per drafted token): what speculation would
   give if a verify cost the same as a plain decode step. The fraction achieved (speedup / ideal) shows the overhead
   left on the table.
-- draft ms/token: the speculator's drafting time per drafted token of a row (one draft forward at batch 1);
-  draft/target: that time over plain generate's TPOT in the same run, the draft's measured relative cost. Quantized
-  drafts (`--draft-quantization`) are compared on this and on acceptance.
+- propose ms/step: the speculator's proposing time over all steps, those that drafted nothing included.
+- draft ms/token: its proposing time in the steps that drafted, per drafted token of a row (one draft forward at
+  batch 1); draft/target: that time over plain generate's TPOT in the same run, the draft's measured relative cost.
+  Quantized drafts (`--draft-quantization`) are compared on this and on acceptance.
 """
 
 from __future__ import annotations
@@ -203,6 +205,11 @@ def _constraint(workload: str, picks: list[int], tokenizer) -> dict:
     return dict(grammar=[Grammar.json_schema(CONSTRAINED[workload][i]) for i in picks], tokenizer=tokenizer)
 
 
+def paired(reference: list[float], latencies: list[float]) -> list[float]:
+    """Per repeat, the reference configuration's latency over this one's: the speedup in that repeat."""
+    return [r / t for r, t in zip(reference, latencies)]
+
+
 def _measure(model, groups, configs, workload, batch_size, max_new_tokens, repeats, bar) -> list[Result]:
     """Times each configuration on `groups`, `(inputs, extra generate arguments)` pairs run one after the other (a
     sample is their summed latency)."""
@@ -260,7 +267,7 @@ def _measure(model, groups, configs, workload, batch_size, max_new_tokens, repea
                          for out, w, n in zip(outs, widths, per_row))
         # Speedup: the median over repeats of plain generate's latency over this one's in the same repeat (pairs
         # timed minutes apart at most, so a slow spell of the host hits both sides of most pairs).
-        ratios = [b / t for b, t in zip(base, latencies[config.name])]
+        ratios = paired(base, latencies[config.name])
         decode = latency - ttft
         if decode <= 0:
             print(f"bench: {config.name} at batch {batch_size}: the one-token calls took longer than the full calls "
@@ -272,11 +279,11 @@ def _measure(model, groups, configs, workload, batch_size, max_new_tokens, repea
                         all(torch.equal(out.sequences, ref) for out, ref in zip(outs, references)),
                         speedup_of_medians=base_latency / latency, speedup_range=(min(ratios), max(ratios)))
         if off is not None:
-            over_off = [o / t for o, t in zip(off, latencies[config.name])]
+            over_off = paired(off, latencies[config.name])
             result.speedup_over_off = statistics.median(over_off)
             result.speedup_over_off_range = (min(over_off), max(over_off))
         if static is not None:
-            result.speedup_over_static = statistics.median(s / t for s, t in zip(static, latencies[config.name]))
+            result.speedup_over_static = statistics.median(paired(static, latencies[config.name]))
         result.first_call_s, result.second_call_s, result.first_measure_s = first[config.name]
         metrics = [getattr(out, "speculative_metrics", None) for out in outs]
         if metrics[0] is not None:
