@@ -10,9 +10,12 @@ ngram-priors) and "Tried and not kept, 2026-12-07" (the rest). None of the chang
                                                                   # no lookups
     python benchmarks/cpu_probes.py head-depth                    # the head's acceptance by position; the gain a chain
                                                                   # could reach at batch 1 by this host's profile
+    python benchmarks/cpu_probes.py head-confidence               # chains cut where the head's joint probability
+                                                                  # falls below a threshold, by this host's profile
     python benchmarks/cpu_probes.py verify-forms [--rounds 6]     # a verify at widths 1-6: the profile's linear forms /
                                                                   # packed at 3-4 rows as well (LM head, groups, all)
-    python benchmarks/cpu_probes.py ngram-priors [--rounds 5]     # n-gram priors m/(m+1.5) / m/(m+3), batch 1 and 4
+    python benchmarks/cpu_probes.py ngram-priors [--rounds 5]     # n-gram priors m/(m+1.5) / m/(m+3) / short only,
+                                                                  # batch 1 and 4 [--hybrid]
 Each also takes `--model`, `--threads` (default 2) and `--max-new-tokens` (default 128). Ratios against speculation
 off are medians of paired calls; configurations alternate, their order reversed every other round.
 """
@@ -86,7 +89,8 @@ def head_int8(args) -> None:
                "float32 head": hf_specdec.EagleSpeculator.from_pretrained(hf_specdec.trained_head(args.model)),
                "int8 head, per tensor": int8_head(args.model, torch.ao.quantization.default_dynamic_qconfig),
                "int8 head, per channel": int8_head(args.model, torch.ao.quantization.per_channel_dynamic_qconfig)}
-    report(interleaved(configs, lambda s: generate(model, inputs, args.max_new_tokens, s), args.rounds))
+    report(interleaved(configs, lambda s, inputs=inputs: generate(model, inputs, args.max_new_tokens, s),
+                           args.rounds))
 
 
 def head_products(args) -> None:
@@ -215,6 +219,81 @@ def head_depth(args) -> None:
         print(f"a = {a:.2f}: at most {max(gains)[0]:.2f}x speculation off (k = {max(gains)[1]})")
 
 
+def head_confidence(args) -> None:
+    """Whether the head's own confidence says where to stop its chain: drafts at a constant k of 6, batch 1 (open
+    chat and the held-out prompts), each draft's probability under the head recorded beside the step's accepted
+    count; then, from these records, the gain over speculation off of chains cut where the drafts' joint probability
+    falls below a threshold, against constant chains of 1-6, priced as `head-depth` prices them (this host's profile:
+    step-cost curve, the head's draft cost per token, one more for the catch-up). No timing but the profile's."""
+    from hf_specdec.speculators import eagle as eagle_module
+
+    model, tokenizer = _common.load(args)
+    head = hf_specdec.EagleSpeculator.from_pretrained(hf_specdec.trained_head(args.model))
+    step_probs, records = [], []  # this step's draft probabilities; (probabilities, accepted) per step
+    original_pick, original_commit = eagle_module.sample_or_argmax, head.commit
+
+    def pick(scores, do_sample, generator=None):
+        step_probs.append(float(torch.softmax(scores.float(), dim=-1).max()))
+        return original_pick(scores, do_sample, generator)
+
+    def commit(batch, num_accepted):
+        if step_probs:
+            records.append((list(step_probs), int(num_accepted[0])))
+        step_probs.clear()
+        return original_commit(batch, num_accepted)
+
+    eagle_module.sample_or_argmax, head.commit = pick, commit
+    per_workload = {}
+    try:
+        for workload in ("open_chat", "held_out"):
+            records.clear()
+            for text in _common.prompt_texts(workload):
+                with torch.no_grad():
+                    model.generate(**_common.chat_batch(tokenizer, [text]), max_new_tokens=args.max_new_tokens,
+                                   do_sample=False, speculator=head, num_speculative_tokens=6,
+                                   speculative_schedule="constant")
+            per_workload[workload] = [r for r in records if len(r[0]) == 6]
+    finally:
+        eagle_module.sample_or_argmax = original_pick
+    profile = calibration.load_profile(model)
+    if profile is None or profile.step_cost is None:
+        print("no measured step cost for this host: run `hf-specdec calibrate` first")
+        return
+    cost, draft = profile.step_cost, next(iter(profile.draft_costs.values()), 0.0)
+    relative = [float(cost.relative(1, torch.tensor(n + 1.0), 256)) for n in range(7)]
+
+    def gain(steps, offer) -> tuple[float, float, float]:
+        """Tokens per unit of cost over speculation off, mean drafts offered, their acceptance."""
+        tokens = spent = offered = accepted = 0.0
+        for probs, got in steps:
+            n, logits = offer(probs)
+            tokens += 1 + min(got, n)
+            spent += relative[n] + draft * (1 + logits)
+            offered, accepted = offered + n, accepted + min(got, n)
+        return tokens / spent, offered / len(steps), accepted / max(offered, 1)
+
+    def cut(threshold):
+        def offer(probs):
+            joint, n = 1.0, 0
+            for p in probs:
+                joint *= p
+                if joint < threshold:
+                    break
+                n += 1
+            return n, min(n + 1, len(probs))  # the draft past the last one offered is computed to be judged
+        return offer
+
+    for workload, steps in per_workload.items():
+        print(f"{workload}: {len(steps)} steps of 6 drafts; accepted per step {sum(g for _, g in steps) / len(steps):.2f}")
+        for k in range(1, 7):
+            g, n, a = gain(steps, lambda probs, k=k: (k, k))
+            print(f"  constant k = {k}: {g:.3f}x speculation off")
+        for threshold in (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5):
+            g, n, a = gain(steps, cut(threshold))
+            print(f"  cut at joint probability {threshold:.2f}: {g:.3f}x speculation off, {n:.2f} drafts a step "
+                  f"accepted at {a:.2f}")
+
+
 def verify_forms(args) -> None:
     """A verify step's time at widths 1-6 (a speculator drafting k tokens every step, all rejected) with this host's
     profile as measured, and with the packed form at 3 and 4 rows as well: for the LM head alone, for the sibling
@@ -271,24 +350,38 @@ def verify_forms(args) -> None:
 
 
 def ngram_priors(args) -> None:
-    """n-gram with its acceptance priors per matched length as shipped (m / (m + 1.5)) and less optimistic for short
-    matches (m / (m + 3)), against speculation off: grounded and open chat at batch 1 (each prompt in turn) and 4."""
+    """n-gram with its acceptance priors per matched length m / (m + 1.5) (as shipped until 2026-12-07), less
+    optimistic for every match (m / (m + 3)) and for the short ones only (m / (m + 3) up to two tokens, as shipped
+    since), against speculation off: grounded and open chat at batch 1 (each prompt in turn) and 4 (`--cells`,
+    `--priors`: some of them). `--hybrid`: the same priors in n-gram + head."""
     model, tokenizer = _common.load(args)
-    shipped = hf_specdec.NgramSpeculator()
-    doubting = hf_specdec.NgramSpeculator()
-    doubting.confidence_priors = tuple(m / (m + 3.0) for m in range(len(shipped.confidence_priors)))
-    configs = {"off": "off", "priors m/(m+1.5)": shipped, "priors m/(m+3)": doubting}
-    for workload in ("grounded", "open_chat"):
-        for rows in (1, 4):
-            inputs = ([_common.chat_batch(tokenizer, [text]) for text in _common.prompt_texts(workload)] if rows == 1
-                      else [_common.chat_batch(tokenizer, workload, rows=4)])
-            print(f"{workload}, batch {rows}:")
-            report(interleaved(configs, lambda s: generate(model, inputs, args.max_new_tokens, s), args.rounds))
+
+    def lookup(short: float, long: float) -> hf_specdec.NgramSpeculator:
+        """n-gram with priors m / (m + short) for matches of up to two tokens, m / (m + long) for longer ones."""
+        ngram = hf_specdec.NgramSpeculator()
+        ngram.confidence_priors = tuple(m / (m + (short if m <= 2 else long))
+                                        for m in range(len(ngram.confidence_priors)))
+        if not args.hybrid:
+            return ngram
+        head = hf_specdec.EagleSpeculator.from_pretrained(hf_specdec.trained_head(args.model))
+        return hf_specdec.HybridSpeculator(head, ngram)
+
+    configs = {"off": "off", "priors m/(m+1.5)": lookup(1.5, 1.5), "priors m/(m+3)": lookup(3.0, 3.0),
+               "priors m/(m+3) to 2 (shipped)": lookup(3.0, 1.5)}
+    configs = {name: configs[name] for name in ("off", *args.priors)} if args.priors else configs
+    cells = [(w, r) for w in ("grounded", "open_chat") for r in (1, 4) if not args.cells or f"{w}:{r}" in args.cells]
+    for workload, rows in cells:
+        inputs = ([_common.chat_batch(tokenizer, [text]) for text in _common.prompt_texts(workload)] if rows == 1
+                  else [_common.chat_batch(tokenizer, workload, rows=4)])
+        print(f"{workload}, batch {rows}:", flush=True)
+        report(interleaved(configs, lambda s, inputs=inputs: generate(model, inputs, args.max_new_tokens, s),
+                           args.rounds))
 
 
 PROBES = {"head-int8": (head_int8, 3), "head-products": (head_products, 15), "padded-rows": (padded_rows, 12),
           "weigh-rows": (weigh_rows, 4), "ngram-split": (ngram_split, 4), "head-depth": (head_depth, 1),
-          "verify-forms": (verify_forms, 6), "ngram-priors": (ngram_priors, 5)}
+          "verify-forms": (verify_forms, 6), "ngram-priors": (ngram_priors, 5),
+          "head-confidence": (head_confidence, 1)}
 
 
 def main() -> None:
@@ -296,6 +389,11 @@ def main() -> None:
     parser.add_argument("probe", choices=sorted(PROBES))
     parser.add_argument("--rounds", type=int, help="timed rounds (default: the probe's own)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--hybrid", action="store_true", help="ngram-priors: n-gram + the shipped head")
+    parser.add_argument("--priors", type=lambda v: v.split(","), default=None,
+                        help="ngram-priors: the configurations to run beside speculation off, by name (default: all)")
+    parser.add_argument("--cells", type=lambda v: v.split(","), default=None,
+                        help="ngram-priors: WORKLOAD:BATCH cells, e.g. grounded:4 (default: both workloads, 1 and 4)")
     parser.add_argument("--widths", type=lambda v: [int(w) for w in v.split(",")], default=[1, 2, 3, 4, 5, 6],
                         help="verify widths for verify-forms (default: 1,2,3,4,5,6)")
     _common.add_model_args(parser, options=("model", "threads"))

@@ -1,6 +1,8 @@
 """N-gram lookup: the longest matching context wins (the latest among equals), batched rows stay independent, and
 the match length comes back as the proposal's confidence class."""
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -84,6 +86,17 @@ def test_confidence_is_capped_at_the_last_class():
     assert tokens == [15, 16, 17]
     assert confidence == len(spec.confidence_priors) - 1
     assert spec.drafts_are_free
+
+
+def test_priors_rise_with_the_match_and_doubt_one_or_two_tokens():
+    """Acceptance assumed before any evidence: none without a match, rising with the matched length; a match of one
+    or two tokens (mostly common words meeting again in free text) well below an even chance."""
+    priors = NgramSpeculator(1, 16).confidence_priors
+    assert priors[0] == 0.0
+    assert all(a < b for a, b in itertools.pairwise(priors))
+    assert priors[1] == pytest.approx(0.25) and priors[2] == pytest.approx(0.4)
+    assert priors[3] == pytest.approx(2 / 3)
+    assert len(NgramSpeculator(1, 3).confidence_priors) == 4  # a class per length the lookup can report
 
 
 PATHS = pytest.mark.parametrize("path", ["propose", "_propose_device"])

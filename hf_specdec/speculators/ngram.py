@@ -10,6 +10,12 @@ from ..types import PAD_ID, DraftProposal, SequenceBatch
 
 # Confidence classes are the matched context length, capped here: beyond it, longer matches predict no better.
 _MAX_CLASS = 8
+# Prior acceptance by matched length m: longer matches are likelier to continue, m / (m + 1.5); a match of one or two
+# tokens is mostly a coincidence of common words in free text, m / (m + 3) (0.25 and 0.40, from 0.40 and 0.57). Paired
+# against speculation off (`python benchmarks/cpu_probes.py ngram-priors`, docs/benchmarks.md), the doubting priors
+# for short matches lost nothing on grounded prompts and took open chat from 0.86x to 1.05x at batch 1 and from 0.94x
+# to 0.97x at batch 4, where those matches' drafts were accepted at about 0.1.
+_SHORT_MATCH, _SHORT_DOUBT = 2, 3.0
 
 
 class NgramSpeculator(Speculator):
@@ -46,8 +52,8 @@ class NgramSpeculator(Speculator):
             raise ValueError(f"NgramSpeculator needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
-        # Prior acceptance by matched length m: longer matches are likelier to continue (m / (m + 1.5)).
-        self.confidence_priors = tuple(m / (m + 1.5) for m in range(min(max_ngram, _MAX_CLASS) + 1))
+        self.confidence_priors = tuple(m / (m + (_SHORT_DOUBT if m <= _SHORT_MATCH else 1.5))
+                                       for m in range(min(max_ngram, _MAX_CLASS) + 1))
 
     def __repr__(self) -> str:
         return f"NgramSpeculator(min_ngram={self.min_ngram}, max_ngram={self.max_ngram})"
