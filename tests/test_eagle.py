@@ -644,6 +644,169 @@ def test_adaptive_schedule_stays_lossless(tmp_path):
     assert torch.equal(out.sequences, expected)
 
 
+def doubting(spec: EagleSpeculator, threshold: float):
+    """`spec` stopping each row's chain at `threshold` whatever the schedule, and a stand-in for
+    `eagle.sample_or_argmax` that records every step's drafts: `(k asked, proposal, forwards run, [the head's top
+    probability at each position, the softmax of the scores it picked from])`."""
+    from hf_specdec.speculators import eagle
+
+    spec._stop = lambda rows: threshold
+    spec.CONFIDENCE_RANGE, spec.CONFIDENCE_WARMUP = (1.0, 1.0), 0  # the head's probabilities as they are
+    steps, pick, propose = [], eagle.sample_or_argmax, spec.propose
+
+    def recording_pick(scores, do_sample, generator=None):
+        token, probs = pick(scores, do_sample, generator)
+        steps[-1][3].append(torch.softmax(scores.double(), -1).amax(-1))
+        return token, probs
+
+    def recording_propose(batch, k, rows=None):
+        steps.append([k, None, None, []])
+        draft = propose(batch, k, rows)
+        steps[-1][1], steps[-1][2] = draft, spec.draft_forwards
+        return draft
+
+    spec.propose = recording_propose
+    return steps, recording_pick
+
+
+def joint_probabilities(steps) -> torch.Tensor:
+    """Every drafting step's joint draft probabilities, `[rows, positions]` each, stacked over steps at their
+    common width."""
+    drafted = [torch.stack(probs, dim=1).cumprod(dim=1) for _, _, _, probs in steps if probs]
+    width = min(j.shape[1] for j in drafted)
+    return torch.cat([j[:, :width] for j in drafted])
+
+
+def doubting_run(target, directory, threshold_of, monkeypatch, **kwargs):
+    """A greedy (or `kwargs`) run with k = 4 whose chains stop at `threshold_of(joint probabilities of a run that
+    never stops)`: `(threshold, steps, output)`."""
+    from hf_specdec.speculators import eagle
+
+    input_ids = kwargs.pop("input_ids")
+    threshold = 0.0
+    for attempt in range(2):
+        spec = EagleSpeculator.from_pretrained(directory)
+        steps, pick = doubting(spec, threshold)
+        monkeypatch.setattr(eagle, "sample_or_argmax", pick)
+        out = speculate(target, spec, input_ids, **kwargs)
+        if attempt == 0:
+            threshold = threshold_of(joint_probabilities(steps))
+    return threshold, steps, out
+
+
+@pytest.mark.parametrize("where", ["never", "first draft", "second draft", "always"])
+def test_a_doubtful_chain_stops_at_its_joint_probability(fitted, tmp_path, monkeypatch, where):
+    """Each row verifies its leading drafts whose joint probability under the head (the product of its top
+    probabilities along the chain: a greedy draft's own) is at least the threshold; on a
+    CPU the chain's forwards stop once every row has stopped. The output stays the target's at every threshold
+    (thresholds at the median joint probability of the first or second draft cut some rows and not others)."""
+    target, src = fitted[3]
+    directory = convert_eagle(src, tmp_path / "head", target=target)
+    threshold_of = {"never": lambda joint: 0.0, "first draft": lambda joint: float(joint[:, 0].median()),
+                    "second draft": lambda joint: float(joint[:, 1].median()), "always": lambda joint: 1.01}[where]
+    input_ids = torch.randint(2, VOCAB, (3, 6), generator=torch.Generator().manual_seed(7))
+    threshold, steps, out = doubting_run(target, directory, threshold_of, monkeypatch, input_ids=input_ids, k=4,
+                                         max_new_tokens=24)
+    assert torch.equal(out.sequences, target.generate(input_ids=input_ids, max_new_tokens=24, do_sample=False))
+    kept_counts = []
+    for k, draft, forwards, probs in steps:
+        if not probs:
+            continue
+        joint = torch.stack(probs, dim=1).cumprod(dim=1)  # [rows, positions drafted]
+        kept = (joint >= threshold).sum(dim=1)
+        assert draft.num_tokens.tolist() == kept.tolist()
+        # Drafting went on while some row was above the threshold, up to k.
+        n = len(probs)
+        assert forwards == n
+        assert all(bool((joint[:, j] >= threshold).any()) for j in range(n - 1))
+        assert n == k or not bool((joint[:, -1] >= threshold).any())
+        kept_counts += kept.tolist()
+    metrics = out.speculative_metrics
+    assert metrics.num_draft_tokens <= sum(kept_counts)  # less where a row's last tokens leave no room
+    if where == "never":
+        assert 4 in kept_counts and 0 not in kept_counts
+    elif where == "always":
+        assert set(kept_counts) == {0}
+        assert all(forwards == 1 for _, _, forwards, probs in steps if probs)  # one draft judged, no chain forward
+    else:
+        assert min(kept_counts) < max(kept_counts)  # some rows cut, others drafting on
+
+
+def test_a_head_less_sure_than_its_drafts_turn_out_is_scaled_up(fitted, tmp_path, monkeypatch):
+    """The tiny fitted head puts about 0.03 on its drafts, which are accepted far more often: unscaled, none passes
+    a threshold of 0.05; with the call's scale (accepted over promised, learnt from the first drafts the warm-up
+    verifies whatever they promise) some do, and the scale stays within its range."""
+    from hf_specdec.speculators import eagle
+
+    target, src = fitted[3]
+    directory = convert_eagle(src, tmp_path / "head", target=target)
+    input_ids = torch.randint(2, VOCAB, (3, 6), generator=torch.Generator().manual_seed(7))
+    verified, scales = {}, []
+    for scaled in (False, True):
+        spec = EagleSpeculator.from_pretrained(directory)
+        steps, pick = doubting(spec, 0.05)
+        if scaled:
+            spec.CONFIDENCE_RANGE, spec.CONFIDENCE_WARMUP = EagleSpeculator.CONFIDENCE_RANGE, 8
+            scale = spec._confidence_scale
+            spec._confidence_scale = lambda: scales.append(float(scale())) or scales[-1]
+        monkeypatch.setattr(eagle, "sample_or_argmax", pick)
+        out = speculate(target, spec, input_ids, k=4, max_new_tokens=24)
+        assert torch.equal(out.sequences, target.generate(input_ids=input_ids, max_new_tokens=24, do_sample=False))
+        verified[scaled] = out.speculative_metrics.num_draft_tokens
+    assert verified[False] == 0 and verified[True] > 3 * spec.CONFIDENCE_WARMUP  # past the warm-up's first drafts
+    assert scales[0] == 1.0 and max(scales) > 1.5 and all(0.25 <= s <= 4.0 for s in scales)
+
+
+def test_doubtful_chains_keep_the_target_distribution(fitted, monkeypatch):
+    """Sampling with chains cut by the head's confidence: the second token still follows the target's exact
+    marginal (whether a position is verified depends on the head's distributions there and before, never on the
+    token drawn there, nor on the target)."""
+    target, src = fitted[1]
+    directory = convert_eagle(src, src.parent / "dist-doubt", target=target)
+    prompt = torch.randint(2, VOCAB, (1, 6), generator=torch.Generator().manual_seed(5))
+    num_samples, temperature = 20000, 0.7
+    torch.manual_seed(0)
+    threshold, steps, out = doubting_run(
+        target, directory, lambda joint: float(joint[:, 0].median()), monkeypatch,
+        input_ids=prompt.expand(num_samples, -1), k=2, max_new_tokens=3, do_sample=True, temperature=temperature,
+        top_k=0)
+    counts = torch.cat([draft.num_tokens for _, draft, _, probs in steps if probs])
+    assert bool((counts == 0).any()) and bool((counts > 0).any())  # chains were cut, and not all of them
+    with torch.no_grad():
+        first = torch.softmax(target(prompt).logits[0, -1] / temperature, -1)
+        both = torch.cat([prompt.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], dim=1)
+        exact = first @ torch.softmax(target(both).logits[:, -1] / temperature, -1)
+    empirical = torch.bincount(out.sequences[:, 7], minlength=VOCAB).double() / num_samples
+    tv = 0.5 * (empirical - exact).abs().sum().item()
+    g = torch.Generator().manual_seed(1)
+    noise = max(0.5 * (torch.bincount(torch.multinomial(exact, num_samples, True, generator=g), minlength=VOCAB)
+                       .double() / num_samples - exact).abs().sum().item() for _ in range(5))
+    assert tv < 1.5 * noise
+
+
+def test_chains_stop_on_doubt_only_under_adaptive_k(fitted, tmp_path, monkeypatch):
+    """The default schedule binds adaptive k, whose `draft_stop` sets the threshold; a constant schedule (or
+    `stop_on_doubt = False`) drafts k for every row."""
+    from hf_specdec.costs import adaptive
+
+    monkeypatch.setattr(adaptive.AdaptiveK, "choose", lambda self, rows, *args, **kwargs: 3)  # always drafting
+    target, src = fitted[3]
+    spec = EagleSpeculator.from_pretrained(convert_eagle(src, tmp_path / "head", target=target))
+    seen, stop = [], spec._stop
+    spec._stop = lambda rows: seen.append(stop(rows)) or seen[-1]
+    input_ids = torch.randint(2, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+    for schedule, doubt in (("adaptive", True), ("constant", True), ("adaptive", False)):
+        seen.clear()
+        spec.stop_on_doubt = doubt
+        target.generate(input_ids=input_ids, max_new_tokens=12, speculator=spec, num_speculative_tokens=3,
+                        speculative_schedule=schedule, do_sample=False)
+        assert seen
+        if schedule == "adaptive" and doubt:
+            assert all(t is not None and t > 0 for t in seen)  # above 1 here: a head as large as its target
+        else:
+            assert all(t is None for t in seen)
+
+
 def idle_then_drafting(fitted, tmp_path, monkeypatch):
     """A fitted target and its converted head, with adaptive k patched to keep drafting off for 14 steps and then
     draft 3 every step, all verified (no per-row trim by the policy's estimates)."""
