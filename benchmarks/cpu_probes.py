@@ -1,6 +1,7 @@
 """Probes for the open-chat head's own gain and the batch floors on a CPU (issue 50), each run side by side in one
 process: what docs/benchmarks.md reports under "Five repeats, with their spread" (head-depth, verify-forms,
-ngram-priors) and "Tried and not kept, 2026-12-07" (the rest). None of the changes they try paid on a 2-core AMD EPYC.
+ngram-priors) and "Tried and not kept, 2026-12-07" (the rest). Of the changes they try, only the n-gram priors for
+short matches paid on a 2-core AMD EPYC (shipped).
 
     python benchmarks/cpu_probes.py head-int8 [--rounds 3]        # the shipped head float32 / int8, batch 1, open chat
     python benchmarks/cpu_probes.py head-products [--rounds 15]   # one draft's products: float32 (W @ x.T).T / bfloat16
@@ -12,8 +13,6 @@ ngram-priors) and "Tried and not kept, 2026-12-07" (the rest). None of the chang
                                                                   # could reach at batch 1 by this host's profile
     python benchmarks/cpu_probes.py head-confidence               # chains cut where the head's joint probability
                                                                   # falls below a threshold, by this host's profile
-    python benchmarks/cpu_probes.py head-doubt [--rounds 5]       # the head's chains stopped on doubt / k for every
-                                                                  # row, batch 1 and 4 [--cells]
     python benchmarks/cpu_probes.py verify-forms [--rounds 6]     # a verify at widths 1-6: the profile's linear forms /
                                                                   # packed at 3-4 rows as well (LM head, groups, all)
     python benchmarks/cpu_probes.py ngram-priors [--rounds 5]     # n-gram priors m/(m+1.5) / m/(m+3) / short only,
@@ -296,45 +295,6 @@ def head_confidence(args) -> None:
                   f"accepted at {a:.2f}")
 
 
-def head_doubt(args) -> None:
-    """The shipped head drafting the k adaptive k chose for every row, with its chains stopped on doubt
-    (`EagleSpeculator.stop_on_doubt`), and stopped on doubt with the deepest k wherever adaptive k drafts, against
-    speculation off: open chat and grounded at batch 1 (each prompt in turn) and 4 (`--cells WORKLOAD:BATCH,...`,
-    held_out too)."""
-    model, tokenizer = _common.load(args)
-
-    def head(doubt: bool) -> hf_specdec.EagleSpeculator:
-        spec = hf_specdec.EagleSpeculator.from_pretrained(hf_specdec.trained_head(args.model))
-        spec.stop_on_doubt = doubt
-        return spec
-
-    configs = {"off": "off", "k for every row": head(False), "stop on doubt": head(True),
-               "stop on doubt, deepest k": head(True)}
-    choose = adaptive.AdaptiveK.choose
-
-    def deepest(self, rows, *a, **kw):
-        """Adaptive k's choice between drafting and not; where it drafts, the deepest k (the chains cut it)."""
-        k = choose(self, rows, *a, **kw)
-        if k and deep[0]:
-            self.chosen[-1] = k = self.max_k
-        return k
-
-    deep = [False]
-    adaptive.AdaptiveK.choose = deepest
-
-    def call(config, inputs):
-        deep[0] = config is configs["stop on doubt, deepest k"]
-        return generate(model, inputs, args.max_new_tokens, config)
-
-    cells = ([(w, int(r)) for w, r in (c.split(":") for c in args.cells)] if args.cells else
-             [(w, r) for w in ("open_chat", "grounded") for r in (1, 4)])
-    for workload, rows in cells:
-        inputs = ([_common.chat_batch(tokenizer, [text]) for text in _common.prompt_texts(workload)] if rows == 1
-                  else [_common.chat_batch(tokenizer, workload, rows=4)])
-        print(f"{workload}, batch {rows}:", flush=True)
-        report(interleaved(configs, lambda s, inputs=inputs: call(s, inputs), args.rounds))
-
-
 def verify_forms(args) -> None:
     """A verify step's time at widths 1-6 (a speculator drafting k tokens every step, all rejected) with this host's
     profile as measured, and with the packed form at 3 and 4 rows as well: for the LM head alone, for the sibling
@@ -422,7 +382,7 @@ def ngram_priors(args) -> None:
 PROBES = {"head-int8": (head_int8, 3), "head-products": (head_products, 15), "padded-rows": (padded_rows, 12),
           "weigh-rows": (weigh_rows, 4), "ngram-split": (ngram_split, 4), "head-depth": (head_depth, 1),
           "verify-forms": (verify_forms, 6), "ngram-priors": (ngram_priors, 5),
-          "head-confidence": (head_confidence, 1), "head-doubt": (head_doubt, 5)}
+          "head-confidence": (head_confidence, 1)}
 
 
 def main() -> None:
@@ -434,8 +394,7 @@ def main() -> None:
     parser.add_argument("--priors", type=lambda v: v.split(","), default=None,
                         help="ngram-priors: the configurations to run beside speculation off, by name (default: all)")
     parser.add_argument("--cells", type=lambda v: v.split(","), default=None,
-                        help="ngram-priors, head-doubt: WORKLOAD:BATCH cells, e.g. grounded:4 (default: both "
-                        "workloads, 1 and 4)")
+                        help="ngram-priors: WORKLOAD:BATCH cells, e.g. grounded:4 (default: both workloads, 1 and 4)")
     parser.add_argument("--widths", type=lambda v: [int(w) for w in v.split(",")], default=[1, 2, 3, 4, 5, 6],
                         help="verify widths for verify-forms (default: 1,2,3,4,5,6)")
     _common.add_model_args(parser, options=("model", "threads"))

@@ -52,21 +52,6 @@ def test_expensive_drafting_lowers_k():
     assert as_big_as_target.choose([0]) == 0  # a draft as costly as the target never pays
 
 
-def test_a_chain_stops_where_a_draft_no_longer_pays_for_itself():
-    """`draft_stop`: the acceptance below which a model speculator's next draft is not worth making and verifying,
-    `min_gain` times the draft's forward plus its share of a verify of `max_k` drafts: higher where drafting or
-    verifying costs more, lower on a flat (GPU-like) curve."""
-    policy = AdaptiveK(num_rows=1, max_k=4, step_cost=LINEAR, draft_cost_per_token=0.07, priors=(0.6,))
-    verify_share = (float(LINEAR.relative(1, torch.tensor(5.0))) - 1.0) / 4
-    assert policy.draft_stop(1) == pytest.approx(1.1 * (0.07 + verify_share))
-    dearer = AdaptiveK(num_rows=1, max_k=4, step_cost=LINEAR, draft_cost_per_token=0.2, priors=(0.6,))
-    assert dearer.draft_stop(1) > policy.draft_stop(1)
-    flat = StepCost(per_row=0.0, points=((1, 1.0), (4096, 1.0)))
-    on_flat = AdaptiveK(num_rows=1, max_k=4, step_cost=flat, draft_cost_per_token=0.07, priors=(0.6,))
-    assert on_flat.draft_stop(1) == pytest.approx(1.1 * 0.07)
-    assert 0 < on_flat.draft_stop(1) < policy.draft_stop(1) < 1
-
-
 def test_larger_batches_draft_less():
     policy = AdaptiveK(num_rows=16, max_k=10, step_cost=LINEAR, priors=(0.7,))
     assert policy.choose(list(range(16))) < policy.choose([0])

@@ -323,18 +323,6 @@ class AdaptiveK:
         gains = np.where(ks[None, :] > 0, np.minimum(gains * self.calibration, 1.0), gains)
         return weights[:, None] * gains
 
-    def draft_stop(self, rows: int, context: float = 0.0) -> float:
-        """The chance of acceptance below which a model speculator's next draft for a row does not pay for itself,
-        read as the joint probability of the row's drafts so far under the speculator's own distribution (EAGLE-2's
-        observation: a head's confidence tracks how often its drafts are accepted): `min_gain` times a draft's cost in
-        tokens, the forward that makes it (`draft_cost_per_token`, per depth) and its share of a verify of `max_k`
-        drafts in every row, at `rows` rows over `context` cached tokens. About 0.2 for the shipped head on a 2-core
-        CPU at batch 1, where a verify of four tokens costs 1.15 plain steps; lower where verifying is nearly free
-        (a GPU)."""
-        k = max(self.max_k, 1)
-        verify = (float(self._relative(max(rows, 1), np.float64(1 + k), context)) - 1.0) / k
-        return self.min_gain * (self.draft_cost_per_token + max(verify, 0.0))
-
     def priced_extra(self, rows: int, tokens_per_row: float, drafted: int, context: float,
                      unread: float = 0.0) -> float:
         """The extra cost, in plain steps, that the model (without `returns`' correction) gives a step of `rows`

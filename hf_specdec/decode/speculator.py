@@ -111,13 +111,7 @@ class Speculator:
     def bind_policy(self, policy) -> None:
         """Called with the call's adaptive k (`AdaptiveK`, or None without one) before `begin`: a speculator whose
         drafts are free for the policy but cost something to make (the hybrid's head) can ask it whether they
-        would be verified, and one that drafts a chain (the EAGLE head) where a draft stops paying for itself
-        (`AdaptiveK.draft_stop`)."""
-
-    def draft_positions(self, depth: int) -> int:
-        """How many draft positions the latest `propose(batch, depth)` ran (a model speculator's forwards): `depth`,
-        or fewer for one that stopped early (the EAGLE head, once every row's chain stopped on doubt)."""
-        return depth
+        would be verified."""
 
     def relative_cost(self, target) -> float:
         """Cost of drafting one token relative to one target decode step (adaptive k weighs drafts with it)."""

@@ -407,7 +407,7 @@ class Step:
             else:
                 draft = self.speculator.propose(batch, depth)
             # The draft positions the speculator ran (a model's forwards), before any trimming below.
-            self._draft_forwards = 0 if self.speculator.drafts_are_free else self.speculator.draft_positions(depth)
+            self._draft_forwards = 0 if self.speculator.drafts_are_free else depth
             self._draft_unread = unread if self._draft_forwards else 0.0
             if not depth or draft.k == 0:  # nothing to verify (k = 0 chosen, or none offered): nothing to read back
                 return self._none_of(draft), None, [0] * len(budget)

@@ -44,19 +44,6 @@ class EagleSpeculator(Speculator):
     # `IDLE_BACKLOG` steps so that it always holds the whole context.
     IDLE_WINDOW: int | None = 64
     IDLE_BACKLOG = 32
-    #: With adaptive k (the default schedule), a row's chain stops at the first draft whose joint probability under
-    #: the head falls below what a draft costs (`AdaptiveK.draft_stop`): confident rows draft deep, doubtful ones
-    #: stop early, and on a CPU the chain's remaining forwards are skipped once every row has stopped. Drafts are
-    #: verified as always, so the output does not change. False (or a constant `speculative_schedule`): `k` drafts
-    #: for every row. The joint probabilities are scaled by the call's drafts accepted over those they promised
-    #: (a head less or more sure of itself than its drafts turn out), shrunk towards 1 by `CONFIDENCE_PRIOR`
-    #: promised drafts and kept within `CONFIDENCE_RANGE`; in a call's first `CONFIDENCE_WARMUP` drafting steps
-    #: every row verifies its first draft whatever it promises, so that a head too modest to pass the threshold
-    #: unscaled still shows what its drafts are worth.
-    stop_on_doubt = True
-    CONFIDENCE_PRIOR = 2.0
-    CONFIDENCE_RANGE = (0.25, 4.0)
-    CONFIDENCE_WARMUP = 8
 
     def __init__(self, head: EagleHead, block_size: int = 16):
         self.head = head.eval()
@@ -68,8 +55,6 @@ class EagleSpeculator(Speculator):
         self._real_lengths: list[int] | None = None
         # Rows whose head cache was restarted at a window of their states: position of its first entry.
         self._offset: dict[int, int] = {}
-        self._policy = None
-        self.draft_forwards = 0  # draft positions the last `propose` computed (fewer than k where every row stopped)
 
     def __repr__(self) -> str:
         return f"EagleSpeculator(EAGLE-{self.head.version}, layers={list(self.hidden_state_layers)})"
@@ -106,9 +91,6 @@ class EagleSpeculator(Speculator):
         held = set() if pending is None else set(pending.rows)  # rows joining this step have no states yet
         return [max(0, pending.count(r) - 1) * self._read_cost if r in held else None for r in batch.active]
 
-    def bind_policy(self, policy) -> None:
-        self._policy = policy
-
     def begin(self, target, batch: SequenceBatch) -> None:
         # Reading a state costs the head's fc and layer (no LM head: only a row's newest entry gets logits).
         body = sum(p.numel() for m in (self.head.fc, self.head.layer) for p in m.parameters())
@@ -121,10 +103,6 @@ class EagleSpeculator(Speculator):
         for row in batch.active:
             self._runner.add_sequence(row)
         self._pending, self._real_lengths, self._offset = None, None, {}
-        self._promised = None  # the joint probabilities of the drafts verified this step, summed (a tensor)
-        # Over the call: drafts accepted (on the host) and what they were verified at (a tensor after the first).
-        self._accepted_total, self._promised_total = 0.0, 0.0
-        self._judged_steps = 0  # drafting steps whose chains were judged by their joint probability
 
     def observe_hidden_states(self, hidden: TargetHiddenStates) -> None:
         """Receives the target's states of newly committed tokens (called by the engine after each verify)."""
@@ -137,7 +115,7 @@ class EagleSpeculator(Speculator):
         """Drafts `k` tokens for each row of `batch.active`, or only for `rows` among them (the others get none
         and keep their states unread, within `IDLE_WINDOW`, as in a step without drafts)."""
         everyone = list(batch.active)
-        self._rows, self._real_lengths, self.draft_forwards = [], None, 0
+        self._rows, self._real_lengths = [], None
         asked = None if rows is None else set(rows)
         wanted = everyone if asked is None else [r for r in everyone if r in asked]
         # Rows fed for the first time this step (joining a running batch) have no states yet: nothing to draft from.
@@ -153,9 +131,6 @@ class EagleSpeculator(Speculator):
         runner = self._runner
         last = self._catch_up(batch, rows)  # [rows, hidden]: every row's newest entry
         end = batch.end_cols(rows)  # column of the first draft
-        stop = self._stop(len(everyone))
-        joint = kept = None  # each row's drafts' joint probability under the head; the drafts worth verifying
-        joints = []
         tokens, probs = [], []
         for j in range(k):
             logits = self.head.logits(last, batch.target_vocab_size)
@@ -164,51 +139,12 @@ class EagleSpeculator(Speculator):
             batch.token_ids[rows_t, end + j] = token  # scratch column: later positions' processors read it
             tokens.append(token)
             probs.append(token_probs)
-            if stop is not None:
-                # The head's top probability at each position, times the same at the positions before: a greedy
-                # draft's own probability. A sampled draft is judged by it too and not by its own, so that whether
-                # a position is verified never depends on the token drawn there (what keeps sampling exact). It
-                # only falls along a chain: counting the positions at or above the threshold counts each row's
-                # leading ones.
-                top = (token_probs if token_probs is not None else torch.softmax(scores.float(), dim=-1)).amax(-1)
-                joint = top * self._confidence_scale() if joint is None else joint * top
-                joints.append(joint)
-                above = joint >= stop
-                kept = above.long() if kept is None else kept + above
-                if batch.device.type == "cpu" and not bool(above.any()):
-                    break  # every row has stopped (a host read only where it costs no device sync)
             if j + 1 < k:
                 last = runner.forward(rows, token[:, None], [1] * len(rows), num_logits=1,
                                       features=last[:, None], from_target=False)[:, -1]
-        self.draft_forwards = len(tokens)
-        num_tokens = torch.full((len(rows),), len(tokens), device=batch.device) if kept is None else kept
-        if joints:  # what the verified drafts promise, for the call's scale (`commit`)
-            if self._judged_steps < self.CONFIDENCE_WARMUP:
-                num_tokens = kept = kept.clamp(min=1)
-            self._judged_steps += 1
-            verified = torch.arange(len(joints), device=batch.device) < kept[:, None]
-            self._promised = (torch.stack(joints, dim=1) * verified).sum()
-        draft = DraftProposal(torch.stack(tokens, dim=1), num_tokens,
+        draft = DraftProposal(torch.stack(tokens, dim=1), torch.full((len(rows),), k, device=batch.device),
                               torch.stack(probs, dim=1) if batch.do_sample else None)
         return draft if len(rows) == len(everyone) else _spread(draft, rows, everyone)
-
-    def draft_positions(self, depth: int) -> int:
-        return min(depth, self.draft_forwards)
-
-    def _stop(self, rows: int) -> float | None:
-        """The joint draft probability below which a row's chain stops this step, or None (no adaptive k, or
-        `stop_on_doubt` off)."""
-        policy = self._policy
-        if not self.stop_on_doubt or policy is None:
-            return None
-        return policy.draft_stop(rows, policy.context)
-
-    def _confidence_scale(self) -> float:
-        """The call's drafts accepted over the joint probabilities they were verified at, shrunk towards 1."""
-        prior = self.CONFIDENCE_PRIOR
-        low, high = self.CONFIDENCE_RANGE
-        scale = (self._accepted_total + prior) / (self._promised_total + prior)
-        return scale.clamp(low, high) if isinstance(scale, torch.Tensor) else min(high, max(low, scale))
 
     def _with_states(self, rows: list[int]) -> list[int]:
         """The rows among `rows` whose target states are pending."""
@@ -367,10 +303,6 @@ class EagleSpeculator(Speculator):
         return last
 
     def commit(self, batch: SequenceBatch, num_accepted: list[int]) -> None:
-        if self._promised is not None:  # kept where it was computed: no device read
-            self._accepted_total += sum(num_accepted)
-            self._promised_total = self._promised_total + self._promised
-            self._promised = None
         # Entries built from the head's own outputs go; the next step rebuilds them from the target's real states.
         if self._real_lengths is not None:
             for row, length in zip(self._rows, self._real_lengths):
