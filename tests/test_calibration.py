@@ -630,14 +630,28 @@ def test_a_draft_cost_is_kept_only_when_its_calls_agree(noisy, monkeypatch, capl
 def test_a_busy_host_is_noticed_before_the_grid_is_measured(caplog):
     target = make_model("llama", dtype=torch.float32)
     order = []
-    # Three of nine one-token forwards (the first thing timed) run 10x slow.
-    timer = fake_timer(slowdown=lambda key, call: 10.0 if call in (2, 5, 8) else 1.0, order=order)
+    # Every third one-token forward (the first thing timed) runs 10x slow, in every try.
+    timer = fake_timer(slowdown=lambda key, call: 10.0 if call % 3 == 2 else 1.0, order=order)
     with caplog.at_level(logging.WARNING, logger="hf_specdec"):
         assert calibrate(target, **GRID, timer=timer) is None
-    assert order == [("step", 1, 1, 8)] * calibration.PROBE_REPEATS  # nothing else was measured
+    # nothing else was measured
+    assert order == [("step", 1, 1, 8)] * (calibration.PROBE_REPEATS * calibration.PROBE_ATTEMPTS)
     [warning] = [r.getMessage() for r in caplog.records]
     assert "this host's timing now is not trustworthy" in warning and "nothing is measured or cached" in warning
     assert not profile_path(target).exists()
+
+
+def test_a_hiccup_in_the_first_probe_is_tried_again():
+    """Two slow one-token forwards in the probe's first try (a hiccup, not a busy host): the probe tries again, finds
+    the host steady and the grid is measured and cached."""
+    target = make_model("llama", dtype=torch.float32)
+    order = []
+    probe_key = ("step", 1, 1, 8)
+    timer = fake_timer(slowdown=lambda key, call: 10.0 if key == probe_key and call in (2, 5) else 1.0, order=order)
+    profile = calibrate(target, **GRID, timer=timer)
+    assert profile is not None and profile.step_cost is not None and profile_path(target).exists()
+    assert order[:2 * calibration.PROBE_REPEATS] == [probe_key] * (2 * calibration.PROBE_REPEATS)
+    assert len(order) > 2 * calibration.PROBE_REPEATS  # then the grid
 
 
 def test_calls_that_calibrate_on_their_own_do_not_retry_an_unsteady_host_at_once(monkeypatch):
@@ -645,7 +659,7 @@ def test_calls_that_calibrate_on_their_own_do_not_retry_an_unsteady_host_at_once
     skip it (each try costs minutes on a busy host) until `UNSTEADY_RETRY_S` has passed; `hf-specdec calibrate`
     (`retry=True`) and `force` measure at once, and a trusted measurement clears the note."""
     target = make_model("llama", dtype=torch.float32)
-    busy = fake_timer(slowdown=lambda key, call: 10.0 if call in (2, 5, 8) else 1.0)
+    busy = fake_timer(slowdown=lambda key, call: 10.0 if call % 3 == 2 else 1.0)
     assert calibrate(target, **GRID, timer=busy, retry=False) is None
     assert profiles.recently_unsteady(target, "step") is not None
     order = []

@@ -69,6 +69,10 @@ from .timing import ATTEMPTS, Timer
 logger = logging.getLogger("hf_specdec")
 
 PROBE_REPEATS = 7  # one-token forwards timed first: if they disagree, the host is too busy to measure
+# ... in this many tries: a hiccup in the first (two slow forwards of seven on a 2-core EPYC, 58 against 85 ms, seen in
+# a first call on 2026-12-07) must not leave a host on the static defaults for `UNSTEADY_RETRY_S`. Each try costs
+# seven one-token forwards (0.4 s for SmolLM2-135M on 2 cores); a host busy through all three is not measured.
+PROBE_ATTEMPTS = 3
 
 
 def enabled() -> bool:
@@ -289,7 +293,8 @@ def _calibrate(model, speculators, force, rows, tokens, contexts, repeats, linea
                 return profile
             start = time.perf_counter()
             say("checking that one-token forwards take a steady time")
-            _, probe = measure_step_cost(model, (1,), (1,), contexts[:1], PROBE_REPEATS, timer, attempts=1)
+            _, probe = measure_step_cost(model, (1,), (1,), contexts[:1], PROBE_REPEATS, timer,
+                                         attempts=PROBE_ATTEMPTS)
             if probe.problem is not None:  # a busy host: the whole grid would take long and be rejected
                 _distrust("this host's timing now", probe.problem, "nothing is measured or cached and calls keep "
                           "the static default costs")
