@@ -188,6 +188,16 @@ def ngram_split(args) -> None:
     report(interleaved({name: name for name in configs}, call, args.rounds))
 
 
+def host_prices(model) -> tuple | None:
+    """This host's step-cost curve and the shipped head's draft cost per token (the default cache's profile), or None
+    (said) where the profile lacks a step cost."""
+    profile = calibration.load_profile(model)
+    if profile is None or profile.step_cost is None:
+        print("no measured step cost for this host: run `hf-specdec calibrate` first")
+        return None
+    return profile.step_cost, next(iter(profile.draft_costs.values()), 0.0)
+
+
 def head_depth(args) -> None:
     """The shipped head's acceptance by draft position at a constant k of 6 (open chat and the held-out prompts, batch
     1), and the most speculation could gain over speculation off at batch 1 for a chain accepted position by position
@@ -209,11 +219,10 @@ def head_depth(args) -> None:
         given = [share[0]] + [b / a if a else 0.0 for a, b in zip(share, share[1:])]
         print(f"{workload}: {drafts} drafts; accepted at position 1-6 given the one before: "
               f"{', '.join(f'{p:.2f}' for p in given)}; accepted per draft {sum(share):.2f}")
-    profile = calibration.load_profile(model)
-    if profile is None or profile.step_cost is None:
-        print("no measured step cost for this host: run `hf-specdec calibrate` for the ceiling")
+    prices = host_prices(model)
+    if prices is None:
         return
-    cost, draft = profile.step_cost, next(iter(profile.draft_costs.values()), 0.0)
+    cost, draft = prices
     for a in (0.5, 0.55, 0.6, 0.65, 0.7, 0.75):
         gains = [(sum(a ** j for j in range(k + 1)) / (float(cost.relative(1, torch.tensor(k + 1.0), 256))
                                                         + (k + 1) * draft), k) for k in range(1, 11)]
@@ -256,11 +265,10 @@ def head_confidence(args) -> None:
             per_workload[workload] = [r for r in records if len(r[0]) == 6]
     finally:
         eagle_module.sample_or_argmax = original_pick
-    profile = calibration.load_profile(model)
-    if profile is None or profile.step_cost is None:
-        print("no measured step cost for this host: run `hf-specdec calibrate` first")
+    prices = host_prices(model)
+    if prices is None:
         return
-    cost, draft = profile.step_cost, next(iter(profile.draft_costs.values()), 0.0)
+    cost, draft = prices
     relative = [float(cost.relative(1, torch.tensor(n + 1.0), 256)) for n in range(7)]
 
     def gain(steps, offer) -> tuple[float, float, float]:
@@ -287,7 +295,7 @@ def head_confidence(args) -> None:
     for workload, steps in per_workload.items():
         print(f"{workload}: {len(steps)} steps of 6 drafts; accepted per step {sum(g for _, g in steps) / len(steps):.2f}")
         for k in range(1, 7):
-            g, n, a = gain(steps, lambda probs, k=k: (k, k))
+            g = gain(steps, lambda probs, k=k: (k, k))[0]
             print(f"  constant k = {k}: {g:.3f}x speculation off")
         for threshold in (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5):
             g, n, a = gain(steps, cut(threshold))

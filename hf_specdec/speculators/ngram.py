@@ -13,8 +13,9 @@ _MAX_CLASS = 8
 # Prior acceptance by matched length m: longer matches are likelier to continue, m / (m + 1.5); a match of one or two
 # tokens is mostly a coincidence of common words in free text, m / (m + 3) (0.25 and 0.40, from 0.40 and 0.57). Paired
 # against speculation off (`python benchmarks/cpu_probes.py ngram-priors`, docs/benchmarks.md), the doubting priors
-# for short matches lost nothing on grounded prompts and took open chat from 0.86x to 1.05x at batch 1 and from 0.94x
-# to 0.97x at batch 4, where those matches' drafts were accepted at about 0.1.
+# for short matches kept grounded prompts level or better (1.39x -> 1.40x at batch 4, 1.73x -> 1.82x at batch 1) and
+# took open chat from 0.86x to 1.05x at batch 1 and from 0.94x to 0.97x at batch 4, where those matches' drafts were
+# accepted at about 0.1.
 _SHORT_MATCH, _SHORT_DOUBT = 2, 3.0
 
 
