@@ -17,6 +17,8 @@ short matches paid on a 2-core AMD EPYC (shipped).
                                                                   # packed at 3-4 rows as well (LM head, groups, all)
     python benchmarks/cpu_probes.py ngram-priors [--rounds 5]     # n-gram priors m/(m+1.5) / m/(m+3) / short only,
                                                                   # batch 1 and 4 [--hybrid]
+    python benchmarks/cpu_probes.py static-defaults [--rounds 3]  # nothing measured: speculators priced by the static
+                                                                  # CPU curve as shipped / candidates [--candidates]
 Each also takes `--model`, `--threads` (default 2) and `--max-new-tokens` (default 128). Ratios against speculation
 off are medians of paired calls; configurations alternate, their order reversed every other round.
 """
@@ -62,13 +64,14 @@ def report(samples: dict[str, list], off: str = "off") -> None:
               f"steps {m.num_steps if m is not None else '-'}{extra}")
 
 
-def generate(model, inputs, max_new_tokens: int, speculator):
-    """Seconds and metrics of one greedy call (several inputs: their summed time, the last one's metrics)."""
+def generate(model, inputs, max_new_tokens: int, speculator, **kwargs):
+    """Seconds and metrics of one greedy call (several inputs: their summed time, the last one's metrics); `kwargs`
+    go to `generate`."""
     start, metrics = time.perf_counter(), None
     for one in inputs:
         with torch.no_grad():
             out = model.generate(**one, max_new_tokens=max_new_tokens, do_sample=False, speculator=speculator,
-                                 return_dict_in_generate=True)
+                                 return_dict_in_generate=True, **kwargs)
         metrics = out.speculative_metrics
     return time.perf_counter() - start, metrics
 
@@ -387,10 +390,47 @@ def ngram_priors(args) -> None:
                            args.rounds))
 
 
+# The static CPU curve as timed with the stock linear forms (what a call that measured nothing runs): SmolLM2-135M,
+# float32, 2-core AMD EPYC, `HF_SPECDEC_CALIBRATION=off python benchmarks/step_cost.py --threads 2` (2026-12-07). A
+# forward of 2 tokens costs 1.55 plain steps at batch 1 there, where the shipped curve prices it free.
+STOCK_CPU = hf_specdec.StepCost(per_row=0.0, per_context_token=0.0132, points=(
+    (1, 66.4), (2, 103.3), (3, 103.3), (4, 103.3), (6, 107.0), (8, 107.0), (12, 108.1), (16, 115.0), (24, 134.0),
+    (32, 161.3), (48, 207.9), (64, 232.2), (96, 313.5), (128, 381.0), (192, 528.8), (256, 681.1)))
+STATIC_CANDIDATES = {"stock": STOCK_CPU, "stock-x1.5": STOCK_CPU.pessimistic(1.5), "stock-x2": STOCK_CPU.pessimistic()}
+
+
+def static_defaults(args) -> None:
+    """Where nothing was measured (`speculative_calibration=False`: the stock linear forms, the static step cost, drafts
+    priced by parameter count): n-gram and the shipped head as shipped, and n-gram, the head and n-gram + head priced
+    by each candidate static CPU curve (`--candidates`, names in `STATIC_CANDIDATES`), against speculation off
+    (`--priors`: the configurations to run, by name)."""
+    model, tokenizer = _common.load(args)
+    head = lambda: hf_specdec.EagleSpeculator.from_pretrained(hf_specdec.trained_head(args.model))
+    hybrid = lambda: hf_specdec.HybridSpeculator(head(), hf_specdec.NgramSpeculator())
+    configs = {"off": ("off", None), "n-gram (as shipped)": (hf_specdec.NgramSpeculator(), None),
+               "head (as shipped)": (head(), None), "n-gram + head (as shipped)": (hybrid(), None)}
+    for name in args.candidates:
+        cost = STATIC_CANDIDATES[name]
+        configs |= {f"n-gram ({name})": (hf_specdec.NgramSpeculator(), cost), f"head ({name})": (head(), cost),
+                    f"n-gram + head ({name})": (hybrid(), cost)}
+    configs = {name: configs[name] for name in ("off", *args.priors)} if args.priors else configs
+    cells = [(w, r) for w in ("grounded", "open_chat") for r in (1, 4) if not args.cells or f"{w}:{r}" in args.cells]
+    for workload, rows in cells:
+        inputs = ([_common.chat_batch(tokenizer, [text]) for text in _common.prompt_texts(workload)] if rows == 1
+                  else [_common.chat_batch(tokenizer, workload, rows=4)])
+        print(f"{workload}, batch {rows}:", flush=True)
+
+        def call(config, inputs=inputs):
+            speculator, step_cost = config
+            return generate(model, inputs, args.max_new_tokens, speculator, speculative_calibration=False,
+                            **({} if step_cost is None else {"speculative_step_cost": step_cost}))
+        report(interleaved(configs, call, args.rounds))
+
+
 PROBES = {"head-int8": (head_int8, 3), "head-products": (head_products, 15), "padded-rows": (padded_rows, 12),
           "weigh-rows": (weigh_rows, 4), "ngram-split": (ngram_split, 4), "head-depth": (head_depth, 1),
           "verify-forms": (verify_forms, 6), "ngram-priors": (ngram_priors, 5),
-          "head-confidence": (head_confidence, 1)}
+          "head-confidence": (head_confidence, 1), "static-defaults": (static_defaults, 3)}
 
 
 def main() -> None:
@@ -400,9 +440,11 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--hybrid", action="store_true", help="ngram-priors: n-gram + the shipped head")
     parser.add_argument("--priors", type=lambda v: v.split(","), default=None,
-                        help="ngram-priors: the configurations to run beside speculation off, by name (default: all)")
+                        help="ngram-priors, static-defaults: the configurations to run beside speculation off, by name (default: all)")
     parser.add_argument("--cells", type=lambda v: v.split(","), default=None,
-                        help="ngram-priors: WORKLOAD:BATCH cells, e.g. grounded:4 (default: both workloads, 1 and 4)")
+                        help="ngram-priors, static-defaults: WORKLOAD:BATCH cells, e.g. grounded:4 (default: both workloads, 1 and 4)")
+    parser.add_argument("--candidates", type=lambda v: v.split(","), default=["stock-x2"],
+                        help="static-defaults: candidate static CPU curves (names in STATIC_CANDIDATES)")
     parser.add_argument("--widths", type=lambda v: [int(w) for w in v.split(",")], default=[1, 2, 3, 4, 5, 6],
                         help="verify widths for verify-forms (default: 1,2,3,4,5,6)")
     _common.add_model_args(parser, options=("model", "threads"))
