@@ -10,6 +10,11 @@ from hf_specdec.costs.adaptive import AdaptiveK
 
 # A forward costs 1 + 0.18 per token: 5 drafts at batch 1 cost 1.6 plain steps.
 LINEAR = StepCost(per_row=0.0, points=((1, 1.18), (2, 1.36)))
+# A CPU curve timed with a host's own faster linear forms in place (SmolLM2-135M, float32, 2-core AMD EPYC, batch
+# 1/4/16, 1-16 tokens per row, 64 and 256 tokens of context): what a measured CPU's verifies cost.
+MEASURED_CPU = StepCost(per_row=0.0, per_context_token=0.00925, points=(
+    (1, 43.7), (2, 43.7), (3, 44.9), (4, 64.2), (6, 70.8), (8, 84.3), (12, 93.0), (16, 93.0), (24, 98.6),
+    (32, 111.3), (48, 133.4), (64, 161.3), (96, 208.5), (128, 229.0), (192, 302.7), (256, 391.5)))
 
 
 def test_high_acceptance_drafts_the_most():
@@ -59,12 +64,29 @@ def test_larger_batches_draft_less():
 
 def test_step_cost_relative_to_a_plain_step():
     assert float(LINEAR.relative(1, torch.tensor(6.0))) == pytest.approx(2.08 / 1.18)
-    cpu = DEFAULT_STEP_COST["cpu"]
+    cpu = MEASURED_CPU
     # Measured on the development CPU: at batch 16 one draft per row costs 14-18% more than a plain step (more over
     # short contexts, where the forward itself is cheaper), at batch 1 five drafts cost about 1.6 plain steps.
     long, short = (float(cpu.relative(16, torch.tensor(2.0), 16 * c)) for c in (256, 64))
     assert 1.0 < long < short < 1.25
     assert 1.2 < float(cpu.relative(1, torch.tensor(6.0), 256)) < 1.8
+
+
+def test_a_cpu_that_measured_nothing_prices_a_verify_dear_and_drafts_only_likely_matches():
+    """The static CPU curve is timed with the stock linear forms, as a call without a profile runs: there a second
+    token costs half a plain step at batch 1, and such a call prices its extra at twice that. At batch 1 an n-gram's
+    short match (acceptance prior 0.25-0.40) is not verified and a long one (0.9) is, several drafts deep; at batch 4,
+    where the rows' plain step already pays the stock form's dear small-row products, the long match drafts deeper."""
+    unmeasured = DEFAULT_STEP_COST["cpu"].pessimistic()
+    assert float(DEFAULT_STEP_COST["cpu"].relative(1, torch.tensor(2.0), 64)) > 1.4
+    assert float(unmeasured.relative(1, torch.tensor(2.0), 64)) > 1.8
+
+    def drafts(rows: int, prior: float) -> list[int]:
+        policy = AdaptiveK(num_rows=rows, max_k=8, step_cost=unmeasured, priors=(prior,), packed=True)
+        return policy.choose_rows(list(range(rows)), [8] * rows, context=100.0 * rows)
+
+    assert drafts(1, 0.25) == drafts(1, 0.4) == [0] and drafts(1, 0.9)[0] >= 3
+    assert min(drafts(4, 0.9)) > max(drafts(4, 0.25))
 
 
 def test_fit_recovers_a_known_cost_and_refuses_bad_curves():
@@ -297,7 +319,7 @@ def _value(policy, rows, classes, ks, context=0.0, discount=1.0):
     return expected / float(policy.step_cost.relative(len(rows), tokens, context))
 
 
-@pytest.mark.parametrize("cost", [LINEAR, DEFAULT_STEP_COST["cpu"], StepCost(per_row=0.0, points=((1, 1.0), (3, 1.0), (4, 2.0)))])
+@pytest.mark.parametrize("cost", [LINEAR, MEASURED_CPU, StepCost(per_row=0.0, points=((1, 1.0), (3, 1.0), (4, 2.0)))])
 @pytest.mark.parametrize("seed", range(6))
 def test_per_row_drafts_are_the_best_set_of_their_size(cost, seed):
     """A packed verify takes, per row, the drafts whose expected tokens per unit of cost, each draft's gain
@@ -327,7 +349,7 @@ def test_per_row_drafts_are_the_best_set_of_their_size(cost, seed):
 def test_a_likely_row_verifies_beside_unlikely_ones():
     """At batch 16 on the CPU curve one k for all drafts nothing (the unlikely rows would pay for width); per row,
     the likely one verifies its proposal and the others feed one token."""
-    policy = AdaptiveK(num_rows=16, max_k=8, step_cost=DEFAULT_STEP_COST["cpu"], priors=(0.1, 0.9), packed=True)
+    policy = AdaptiveK(num_rows=16, max_k=8, step_cost=MEASURED_CPU, priors=(0.1, 0.9), packed=True)
     rows, available, classes = list(range(16)), [8] * 16, [1] + [0] * 15
     assert policy.choose(rows, available, classes) == 0
     ks = policy.choose_rows(rows, available, classes)
@@ -337,7 +359,7 @@ def test_a_likely_row_verifies_beside_unlikely_ones():
 def test_a_heads_drafts_are_made_only_where_they_would_pay_for_themselves():
     """The hybrid asks before its head runs: at batch 16 drafts of a 0.4 acceptance are not worth a forward per
     draft, drafts of 0.9 are, and a dear head is not run for a few rows' gain."""
-    cpu = DEFAULT_STEP_COST["cpu"]
+    cpu = MEASURED_CPU
     rows = list(range(16))
     lookup, lookup_classes = [4] + [0] * 15, [1] + [0] * 15  # one row copies (class 1), the rest have nothing
     head = [4] + [2] * 15  # with the head: the copying row keeps its lookup, the others get 2 head drafts
@@ -352,7 +374,7 @@ def test_a_heads_drafts_are_made_only_where_they_would_pay_for_themselves():
 def test_drafts_already_made_are_trimmed_per_row_without_a_second_record():
     """A model speculator's k is chosen (and recorded) before it drafts; once the drafts are made, each row keeps
     the ones worth verifying by its own acceptance, and nothing more is recorded."""
-    policy = AdaptiveK(num_rows=16, max_k=4, step_cost=DEFAULT_STEP_COST["cpu"], priors=(0.5,), packed=True)
+    policy = AdaptiveK(num_rows=16, max_k=4, step_cost=MEASURED_CPU, priors=(0.5,), packed=True)
     for _ in range(10):
         policy.update(list(range(16)), [4] * 16, [4] + [0] * 15)  # row 0 accepts everything, the others nothing
     k = policy.choose(list(range(16)), context=2000.0)
@@ -380,7 +402,7 @@ def test_measured_step_cost_recovers_how_the_host_prices_tokens(scale, marginal,
     """Steps timed on a host whose plain steps cost `scale` times the base curve, whose newcomers' prompt tokens cost
     `marginal` times the curve's, whose draft tokens cost `draft_price` ms each and whose drafting steps carry
     `overhead` ms more: the fitted relative costs of drafting are the host's, not the base curve's."""
-    base = DEFAULT_STEP_COST["cpu"]
+    base = MEASURED_CPU
     one = torch.ones((), dtype=torch.float64)
 
     def truth(rows, other, drafts, context):
@@ -421,7 +443,7 @@ def test_without_drafting_steps_drafts_are_priced_at_the_curves_average_token():
 def test_a_prefill_step_does_not_set_the_price_of_drafts():
     """A step dominated by a newcomer's prompt (other tokens outnumbering its rows), however slow, is not fitted;
     one where they do not is."""
-    base = DEFAULT_STEP_COST["cpu"]
+    base = MEASURED_CPU
     one = torch.ones((), dtype=torch.float64)
     measured = MeasuredStepCost(base)
     _timed_steps(measured, lambda r, o, d, c: float(base(r, one * (1 + (o + d) / r), c)), 100, seed=3)
@@ -436,7 +458,7 @@ def test_one_step_far_off_the_fit_does_not_set_the_price_of_drafts():
     """Steps at 16 rows with and without drafts (2% noise), then one step of 16 drafts taking three times what it
     should (the host paused): the price of a draft moves by under a fifth of what the same fit without the damping
     makes of it, and a step consistent with the fit keeps its full weight."""
-    base = DEFAULT_STEP_COST["cpu"]
+    base = MEASURED_CPU
     one = torch.ones((), dtype=torch.float64)
 
     def truth(drafts):
@@ -574,7 +596,7 @@ def test_a_backlog_read_before_drafting_is_priced_only_where_the_policy_prices_r
     tokens' worth, spread over `READ_HORIZON` steps, drafts with a small backlog, and a policy without
     `price_reading` ignores it. The price checked against whole steps (`priced_extra`) carries the whole backlog, as
     tokens fed with the drafts (a step's fixed extra for drafting counted once)."""
-    cpu = DEFAULT_STEP_COST["cpu"]
+    cpu = MEASURED_CPU
     rows, context = list(range(4)), 1200.0
 
     def policy(price_reading):

@@ -176,10 +176,11 @@ def test_serving_checks_what_drafts_cost_per_batch_size(tokenizer, speculator):
     spec = {"ngram": "ngram", "draft": served_model()}[speculator]
     engine = ServingEngine(model, tokenizer, spec, num_speculative_tokens=4, max_batch_size=3, warmup=False)
     policy, step = engine.step.policy, engine.step
+    # Priced over a flat curve from the first step (the fitted costs wait for 16 steps): the static CPU curve, timed
+    # with the stock linear forms, prices a short match's drafts at a loss and the test would see none.
+    policy.step_cost, policy.measured = StepCost(per_row=0.0, points=((1.0, 10.0), (64.0, 10.6))), None
     if speculator == "draft":
-        # Priced as a small draft over a flat curve, from the first step (the fitted costs wait for 16 steps)
-        policy.draft_cost_per_token = 0.05
-        policy.step_cost, policy.measured = StepCost(per_row=0.0, points=((1.0, 10.0), (64.0, 10.6))), None
+        policy.draft_cost_per_token = 0.05  # priced as a small draft
         choose_rows = policy.choose_rows
 
         calls = []

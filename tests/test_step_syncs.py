@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hf_specdec import StepCost
+
 
 class _Reads(TorchDispatchMode):
     """Counts the tensor-to-host reads in the block: `tolist` calls and scalar reads (`_local_scalar_dense`)."""
@@ -77,10 +79,14 @@ def test_an_idle_lookup_is_skipped(llama, monkeypatch):
         lookups.clear()
         with torch.no_grad(), _Reads() as reads:
             out = llama.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                 speculator="ngram", return_dict_in_generate=True)
+                                 speculator="ngram", return_dict_in_generate=True, speculative_step_cost=cheap)
         plain = llama.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
         assert torch.equal(out.sequences, plain)
         return reads.count, out.speculative_metrics.num_steps, len(lookups), out.speculative_metrics.k_per_step
+
+    # A measured CPU's verifies (a second token nearly free at one row), where the likeliest class pays and others do
+    # not; the static curve, timed with the stock linear forms, prices nearly every lookup at a loss.
+    cheap = StepCost(per_row=0.0, points=((1, 43.7), (2, 43.7), (3, 44.9), (4, 64.2), (8, 84.3), (16, 93.0)))
 
     call(2)  # what a model's first call checks once (its support) is not a step's
     short_reads, short_steps, short_lookups, _ = call(8)

@@ -281,18 +281,22 @@ def _array(tokens) -> np.ndarray:
     return np.asarray(tokens, dtype=np.float64)
 
 
-# Measured with `StepCost.measure` on the development machine (2-core x86-64 CPU, SmolLM2-135M in float32, batch
-# 1/4/16, 1-16 tokens per row, 64 and 256 tokens of context; `benchmarks/step_cost.py`, docs/benchmarks.md). On a
-# CPU the weights stream once per forward, each cached token adds attention work, and the per-token part grows in
-# steps as the matrix kernels change shape. On accelerators a forward of a few hundred tokens costs about as much as
-# one of a single token. Other hardware: `hf-specdec calibrate` (calibration.py) measures and caches one per host.
+# What a call that measured nothing prices verification with. The CPU curve is timed as such a call runs: with the
+# stock linear forms (no profile), `HF_SPECDEC_CALIBRATION=off python benchmarks/step_cost.py --threads 2`, SmolLM2-135M
+# in float32 on a 2-core AMD EPYC (batch 1/4/16, 1-16 tokens per row, 64 and 256 tokens of context; 2026-12-07). There
+# a forward of 2 tokens costs 1.55 plain steps at batch 1 (the stock product is slow at 2-8 rows) and one of 3-11
+# tokens hardly more; at 4 rows and more the curve climbs in steps as the matrix kernels change shape. The curve it
+# replaced was timed with this host's faster forms in place and priced a second token free, so n-gram drafted short
+# matches on open chat at a loss without a profile (0.92x speculation off, docs/benchmarks.md). A CPU with no profile
+# prices verification at twice this curve's extra cost (`calibration.static_step_cost`). On accelerators a forward of
+# a few hundred tokens costs about as much as one of a single token. `hf-specdec calibrate` and a first call
+# (calibration.py) measure this host's own.
 DEFAULT_STEP_COST = {
-    "cpu": StepCost(per_row=0.0, per_context_token=0.00925, points=(
-        (1, 43.7), (2, 43.7), (3, 44.9), (4, 64.2), (6, 70.8), (8, 84.3), (12, 93.0), (16, 93.0), (24, 98.6),
-        (32, 111.3), (48, 133.4), (64, 161.3), (96, 208.5), (128, 229.0), (192, 302.7), (256, 391.5))),
+    "cpu": StepCost(per_row=0.0, per_context_token=0.0132, points=(
+        (1, 66.4), (2, 103.3), (3, 103.3), (4, 103.3), (6, 107.0), (8, 107.0), (12, 108.1), (16, 115.0), (24, 134.0),
+        (32, 161.3), (48, 207.9), (64, 232.2), (96, 313.5), (128, 381.0), (192, 528.8), (256, 681.1))),
     "cuda": StepCost(per_row=0.0, points=((1.0, 1.005), (1024.0, 6.12))),
 }
-
 
 def check_step_times(medians: dict[tuple, float]) -> str | None:
     """A forward of b rows x q tokens against b rows x 1 token and 1 row x 1 token over the same context."""
