@@ -19,7 +19,7 @@ from hf_specdec.costs import calibration, draft_cost, linear_forms, linear_weigh
 from hf_specdec.costs import profile as profiles
 from hf_specdec.costs.calibration import calibrate
 from hf_specdec.costs.profile import Profile, load_profile, profile_key, profile_path, save_profile
-from hf_specdec.costs.step_cost import DEFAULT_STEP_COST, StepCost
+from hf_specdec.costs.step_cost import DEFAULT_STEP_COST, HOST_FORMS_CPU_STEP_COST, StepCost
 from hf_specdec.speculators.resolve import resolve_speculator
 
 # A verify of k + 1 tokens costs k + 1 plain steps: drafting can never pay.
@@ -393,7 +393,7 @@ def test_timings_whose_repeats_disagree_are_measured_again_and_a_steady_pass_kep
 
 
 @pytest.mark.parametrize("spoiled", ["disagree", "implausible"])
-def test_an_untrustworthy_step_cost_is_not_cached_but_the_forms_are_and_calls_keep_the_static_default(spoiled, caplog):
+def test_an_untrustworthy_step_cost_is_not_cached_but_the_forms_are_and_calls_keep_the_static_default(spoiled, caplog, monkeypatch):
     target = make_model("llama", dtype=torch.float32)
     if spoiled == "disagree":  # every pass has a 2-token forward at batch 1 slowed 4x in two of its five repeats
         timer = fake_timer(slowdown=lambda key, call: 4.0 if key == ("step", 1, 2, 8) and call % 5 in (2, 3) else 1.0)
@@ -413,7 +413,14 @@ def test_an_untrustworthy_step_cost_is_not_cached_but_the_forms_are_and_calls_ke
     assert "the step cost measured now is not trustworthy" in warning and reason in warning
     assert "measured 2 time(s)" in warning and "static default" in warning and "forms measured are cached" in warning
     step_cost, _, source = calibration.adaptive_costs(target, resolve_speculator("ngram"))
-    assert step_cost == DEFAULT_STEP_COST["cpu"].pessimistic() and "static default" in source
+    # Priced by the static curve timed with a host's own forms, which this call runs (the stock forms' curve prices a
+    # second token at half a plain step, where these make it next to free)
+    assert step_cost == HOST_FORMS_CPU_STEP_COST.pessimistic() and "static default" in source
+    assert "this host's linear forms" in source
+    with monkeypatch.context() as patch:  # the forms turned off: the stock forms' curve
+        patch.setenv("HF_SPECDEC_THIN_LINEAR", "off")
+        assert calibration.adaptive_costs(target, resolve_speculator("ngram"))[0] == \
+            DEFAULT_STEP_COST["cpu"].pessimistic()
     assert "not trustworthy" in source and "no step cost" in calibration.describe(profile)
     # The same host, quiet again: the step cost is measured with the cached forms in use, which are not timed again.
     order = []

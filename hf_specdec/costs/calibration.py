@@ -63,7 +63,7 @@ from .profile import (
     save_profile,
     speculator_key,
 )
-from .step_cost import DEFAULT_STEP_COST, StepCost, measure_step_cost
+from .step_cost import DEFAULT_STEP_COST, HOST_FORMS_CPU_STEP_COST, StepCost, measure_step_cost
 from .timing import ATTEMPTS, Timer
 
 logger = logging.getLogger("hf_specdec")
@@ -165,7 +165,7 @@ def adaptive_costs(model, speculator, step_cost: StepCost | None = None, use_pro
         step_cost = profile.step_cost
         sources.append(f"the step cost measured on this host ({profile_path(model)})")
     else:
-        step_cost, what = static_step_cost(model)
+        step_cost, what = static_step_cost(model, profile)
         why = ", this host's timing of it not trustworthy when measured" if profile is not None else ""
         sources.append(f"the static default step cost for {what}{why} (`hf-specdec calibrate` measures this host's)")
     key = speculator_key(speculator)
@@ -180,14 +180,29 @@ def adaptive_costs(model, speculator, step_cost: StepCost | None = None, use_pro
     return step_cost, draft_cost, ", ".join(sources)
 
 
-def static_step_cost(model) -> tuple[StepCost, str]:
-    """The step cost a call prices verification with where none was measured, and what it stands for."""
+def static_step_cost(model, profile: Profile | None = None) -> tuple[StepCost, str]:
+    """The step cost a call prices verification with where none was measured, and what it stands for: on a CPU, the
+    curve timed with the linear forms the call runs (`profile`'s, where it holds this host's: `host_linear`; else
+    the stock ones)."""
     # Offloaded weights stream in every forward whatever its width: nearly flat, as on an accelerator.
     kind = "cuda" if offloaded(model) else input_device(model).type
     step_cost = DEFAULT_STEP_COST.get(kind, DEFAULT_STEP_COST["cuda"])
     if kind == "cpu":  # CPUs differ widely in what a multi-token forward costs: assume a dear one
+        if _runs_host_forms(profile):
+            return HOST_FORMS_CPU_STEP_COST.pessimistic(), ("cpu with this host's linear forms, verification priced "
+                                                            "at twice its extra cost")
         return step_cost.pessimistic(), "cpu, verification priced at twice its extra cost"
     return step_cost, "offloaded weights (flat)" if offloaded(model) else kind
+
+
+def _runs_host_forms(profile: Profile | None) -> bool:
+    """Whether a call with `profile` runs some linear layers in this host's forms (what `host_linear` swaps in)."""
+    if profile is None or not thin_linear_enabled():
+        return False
+    packing = packed_linear_enabled()
+    return bool(profile.thin_linear_rows or any(profile.thin_linear_shapes.values())
+                or (packing and (any(profile.packed_linear_shapes.values())
+                                 or any(profile.fused_linear_groups.values()))))
 
 
 _reported: set[tuple] = set()  # (model, speculator class, cost source) already warned about in this process

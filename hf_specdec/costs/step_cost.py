@@ -298,6 +298,15 @@ DEFAULT_STEP_COST = {
     "cuda": StepCost(per_row=0.0, points=((1.0, 1.005), (1024.0, 6.12))),
 }
 
+# The same host and grid timed with its own faster linear forms in place (2026-11): what a CPU call prices with when
+# its profile holds this host's forms but no trusted step cost (the forms and the step cost are judged apart; a noisy
+# moment can reject the one and keep the other). With those forms a second token at batch 1 costs next to nothing;
+# priced by the stock curve instead, a head's drafts never paid (a fresh `hf-specdec run` whose step cost was found
+# unsteady, 2026-12-08: the head drafted nothing on either prompt).
+HOST_FORMS_CPU_STEP_COST = StepCost(per_row=0.0, per_context_token=0.00925, points=(
+    (1, 43.7), (2, 43.7), (3, 44.9), (4, 64.2), (6, 70.8), (8, 84.3), (12, 93.0), (16, 93.0), (24, 98.6),
+    (32, 111.3), (48, 133.4), (64, 161.3), (96, 208.5), (128, 229.0), (192, 302.7), (256, 391.5)))
+
 def check_step_times(medians: dict[tuple, float]) -> str | None:
     """A forward of b rows x q tokens against b rows x 1 token and 1 row x 1 token over the same context."""
     for key, cost in medians.items():
