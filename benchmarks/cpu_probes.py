@@ -380,14 +380,19 @@ def ngram_priors(args) -> None:
 
     configs = {"off": "off", "priors m/(m+1.5)": lookup(1.5, 1.5), "priors m/(m+3)": lookup(3.0, 3.0),
                "priors m/(m+3) to 2 (shipped)": lookup(3.0, 1.5)}
+    run_cells(args, tokenizer, configs, lambda s, inputs: generate(model, inputs, args.max_new_tokens, s))
+
+
+def run_cells(args, tokenizer, configs: dict, call) -> None:
+    """`call(config, inputs)` for the configurations named in `args.priors` (all without) beside speculation off, in
+    each `args.cells` cell (default: grounded and open chat at batch 1, each prompt in turn, and 4), side by side."""
     configs = {name: configs[name] for name in ("off", *args.priors)} if args.priors else configs
     cells = [(w, r) for w in ("grounded", "open_chat") for r in (1, 4) if not args.cells or f"{w}:{r}" in args.cells]
     for workload, rows in cells:
         inputs = ([_common.chat_batch(tokenizer, [text]) for text in _common.prompt_texts(workload)] if rows == 1
                   else [_common.chat_batch(tokenizer, workload, rows=4)])
         print(f"{workload}, batch {rows}:", flush=True)
-        report(interleaved(configs, lambda s, inputs=inputs: generate(model, inputs, args.max_new_tokens, s),
-                           args.rounds))
+        report(interleaved(configs, lambda config, inputs=inputs: call(config, inputs), args.rounds))
 
 
 # The static CPU curve as timed with the stock linear forms (what a call that measured nothing runs): SmolLM2-135M,
@@ -413,18 +418,12 @@ def static_defaults(args) -> None:
         cost = STATIC_CANDIDATES[name]
         configs |= {f"n-gram ({name})": (hf_specdec.NgramSpeculator(), cost), f"head ({name})": (head(), cost),
                     f"n-gram + head ({name})": (hybrid(), cost)}
-    configs = {name: configs[name] for name in ("off", *args.priors)} if args.priors else configs
-    cells = [(w, r) for w in ("grounded", "open_chat") for r in (1, 4) if not args.cells or f"{w}:{r}" in args.cells]
-    for workload, rows in cells:
-        inputs = ([_common.chat_batch(tokenizer, [text]) for text in _common.prompt_texts(workload)] if rows == 1
-                  else [_common.chat_batch(tokenizer, workload, rows=4)])
-        print(f"{workload}, batch {rows}:", flush=True)
 
-        def call(config, inputs=inputs):
-            speculator, step_cost = config
-            return generate(model, inputs, args.max_new_tokens, speculator, speculative_calibration=False,
-                            **({} if step_cost is None else {"speculative_step_cost": step_cost}))
-        report(interleaved(configs, call, args.rounds))
+    def call(config, inputs):
+        speculator, step_cost = config
+        return generate(model, inputs, args.max_new_tokens, speculator, speculative_calibration=False,
+                        **({} if step_cost is None else {"speculative_step_cost": step_cost}))
+    run_cells(args, tokenizer, configs, call)
 
 
 PROBES = {"head-int8": (head_int8, 3), "head-products": (head_products, 15), "padded-rows": (padded_rows, 12),
