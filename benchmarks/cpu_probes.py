@@ -17,6 +17,7 @@ short matches paid on a 2-core AMD EPYC (shipped).
                                                                   # packed at 3-4 rows as well (LM head, groups, all)
     python benchmarks/cpu_probes.py ngram-priors [--rounds 5]     # n-gram priors m/(m+1.5) / m/(m+3) / short only,
                                                                   # batch 1 and 4 [--hybrid]
+    python benchmarks/cpu_probes.py head-returns [--rounds 3]     # the head / with the whole-step check of drafts
     python benchmarks/cpu_probes.py static-defaults [--rounds 3]  # nothing measured: speculators priced by the static
                                                                   # CPU curve as shipped / candidates [--candidates]
 Each also takes `--model`, `--threads` (default 2) and `--max-new-tokens` (default 128). Ratios against speculation
@@ -395,6 +396,26 @@ def run_cells(args, tokenizer, configs: dict, call) -> None:
         report(interleaved(configs, lambda config, inputs=inputs: call(config, inputs), args.rounds))
 
 
+def head_returns(args) -> None:
+    """The shipped head with adaptive k as `generate` runs it, and with the serving engine's whole-step check
+    (`AdaptiveK(check_returns=True)`: a draft's extra cost per band of batch sizes corrected by what the steps that
+    drafted really took), against speculation off (`--cells`; default grounded and open chat at batch 1 and 4)."""
+    model, tokenizer = _common.load(args)
+    checked, original = [False], adaptive.AdaptiveK.__init__
+
+    def init(self, *a, **kw):
+        original(self, *a, **{**kw, "check_returns": checked[0] or kw.get("check_returns", False)})
+
+    adaptive.AdaptiveK.__init__ = init
+    head = hf_specdec.EagleSpeculator.from_pretrained(hf_specdec.trained_head(args.model))
+    configs = {"off": ("off", False), "head": (head, False), "head, whole steps checked": (head, True)}
+
+    def call(config, inputs):
+        checked[0] = config[1]
+        return generate(model, inputs, args.max_new_tokens, config[0])
+    run_cells(args, tokenizer, configs, call)
+
+
 # The static CPU curve as timed with the stock linear forms (what a call that measured nothing runs): SmolLM2-135M,
 # float32, 2-core AMD EPYC, `HF_SPECDEC_CALIBRATION=off python benchmarks/step_cost.py --threads 2` (2026-12-07). A
 # forward of 2 tokens costs 1.55 plain steps at batch 1 there, where the shipped curve prices it free.
@@ -429,7 +450,8 @@ def static_defaults(args) -> None:
 PROBES = {"head-int8": (head_int8, 3), "head-products": (head_products, 15), "padded-rows": (padded_rows, 12),
           "weigh-rows": (weigh_rows, 4), "ngram-split": (ngram_split, 4), "head-depth": (head_depth, 1),
           "verify-forms": (verify_forms, 6), "ngram-priors": (ngram_priors, 5),
-          "head-confidence": (head_confidence, 1), "static-defaults": (static_defaults, 3)}
+          "head-confidence": (head_confidence, 1), "static-defaults": (static_defaults, 3),
+          "head-returns": (head_returns, 3)}
 
 
 def main() -> None:
