@@ -5,16 +5,13 @@ import numpy as np
 import pytest
 import torch
 
-from hf_specdec.costs.step_cost import DEFAULT_STEP_COST, MeasuredStepCost, StepCost
+from hf_specdec.costs.step_cost import DEFAULT_STEP_COST, HOST_FORMS_CPU_STEP_COST, MeasuredStepCost, StepCost
 from hf_specdec.costs.adaptive import AdaptiveK
 
 # A forward costs 1 + 0.18 per token: 5 drafts at batch 1 cost 1.6 plain steps.
 LINEAR = StepCost(per_row=0.0, points=((1, 1.18), (2, 1.36)))
-# A CPU curve timed with a host's own faster linear forms in place (SmolLM2-135M, float32, 2-core AMD EPYC, batch
-# 1/4/16, 1-16 tokens per row, 64 and 256 tokens of context): what a measured CPU's verifies cost.
-MEASURED_CPU = StepCost(per_row=0.0, per_context_token=0.00925, points=(
-    (1, 43.7), (2, 43.7), (3, 44.9), (4, 64.2), (6, 70.8), (8, 84.3), (12, 93.0), (16, 93.0), (24, 98.6),
-    (32, 111.3), (48, 133.4), (64, 161.3), (96, 208.5), (128, 229.0), (192, 302.7), (256, 391.5)))
+# A CPU curve timed with a host's own faster linear forms in place: what a measured CPU's verifies cost.
+MEASURED_CPU = HOST_FORMS_CPU_STEP_COST
 
 
 def test_high_acceptance_drafts_the_most():

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_specdec import StepCost
+from hf_specdec.costs.step_cost import HOST_FORMS_CPU_STEP_COST
 
 
 class _Reads(TorchDispatchMode):
@@ -86,7 +86,7 @@ def test_an_idle_lookup_is_skipped(llama, monkeypatch):
 
     # A measured CPU's verifies (a second token nearly free at one row), where the likeliest class pays and others do
     # not; the static curve, timed with the stock linear forms, prices nearly every lookup at a loss.
-    cheap = StepCost(per_row=0.0, points=((1, 43.7), (2, 43.7), (3, 44.9), (4, 64.2), (8, 84.3), (16, 93.0)))
+    cheap = HOST_FORMS_CPU_STEP_COST
 
     call(2)  # what a model's first call checks once (its support) is not a step's
     short_reads, short_steps, short_lookups, _ = call(8)

@@ -188,21 +188,24 @@ def static_step_cost(model, profile: Profile | None = None) -> tuple[StepCost, s
     kind = "cuda" if offloaded(model) else input_device(model).type
     step_cost = DEFAULT_STEP_COST.get(kind, DEFAULT_STEP_COST["cuda"])
     if kind == "cpu":  # CPUs differ widely in what a multi-token forward costs: assume a dear one
-        if _runs_host_forms(profile):
+        if _host_forms(profile)[0]:
             return HOST_FORMS_CPU_STEP_COST.pessimistic(), ("cpu with this host's linear forms, verification priced "
                                                             "at twice its extra cost")
         return step_cost.pessimistic(), "cpu, verification priced at twice its extra cost"
     return step_cost, "offloaded weights (flat)" if offloaded(model) else kind
 
 
-def _runs_host_forms(profile: Profile | None) -> bool:
-    """Whether a call with `profile` runs some linear layers in this host's forms (what `host_linear` swaps in)."""
-    if profile is None or not thin_linear_enabled():
-        return False
-    packing = packed_linear_enabled()
-    return bool(profile.thin_linear_rows or any(profile.thin_linear_shapes.values())
-                or (packing and (any(profile.packed_linear_shapes.values())
-                                 or any(profile.fused_linear_groups.values()))))
+def _host_forms(profile: Profile | None, compiled: str | None = None) -> tuple[bool, dict, dict]:
+    """Whether a call with `profile` (steps `compiled` as `host_linear` takes it) runs any linear layer in this host's
+    forms, and the packed shapes and fused groups it packs."""
+    if profile is None or not thin_linear_enabled() or compiled == "frozen":
+        return False, {}, {}
+    packing = packed_linear_enabled() and not compiled
+    packed = profile.packed_linear_shapes if packing else {}
+    fused = profile.fused_linear_groups if packing else {}
+    runs = bool(profile.thin_linear_rows or any(profile.thin_linear_shapes.values()) or any(packed.values())
+                or any(fused.values()))
+    return runs, packed, fused
 
 
 _reported: set[tuple] = set()  # (model, speculator class, cost source) already warned about in this process
@@ -231,13 +234,10 @@ def host_linear(model, speculator=None, use_profile: bool = True, compiled: str 
     itself (`graphed.CPU_OPTIONS`), so every layer stays `F.linear`."""
     profile = (load_profile(model) if use_profile and enabled() and thin_linear_enabled() and compiled != "frozen"
                else None)
-    packing = profile is not None and packed_linear_enabled() and not compiled
-    packed = profile.packed_linear_shapes if packing else {}
-    fused = profile.fused_linear_groups if packing else {}
+    runs, packed, fused = _host_forms(profile, compiled)
     if not packed and not fused:  # copies kept from earlier calls are not used now: free them
         clear_packed_weights(model)
-    if profile is None or not (profile.thin_linear_rows or any(profile.thin_linear_shapes.values())
-                               or any(packed.values()) or any(fused.values())):
+    if not runs:
         yield
         return
     modules = [model, *(speculator.modules() if speculator is not None else [])]

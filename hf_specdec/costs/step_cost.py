@@ -307,6 +307,7 @@ HOST_FORMS_CPU_STEP_COST = StepCost(per_row=0.0, per_context_token=0.00925, poin
     (1, 43.7), (2, 43.7), (3, 44.9), (4, 64.2), (6, 70.8), (8, 84.3), (12, 93.0), (16, 93.0), (24, 98.6),
     (32, 111.3), (48, 133.4), (64, 161.3), (96, 208.5), (128, 229.0), (192, 302.7), (256, 391.5)))
 
+
 def check_step_times(medians: dict[tuple, float]) -> str | None:
     """A forward of b rows x q tokens against b rows x 1 token and 1 row x 1 token over the same context."""
     for key, cost in medians.items():
